@@ -1,0 +1,59 @@
+"""The launcher <-> trainer wire contract: every environment variable name, in one place.
+
+`leto_run.worker_env.build_worker_env` is the only writer of these variables and
+`leto_runtime.context.Context.from_env` the only reader.  Both import the names from here so
+that a rename is one edit.  `leto_runtime` never imports `leto_run`; this module is the bridge.
+
+torchrun's own variables (RANK, WORLD_SIZE, ...) are part of the contract too: Leto sets
+exactly what torchrun sets, with the same meaning (ANCHORS.md §1).
+"""
+from __future__ import annotations
+
+# ---- torchrun's worker environment (same names, same meaning) -----------------------------
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+ROLE_NAME = "ROLE_NAME"
+ROLE_RANK = "ROLE_RANK"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+TORCHELASTIC_SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+
+TORCHRUN_KEYS = (
+    RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
+    ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+    TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
+    TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_ERROR_FILE, TORCHELASTIC_SIGNALS_TO_HANDLE,
+    TORCH_NCCL_ASYNC_ERROR_HANDLING,
+)
+
+# ---- Leto's own contract (all prefixed LETO_) ---------------------------------------------
+LETO_CONTRACT_VERSION = "LETO_CONTRACT_VERSION"   # bumped on any incompatible change
+LETO_ROLE = "LETO_ROLE"                           # slot role of this process: active | shadow
+LETO_GENERATION = "LETO_GENERATION"               # recovery generation (0 at launch)
+LETO_ATTEMPT = "LETO_ATTEMPT"                     # restart-mode attempt (== TORCHELASTIC_RESTART_COUNT)
+LETO_RUN_DIR = "LETO_RUN_DIR"                     # private 0700 per-job directory (sockets live here)
+LETO_HEARTBEAT_SOCKET = "LETO_HEARTBEAT_SOCKET"   # AF_UNIX datagram socket of the agent
+LETO_HANG_TIMEOUT = "LETO_HANG_TIMEOUT"           # seconds; 0 disables hang detection
+LETO_INJECT = "LETO_INJECT"                       # JSON list of this rank's step-triggered injections
+LETO_RECOVERY = "LETO_RECOVERY"                   # inplace | restart
+LETO_NODE = "LETO_NODE"                           # host name the agent reports for this node
+
+CONTRACT_VERSION = 1
+
+# ---- Heartbeat datagram (JSON, one object per datagram) ------------------------------------
+# {"v": 1, "kind": "beat" | "register" | "inject" | "bye", "rank": int, "role": str,
+#  "gen": int, "pid": int, "step": int | null, "detail": str | null}
+HEARTBEAT_VERSION = 1
+HEARTBEAT_MAX_BYTES = 4096
