@@ -46,7 +46,7 @@ LETO_ATTEMPT = "LETO_ATTEMPT"                     # restart-mode attempt (== TOR
 LETO_RUN_DIR = "LETO_RUN_DIR"                     # private 0700 per-job directory (sockets live here)
 LETO_HEARTBEAT_SOCKET = "LETO_HEARTBEAT_SOCKET"   # AF_UNIX datagram socket of the agent
 LETO_HANG_TIMEOUT = "LETO_HANG_TIMEOUT"           # seconds; 0 disables hang detection
-LETO_INJECT = "LETO_INJECT"                       # JSON list of this rank's step-triggered injections
+LETO_INJECT_PLAN = "LETO_INJECT_PLAN"             # JSON list of this rank's step-triggered injections
 LETO_RECOVERY = "LETO_RECOVERY"                   # inplace | restart
 LETO_NODE = "LETO_NODE"                           # host name the agent reports for this node
 
