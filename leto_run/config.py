@@ -1,27 +1,133 @@
 """Typed, frozen job configuration: the one object every other launcher module reads.
 
 Sources merge as defaults < YAML (`--config`) < environment (`PET_*`, `LETO_*`) < CLI; see
-`leto_run.config_load.load_config`.  The YAML layout mirrors the sections below
-(`launch:`, `rendezvous:`, `logs:`, `recovery:`, `inject:`); key names equal field names.
+`leto_run.config_load.build_config`.  The YAML layout mirrors the sections below
+(`launch:`, `rendezvous:`, `logs:`, `recovery:`, `inject:`); key names equal field names, except
+the derived fields (`min_nodes`, `max_nodes`, `auto_c10d`, `JobConfig.warnings`), which the
+loader computes.
 
 Contract: a `JobConfig` that exists is valid.  Values are checked when the object is built
 (`__post_init__`) and every problem raises `ConfigError` naming the key, the value and the fix;
-callers never re-validate.
+callers never re-validate.  The loader adds the *source* (YAML file:line, `--option`, `PET_X`)
+to errors raised here.  The loader also resolves torchrun's rendezvous rules (standalone,
+single-node auto-c10d, default master port, static `rank`), so the agent reads final values.
 """
 from __future__ import annotations
 
 import dataclasses
-import signal as _signal
+import math
+import re
 from dataclasses import dataclass, field
 
 from leto_run.errors import ConfigError
-from leto_run.inject import InjectSpec
+from leto_run.inject import InjectSpec, signal_name, signal_number
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 START_METHODS = ("spawn", "fork", "forkserver")
 RECOVERY_MODES = ("inplace", "restart")
+NPROC_KEYWORDS = ("auto", "cpu", "gpu")
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")   # torchrun's --numa-binding choices
+DEFAULT_MASTER_PORT = 29500
 # Signals torchrun forwards by default, plus the ones Slurm users need (ANCHORS.md §1, #154849).
 FORWARDABLE_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+_STD_HELP = "0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like 0:1,1:2"
+
+# torchrun options Leto parses for drop-in compatibility but does not implement: any value
+# other than the default is rejected (never silently ignored).  key -> (default, what instead)
+UNSUPPORTED = {
+    "launch.numa_binding": (None, "bind CPUs yourself: run a wrapper with --no-python, e.g. "
+                                  "`numactl --cpunodebind=N python train.py`"),
+    "launch.virtual_local_rank": (False, "drop --virtual-local-rank and select the device with "
+                                         "torch.cuda.set_device(int(os.environ['LOCAL_RANK']))"),
+    "logs.event_log_handler": ("null", "drop --event-log-handler; Leto writes its own JSONL event "
+                                       "log (--events FILE)"),
+    "logs.logs_specs": (None, "drop --logs-specs; use --log-dir, --redirects and --tee"),
+    "logs.duplicate_stdout_filters": ((), "drop the filters; use --tee 3 with --log-dir and grep "
+                                          "the per-rank log files"),
+    "logs.duplicate_stderr_filters": ((), "drop the filters; use --tee 3 with --log-dir and grep "
+                                          "the per-rank log files"),
+}
+
+
+# ---- value parsers shared by the loader and the checks below (ValueError = bad syntax) --------
+def parse_nnodes(nnodes: str) -> tuple[int, int]:
+    """`"2"` -> (2, 2); `"1:4"` -> (1, 4).  Syntax only; ranges are checked by LaunchConfig."""
+    m = re.fullmatch(r"\s*(-?\d+)\s*(?::\s*(-?\d+)\s*)?", str(nnodes))
+    if not m:
+        raise ValueError(f"nnodes {nnodes!r} is not N or MIN:MAX")
+    lo = int(m[1])
+    return lo, int(m[2]) if m[2] is not None else lo
+
+
+def parse_std(spec: str) -> int | dict[int, int]:
+    """torchrun's `--redirects`/`--tee` value: `"3"` -> 3; `"0:1,1:2"` -> {0: 1, 1: 2}."""
+    s = str(spec).strip()
+    if re.fullmatch(r"[0-3]", s):
+        return int(s)
+    if re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", s):
+        out: dict[int, int] = {}
+        for item in s.split(","):
+            r, v = item.split(":")
+            if int(r) in out:
+                raise ValueError(f"local rank {r} appears twice in {spec!r}")
+            out[int(r)] = int(v)
+        return out
+    raise ValueError(f"{spec!r} is not a stream selector")
+
+
+def parse_rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
+    """`k=v,k2=v2` -> (("k", "v"), ("k2", "v2")), as torchrun's `_parse_rendezvous_config`."""
+    out: list[tuple[str, str]] = []
+    for kv in filter(None, (p.strip() for p in str(text).strip().split(","))):
+        k, _, v = kv.partition("=")
+        if not k.strip() or not v.strip():
+            raise ValueError(f"{kv!r} is not key=value")
+        out.append((k.strip(), v.strip()))
+    return tuple(out)
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int | None]:
+    """`host`, `host:port`, `[::1]:port` -> (host, port or None)."""
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\s\[\]]+)(?::(\d{1,5}))?", endpoint.strip())
+    if not m:
+        raise ValueError(f"{endpoint!r} is not HOST or HOST:PORT")
+    port = int(m[2]) if m[2] is not None else None
+    if port is not None and port > 65535:
+        raise ValueError(f"port {port} in {endpoint!r} is above 65535")
+    return m[1], port
+
+
+def normalize_signal(name: str) -> str:
+    """`term` / `SIGTERM` / `15` -> `SIGTERM`; ValueError for non-signals."""
+    return signal_name(signal_number(name))
+
+
+def _err(key: str, problem: str, fix: str) -> ConfigError:
+    return ConfigError(key, problem, fix)
+
+
+def _check_number(key: str, value, *, minimum: float, strict: bool = False,
+                  integer: bool = False, example: str = "") -> None:
+    kinds = (int,) if integer else (int, float)
+    bad_type = isinstance(value, bool) or not isinstance(value, kinds)
+    if bad_type or (not integer and not math.isfinite(value)) or value < minimum or (
+            strict and value == minimum):
+        op = ">" if strict else ">="
+        what = "an integer" if integer else "a number"
+        raise _err(key, f"{value!r} is not {what} {op} {minimum:g}",
+                   f"set {key} to {what} {op} {minimum:g}" + (f", e.g. {example}" if example else ""))
+
+
+def _check_supported(obj, section: str) -> None:
+    for key, (default, instead) in UNSUPPORTED.items():
+        sec, name = key.split(".")
+        if sec == section and getattr(obj, name) != default:
+            raise _err(key, f"{getattr(obj, name)!r}: this torchrun option is accepted for "
+                            "compatibility but not supported by Leto", instead)
+
+
+def _freeze(obj, name: str, value) -> None:
+    object.__setattr__(obj, name, value)
 
 
 @dataclass(frozen=True)
@@ -45,20 +151,161 @@ class LaunchConfig:
     signals_to_handle: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
     shutdown_timeout: float = 30.0           # SIGTERM -> SIGKILL grace period, seconds
     exit_barrier_timeout: float = 300.0      # wait for other nodes after local success
+    numa_binding: str | None = None          # torchrun compat: only None supported
+    virtual_local_rank: bool = False         # torchrun compat: only False supported
+
+    def __post_init__(self) -> None:
+        _freeze(self, "script_args", tuple(self.script_args))
+        if not all(isinstance(a, str) for a in self.script_args):
+            raise _err("launch.script_args", f"{self.script_args!r} holds non-strings",
+                       "quote every script argument")
+        try:
+            lo, hi = parse_nnodes(self.nnodes)
+        except ValueError as e:
+            raise _err("launch.nnodes", str(e), "use N or MIN:MAX, e.g. 2 or 1:4") from None
+        if not 0 < lo <= hi:
+            raise _err("launch.nnodes", f"{self.nnodes!r} needs 1 <= MIN <= MAX (got MIN={lo}, "
+                       f"MAX={hi})", "use N >= 1 or MIN:MAX, e.g. "
+                       + (f"{hi}:{lo}" if lo > hi > 0 else "2 or 1:4"))
+        if (self.min_nodes, self.max_nodes) == (1, 1):   # not given: derive from nnodes
+            _freeze(self, "min_nodes", lo)
+            _freeze(self, "max_nodes", hi)
+        elif (self.min_nodes, self.max_nodes) != (lo, hi):
+            raise _err("launch.nnodes", f"{self.nnodes!r} contradicts min_nodes={self.min_nodes}, "
+                       f"max_nodes={self.max_nodes}", "give nnodes only; min/max are derived")
+        self._check_nproc()
+        _check_number("launch.node_rank", self.node_rank, minimum=0, integer=True)
+        _check_number("launch.max_restarts", self.max_restarts, minimum=0, integer=True,
+                      example="3")
+        _check_number("launch.monitor_interval", self.monitor_interval, minimum=0, strict=True,
+                      example="0.1")
+        _check_number("launch.shutdown_timeout", self.shutdown_timeout, minimum=0, example="30")
+        _check_number("launch.exit_barrier_timeout", self.exit_barrier_timeout, minimum=0,
+                      example="300")
+        if self.start_method not in START_METHODS:
+            raise _err("launch.start_method", f"{self.start_method!r} is not a start method",
+                       f"use one of {', '.join(START_METHODS)}")
+        if not isinstance(self.role, str) or not self.role.strip():
+            raise _err("launch.role", f"{self.role!r} is empty", "use a name, e.g. trainer")
+        self._check_entrypoint()
+        self._check_signals()
+        if self.numa_binding is not None and self.numa_binding not in NUMA_MODES:
+            raise _err("launch.numa_binding", f"{self.numa_binding!r} is not a NUMA mode",
+                       f"torchrun accepts {', '.join(NUMA_MODES)}; Leto supports none (omit it)")
+        _check_supported(self, "launch")
+
+    def _check_nproc(self) -> None:
+        v = self.nproc_per_node
+        s = str(v).strip().lower() if not isinstance(v, bool) else ""
+        if re.fullmatch(r"\+?\d+", s) and int(s) > 0:
+            s = str(int(s))
+        elif s not in NPROC_KEYWORDS:
+            raise _err("launch.nproc_per_node", f"{v!r} is not a positive integer or "
+                       f"{'/'.join(NPROC_KEYWORDS)}", "use a positive integer (e.g. 4) or auto, cpu, gpu")
+        _freeze(self, "nproc_per_node", s)
+
+    def _check_entrypoint(self) -> None:
+        script = self.training_script
+        if not isinstance(script, str):
+            raise _err("launch.training_script", f"{script!r} is not a string", "quote the path")
+        if self.module and self.no_python:
+            raise _err("launch.module", "--module and --no-python contradict each other "
+                       "(a module needs the Python interpreter)", "drop one of them")
+        if self.module and self.run_path:
+            raise _err("launch.module", "--module and --run-path contradict each other "
+                       "(run_path executes a file)", "drop one of them")
+        if self.module and script and (script.endswith(".py") or "/" in script):
+            raise _err("launch.module", f"with -m the script must be a module name, got path "
+                       f"{script!r}", f"use -m {script.removesuffix('.py').replace('/', '.')} or drop -m")
+        if self.run_path and script and not script.startswith("/"):
+            raise _err("launch.run_path", f"--run-path needs an absolute script path, got "
+                       f"{script!r}", "pass /abs/path/to/script.py (e.g. \"$PWD/train.py\")")
+
+    def _check_signals(self) -> None:
+        names = []
+        for s in self.signals_to_handle:
+            try:
+                n = normalize_signal(s)
+            except (ValueError, TypeError):
+                raise _err("launch.signals_to_handle", f"{s!r} is not a signal",
+                           f"use names from {','.join(FORWARDABLE_SIGNALS)}") from None
+            if n in ("SIGKILL", "SIGSTOP"):
+                raise _err("launch.signals_to_handle", f"{n} cannot be caught, so it cannot be "
+                           "forwarded", f"remove it; forwardable: {','.join(FORWARDABLE_SIGNALS)}")
+            if n not in FORWARDABLE_SIGNALS:
+                raise _err("launch.signals_to_handle", f"{n} is not forwarded by Leto",
+                           f"use names from {','.join(FORWARDABLE_SIGNALS)}")
+            if n not in names:
+                names.append(n)
+        if not names:
+            raise _err("launch.signals_to_handle", "empty list", "keep at least SIGTERM,SIGINT")
+        _freeze(self, "signals_to_handle", tuple(names))
+
+    @property
+    def nproc_int(self) -> int | None:
+        """Workers per node when given as an int; None for auto/cpu/gpu (the agent resolves)."""
+        return int(self.nproc_per_node) if self.nproc_per_node.isdigit() else None
 
 
 @dataclass(frozen=True)
 class RendezvousConfig:
-    """torch.distributed.elastic rendezvous settings."""
+    """torch.distributed.elastic rendezvous settings (final values after torchrun's rules)."""
 
     backend: str = "static"
     endpoint: str = ""
     id: str = "none"
-    conf: tuple[tuple[str, str], ...] = ()   # --rdzv-conf k=v,... in order
+    conf: tuple[tuple[str, str], ...] = ()   # --rdzv-conf k=v,... in order (+ rank for static)
     standalone: bool = False
     master_addr: str = "127.0.0.1"
-    master_port: int | None = None           # None: torchrun's rule (free port on 1 node, else 29500)
+    master_port: int = DEFAULT_MASTER_PORT   # resolved: always an int (torchrun's 29500 default)
     local_addr: str | None = None
+    auto_c10d: bool = False                  # torchrun's single-node rule switched static -> c10d
+
+    def __post_init__(self) -> None:
+        if self.backend not in RDZV_BACKENDS:
+            import difflib
+            close = difflib.get_close_matches(str(self.backend), RDZV_BACKENDS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise _err("rendezvous.backend", f"{self.backend!r} is not a rendezvous backend{hint}",
+                       f"use one of {', '.join(RDZV_BACKENDS)}")
+        if self.endpoint:
+            try:
+                parse_endpoint(self.endpoint)
+            except ValueError as e:
+                raise _err("rendezvous.endpoint", str(e), "use HOST:PORT, e.g. node0:29400") from None
+        if not isinstance(self.id, str) or not self.id.strip():
+            raise _err("rendezvous.id", f"{self.id!r} is empty", "use a job id, e.g. $SLURM_JOB_ID")
+        _freeze(self, "conf", tuple((str(k), str(v)) for k, v in self.conf))
+        for k, v in self.conf:
+            if k.endswith("timeout"):
+                try:
+                    ok = math.isfinite(float(v)) and float(v) > 0
+                except ValueError:
+                    ok = False
+                if not ok:
+                    raise _err("rendezvous.conf", f"{k}={v!r} is not a positive number of seconds",
+                               f"e.g. {k}=600")
+        if len({k for k, _ in self.conf}) != len(self.conf):
+            raise _err("rendezvous.conf", f"duplicate key in {self.conf!r}", "give each key once")
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip():
+            raise _err("rendezvous.master_addr", f"{self.master_addr!r} is empty",
+                       "use the rank-0 node's address, e.g. 10.0.0.1")
+        if isinstance(self.master_port, bool) or not isinstance(self.master_port, int) \
+                or not 0 < self.master_port <= 65535:
+            raise _err("rendezvous.master_port", f"{self.master_port!r} is not a port 1..65535",
+                       f"e.g. {DEFAULT_MASTER_PORT}, or omit it on a single node (free port)")
+        if self.local_addr is not None and not str(self.local_addr).strip():
+            raise _err("rendezvous.local_addr", "empty address", "omit it to use the FQDN")
+
+    def conf_dict(self) -> dict[str, str]:
+        return dict(self.conf)
+
+    def rdzv_configs(self) -> dict[str, object]:
+        """What torchrun hands to `RendezvousParameters`: strings, except static's int `rank`."""
+        d: dict[str, object] = dict(self.conf)
+        if "rank" in d:
+            d["rank"] = int(d["rank"])
+        return d
 
 
 @dataclass(frozen=True)
@@ -71,6 +318,38 @@ class LogsConfig:
     local_ranks_filter: tuple[int, ...] = ()
     events: str | None = None                # JSONL event log path (default: <log_dir>/events.jsonl)
     status: bool | None = None               # None: live view when stdout is a TTY
+    event_log_handler: str = "null"          # torchrun compat: only "null" supported
+    logs_specs: str | None = None            # torchrun compat: only None supported
+    duplicate_stdout_filters: tuple[str, ...] = ()   # torchrun compat: only () supported
+    duplicate_stderr_filters: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("log_dir", "events", "logs_specs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise _err(f"logs.{name}", f"{v!r} is empty", f"omit {name} or give a path")
+        for name in ("redirects", "tee"):
+            v = getattr(self, name)
+            try:
+                parse_std(v)
+            except ValueError as e:
+                raise _err(f"logs.{name}", str(e), f"use {_STD_HELP}") from None
+            _freeze(self, name, str(v).strip())
+        ranks = tuple(self.local_ranks_filter)
+        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
+            raise _err("logs.local_ranks_filter", f"{ranks!r} must be local ranks (integers >= 0)",
+                       "e.g. --local-ranks-filter 0,1")
+        _freeze(self, "local_ranks_filter", tuple(dict.fromkeys(ranks)))
+        if self.status not in (None, True, False):
+            raise _err("logs.status", f"{self.status!r} is not true/false", "use --status or "
+                       "--no-status (omit: live view when stdout is a terminal)")
+        for name in ("duplicate_stdout_filters", "duplicate_stderr_filters"):
+            _freeze(self, name, tuple(getattr(self, name)))
+        _check_supported(self, "logs")
+
+    def std_map(self, name: str) -> int | dict[int, int]:
+        """`redirects` / `tee` parsed: 0..3 for all ranks, or {local_rank: 0..3}."""
+        return parse_std(getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -80,6 +359,13 @@ class RecoveryConfig:
     mode: str = "inplace"                    # inplace | restart (inplace needs leto_runtime.init())
     hang_timeout: float = 60.0               # seconds without a heartbeat => hang; 0 disables
 
+    def __post_init__(self) -> None:
+        if self.mode not in RECOVERY_MODES:
+            raise _err("recovery.mode", f"{self.mode!r} is not a recovery mode",
+                       f"use one of {', '.join(RECOVERY_MODES)}")
+        _check_number("recovery.hang_timeout", self.hang_timeout, minimum=0,
+                      example="60 (0 disables hang detection)")
+
 
 @dataclass(frozen=True)
 class JobConfig:
@@ -88,16 +374,65 @@ class JobConfig:
     logs: LogsConfig = field(default_factory=LogsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     inject: tuple[InjectSpec, ...] = ()
+    warnings: tuple[str, ...] = ()           # non-fatal notes from the loader, for the startup log
+
+    def __post_init__(self) -> None:
+        _freeze(self, "inject", tuple(self.inject))
+        _freeze(self, "warnings", tuple(self.warnings))
+        la, rz, lg = self.launch, self.rendezvous, self.logs
+        if rz.standalone and la.max_nodes > 1:
+            raise _err("rendezvous.standalone", f"--standalone is single-node but nnodes is "
+                       f"{la.nnodes!r}", "drop --standalone and use --rdzv-backend c10d "
+                       "--rdzv-endpoint HOST:PORT for several nodes")
+        if (rz.backend == "static" or rz.auto_c10d) and la.node_rank >= la.max_nodes:
+            raise _err("launch.node_rank", f"node_rank {la.node_rank} is not below nnodes "
+                       f"{la.nnodes!r}", f"use a node rank in 0..{la.max_nodes - 1}")
+        nproc = la.nproc_int
+        if nproc is not None:
+            for name in ("redirects", "tee"):
+                m = lg.std_map(name)
+                bad = sorted(r for r in m if r >= nproc) if isinstance(m, dict) else []
+                if bad:
+                    raise _err(f"logs.{name}", f"names local rank(s) {bad} but nproc_per_node is "
+                               f"{nproc}", f"use local ranks 0..{nproc - 1}")
+            bad = [r for r in lg.local_ranks_filter if r >= nproc]
+            if bad:
+                raise _err("logs.local_ranks_filter", f"local rank(s) {bad} do not exist with "
+                           f"nproc_per_node {nproc}", f"use local ranks 0..{nproc - 1}")
+        world = la.max_nodes * nproc if nproc is not None else None
+        for i, spec in enumerate(self.inject):
+            if not isinstance(spec, InjectSpec):
+                raise _err(f"inject[{i}]", f"{spec!r} is not an InjectSpec",
+                           "parse it with leto_run.inject.parse_inject")
+            if world is not None and spec.rank >= world:
+                raise _err(f"inject[{i}]", f"{spec.text!r}: rank {spec.rank} is not below the world "
+                           f"size {world} (max nodes {la.max_nodes} x nproc_per_node {nproc})",
+                           f"use a rank in 0..{world - 1}")
+            if self.recovery.mode == "restart" and spec.attempt > la.max_restarts:
+                raise _err(f"inject[{i}]", f"{spec.text!r}: attempt {spec.attempt} never happens "
+                           f"with max_restarts {la.max_restarts}",
+                           f"use attempt <= {la.max_restarts} or raise --max-restarts")
+
+    @property
+    def max_world_size(self) -> int | None:
+        """max_nodes x nproc_per_node, or None while nproc is auto/cpu/gpu."""
+        n = self.launch.nproc_int
+        return None if n is None else self.launch.max_nodes * n
 
     def replace(self, **sections) -> "JobConfig":
         return dataclasses.replace(self, **sections)
 
-
-def signal_number(name: str) -> int:
-    """`SIGTERM` / `TERM` / `15` -> 15; raises ValueError on anything else."""
-    s = name.strip().upper()
-    if s.isdigit():
-        return int(_signal.Signals(int(s)))
-    if not s.startswith("SIG"):
-        s = "SIG" + s
-    return int(getattr(_signal, s))
+    def to_dict(self) -> dict:
+        """Plain nested dict (YAML/JSON-able) of every field, for --print-config and the log."""
+        def plain(v):
+            if isinstance(v, tuple):
+                return [plain(x) for x in v]
+            return v
+        out: dict = {}
+        for sec in ("launch", "rendezvous", "logs", "recovery"):
+            obj = getattr(self, sec)
+            out[sec] = {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out["rendezvous"]["conf"] = dict(self.rendezvous.conf)
+        out["inject"] = [s.text for s in self.inject]
+        out["warnings"] = list(self.warnings)
+        return out

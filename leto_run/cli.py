@@ -1,0 +1,203 @@
+"""`leto-run`: the command-line entry point (console script `leto-run = leto_run.cli:main`).
+
+`leto-run [OPTIONS] TRAINING_SCRIPT [SCRIPT_ARGS]...` takes every torchrun option (dashed and
+underscored spellings, `PET_*` environment equivalents) plus Leto's own.  Everything after
+TRAINING_SCRIPT goes to the script untouched.  The click options are generated from
+`leto_run.config_load.OPTIONS`; values arrive here as raw strings and are converted and validated
+by `build_config`, so every bad value produces the same one-line `ConfigError` format.
+
+Calling contract: `main()` parses, builds the `JobConfig`, then (lazily, so a broken agent can't
+break `--help`) calls `leto_run.agent.run_job(cfg)` and exits with its return code.
+`ConfigError` and click usage errors exit 2 with one line on stderr:
+`leto-run: error: <key> (<source>): <problem> -- fix: <fix>`; other `LetoError`s exit with their
+`.exit_code`.  Exit codes are defined in `leto_run.errors` only.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Mapping
+
+import click
+import yaml
+from click.core import ParameterSource
+
+from leto_run import config as C
+from leto_run.config_load import INJECT_OPTION, OPTIONS, Option, build_config
+from leto_run.errors import (EXIT_RESTARTS_EXHAUSTED, EXIT_UNRECOVERABLE, EXIT_USAGE,
+                             EXIT_WORKER_FAILED, ConfigError, LetoError)
+
+PROG = "leto-run"
+_TITLES = {
+    "launch": "Launch (YAML section launch:)",
+    "rendezvous": "Rendezvous (YAML section rendezvous:)",
+    "logs": "Logs (YAML section logs:)",
+    "recovery": "Recovery and failure injection (Leto; YAML recovery: and inject:)",
+    "compat": "Accepted for torchrun compatibility, not supported (non-default values are errors)",
+    "other": "Other",
+}
+_DEFAULT_SHOWN = {"logs.log_dir": "a temp dir", "logs.status": "auto (when stdout is a TTY)",
+                  "rendezvous.master_port": "29500 (one node: a free port)",
+                  "rendezvous.local_addr": "FQDN", "logs.events": "<log_dir>/events.jsonl",
+                  "rendezvous.endpoint": "MASTER_ADDR:MASTER_PORT (static)"}
+_EPILOG = f"""\
+Precedence: defaults < YAML (--config, LETO_CONFIG) < environment (PET_* for torchrun options,
+LETO_* for Leto's) < command line.  YAML key of an option: <section>.<name with underscores>
+(e.g. launch.nproc_per_node), unless another "yaml:" key is shown.
+
+\b
+Examples:
+  leto-run --nproc-per-node 2 train.py --lr 3e-4
+  leto-run --config configs/restart_demo.yaml
+  leto-run --standalone --nproc-per-node 4 --inject kill:rank=1:after=5s train.py
+  leto-run --config job.yaml --print-config
+
+\b
+Exit codes: 0 success; {EXIT_WORKER_FAILED} a worker failed (no restart left);
+{EXIT_USAGE} usage/config error (nothing started); {EXIT_RESTARTS_EXHAUSTED} failed again after
+--max-restarts; {EXIT_UNRECOVERABLE} retained state unrecoverable; 128+N stopped by signal N.
+"""
+
+
+def _compat(o: Option) -> bool:
+    return o.key in C.UNSUPPORTED
+
+
+def _help_record(o: Option) -> tuple[str, str]:
+    flags = [f for f in o.flags if "_" not in f]          # underscored aliases: accepted, not shown
+    names = ", ".join(flags)
+    if o.metavar:
+        names += f" {o.metavar}"
+    extras = []
+    if o.kind not in ("flag", "multiple"):
+        default = _DEFAULT_SHOWN.get(o.key)
+        if default is None:
+            sec, name = o.key.split(".")
+            default = next(f.default for f in C.dataclasses.fields(
+                {"launch": C.LaunchConfig, "rendezvous": C.RendezvousConfig,
+                 "logs": C.LogsConfig, "recovery": C.RecoveryConfig}[sec]) if f.name == name)
+            default = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        extras.append(f"default: {default if default not in ('', None) else 'none'}")
+    if o.env:
+        extras.append("env: " + " > ".join(o.env))
+    if o.key != "inject" and o.key.split(".")[1] != o.dest:
+        extras.append(f"yaml: {o.key}")
+    return names, o.help + (f" [{'; '.join(extras)}]" if extras else "")
+
+
+class LetoCommand(click.Command):
+    """Grouped help, an exact usage line, and Leto's error-to-exit-code mapping in `main`."""
+
+    def format_usage(self, ctx, formatter) -> None:
+        formatter.write_usage(PROG, "[OPTIONS] TRAINING_SCRIPT [SCRIPT_ARGS]...")
+
+    def format_options(self, ctx, formatter) -> None:
+        groups: dict[str, list] = {k: [] for k in _TITLES}
+        for o in OPTIONS + (INJECT_OPTION,):
+            if o.kind == "positional":
+                continue
+            group = "compat" if _compat(o) else ("recovery" if o.key == "inject" else o.section)
+            groups[group].append(_help_record(o))
+        for p in self.get_params(ctx):
+            if p.name in ("config", "print_config", "help"):
+                groups["other"].append(p.get_help_record(ctx))
+        for key, title in _TITLES.items():
+            if groups[key]:
+                with formatter.section(title):
+                    formatter.write_dl(groups[key])
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name or PROG, complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except ConfigError as e:
+            code = _fail(str(e), e.exit_code)
+        except click.UsageError as e:
+            code = _fail(f"{e.format_message()} (see {PROG} --help)", EXIT_USAGE)
+        except click.ClickException as e:
+            code = _fail(e.format_message(), e.exit_code)
+        except LetoError as e:
+            code = _fail(str(e), e.exit_code)
+        except (KeyboardInterrupt, click.Abort):
+            code = _fail("interrupted", 128 + 2)
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _fail(message: str, code: int) -> int:
+    click.echo(f"{PROG}: error: {message}", err=True)
+    return code
+
+
+def _click_params() -> list[click.Parameter]:
+    params: list[click.Parameter] = []
+    for o in OPTIONS + (INJECT_OPTION,):
+        if o.kind == "positional":
+            continue
+        if o.kind == "flag":
+            params.append(click.Option([o.dest, *o.flags], is_flag=True, default=False, help=o.help))
+        elif o.kind == "bool_pair":
+            params.append(click.Option([o.dest, *o.flags], default=None, help=o.help))
+        elif o.kind == "multiple":
+            params.append(click.Option([o.dest, *o.flags], multiple=True, metavar=o.metavar,
+                                       help=o.help))
+        else:   # raw string; build_config converts, so errors name the option and the fix
+            params.append(click.Option([o.dest, *o.flags], type=str, default=None,
+                                       metavar=o.metavar, help=o.help))
+    params += [
+        click.Option(["config", "--config"], metavar="FILE", default=None,
+                     help="YAML job config (env: LETO_CONFIG); see configs/full.yaml."),
+        click.Option(["print_config", "--print-config"], is_flag=True, default=False,
+                     help="Print the resolved configuration as YAML and exit."),
+        click.Argument(["training_script"], required=False),
+        click.Argument(["script_args"], nargs=-1, type=click.UNPROCESSED),
+    ]
+    return params
+
+
+def _config(ctx: click.Context, params: dict, env: Mapping[str, str]) -> C.JobConfig:
+    given = {name for name in params
+             if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
+    return build_config(params, given, env, params.get("config"),
+                        require_script=not params["print_config"])
+
+
+def _run(ctx: click.Context, **params) -> int:
+    cfg = _config(ctx, params, (ctx.obj or {}).get("env", os.environ))
+    if params["print_config"]:
+        click.echo("# leto-run resolved configuration (derived fields included)")
+        click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
+        return 0
+    for w in cfg.warnings:
+        click.echo(f"{PROG}: warning: {w}", err=True)
+    from leto_run.agent import run_job   # lazy: the agent is not needed to parse or print config
+
+    return int(run_job(cfg))
+
+
+cli = LetoCommand(
+    name=PROG,
+    callback=click.pass_context(_run),
+    params=_click_params(),
+    help="Fault-tolerant, torchrun-compatible launcher for distributed PyTorch.\n\n"
+         "Runs TRAINING_SCRIPT on every local worker with torchrun's environment; everything "
+         "after TRAINING_SCRIPT is passed to it untouched.",
+    epilog=_EPILOG,
+    context_settings=dict(allow_interspersed_args=False, help_option_names=["-h", "--help"],
+                          max_content_width=100),
+)
+
+
+def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> C.JobConfig:
+    """Parse `argv` (without the program name) like `leto-run` and build the config; no agent.
+
+    Raises ConfigError or click.UsageError.  For tests and tools that want the resolved config.
+    """
+    ctx = cli.make_context(PROG, list(argv))
+    return _config(ctx, dict(ctx.params), os.environ if env is None else env)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry: parse, build the config, run the job, exit with its code."""
+    cli.main(args=argv, prog_name=PROG)
