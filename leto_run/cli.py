@@ -23,7 +23,7 @@ import yaml
 from click.core import ParameterSource
 
 from leto_run import config as C
-from leto_run.config_load import INJECT_OPTION, OPTIONS, Option, build_config
+from leto_run.config_load import INJECT_OPTION, OPTIONS, Option, build_config, default_of
 from leto_run.errors import (EXIT_RESTARTS_EXHAUSTED, EXIT_UNRECOVERABLE, EXIT_USAGE,
                              EXIT_WORKER_FAILED, ConfigError, LetoError)
 
@@ -72,10 +72,7 @@ def _help_record(o: Option) -> tuple[str, str]:
     if o.kind not in ("flag", "multiple"):
         default = _DEFAULT_SHOWN.get(o.key)
         if default is None:
-            sec, name = o.key.split(".")
-            default = next(f.default for f in C.dataclasses.fields(
-                {"launch": C.LaunchConfig, "rendezvous": C.RendezvousConfig,
-                 "logs": C.LogsConfig, "recovery": C.RecoveryConfig}[sec]) if f.name == name)
+            default = default_of(o.key)
             default = ",".join(map(str, default)) if isinstance(default, tuple) else default
         extras.append(f"default: {default if default not in ('', None) else 'none'}")
     if o.env:

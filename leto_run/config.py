@@ -15,6 +15,7 @@ single-node auto-c10d, default master port, static `rank`), so the agent reads f
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
@@ -263,7 +264,6 @@ class RendezvousConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in RDZV_BACKENDS:
-            import difflib
             close = difflib.get_close_matches(str(self.backend), RDZV_BACKENDS, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise _err("rendezvous.backend", f"{self.backend!r} is not a rendezvous backend{hint}",

@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 from leto_run import config as C
 from leto_run.errors import ConfigError
 from leto_run.inject import GRAMMAR, parse_inject, parse_inject_mapping
-from leto_run.yaml_source import YamlDoc, dotted, load_yaml
+from leto_run.yaml_source import YamlDoc, load_yaml
 
 SECTIONS = {"launch": C.LaunchConfig, "rendezvous": C.RendezvousConfig, "logs": C.LogsConfig,
             "recovery": C.RecoveryConfig}
@@ -47,7 +47,8 @@ def conv_str(raw) -> str:
 
 
 def conv_opt_str(raw) -> str | None:
-    return None if raw is None else conv_str(raw)
+    """Paths and addresses: "" means unset, as in torchrun (`if not log_dir: mkdtemp()`)."""
+    return None if raw is None or conv_str(raw).strip() == "" else raw
 
 
 def conv_str_or_int(raw) -> str:
@@ -111,6 +112,8 @@ def conv_signals(raw) -> tuple[str, ...]:
 def conv_ranks(raw) -> tuple[int, ...]:
     if isinstance(raw, int) and not isinstance(raw, bool):
         return (raw,)
+    if isinstance(raw, str) and not raw.strip():
+        return ()      # torchrun: an empty filter shows every rank
 
     def rank(x):
         if isinstance(x, int) and not isinstance(x, bool):
@@ -318,7 +321,7 @@ def _yaml_values(doc: YamlDoc) -> tuple[dict[str, _Raw], list[tuple[Any, str]]]:
             continue
         if sec not in SECTIONS:
             hint = (" (did you mean 'rendezvous'?)" if str(sec).startswith("rdzv")
-                    else _did_you_mean(sec, [*SECTIONS, "inject"]))
+                    else _did_you_mean(sec, [*SECTIONS, "inject"]) or _unknown_hint("", str(sec)))
             raise ConfigError(str(sec), f"unknown section{hint}",
                               "sections are launch, rendezvous, logs, recovery, inject", where)
         if body is None:
@@ -400,8 +403,8 @@ def _convert(raw: dict[str, _Raw]) -> dict[str, Any]:
         try:
             out[key] = o.conv(r.value)
         except ValueError as e:
-            raise ConfigError(key, str(e), o.fix or f"see leto-run --help for {key}",
-                              r.source) from None
+            fix = o.fix or (f"give {key} as {o.metavar}" if o.metavar else f"give {key} as text")
+            raise ConfigError(key, str(e), fix, r.source) from None
     return out
 
 
@@ -425,7 +428,8 @@ def _parse_injects(cli_values, cli_given, yaml_items) -> tuple[list, list[str]]:
     return specs, sources
 
 
-def _default(key: str):
+def default_of(key: str):
+    """The dataclass default of a dotted key (`launch.nnodes` -> "1:1")."""
     sec, name = key.split(".")
     return next(f.default for f in dataclasses.fields(SECTIONS[sec]) if f.name == name)
 
@@ -442,7 +446,7 @@ def resolve_rendezvous(values: dict[str, Any], given: set[str], max_nodes: int,
     new_id = new_id or (lambda: str(uuid.uuid4()))
 
     def get(key: str):
-        return values[key] if key in values else _default(key)
+        return values[key] if key in values else default_of(key)
     backend, endpoint, run_id = get("rendezvous.backend"), get("rendezvous.endpoint"), get("rendezvous.id")
     if get("rendezvous.standalone"):
         if endpoint:
@@ -473,7 +477,7 @@ def resolve_rendezvous(values: dict[str, Any], given: set[str], max_nodes: int,
         for key, what in (("rendezvous.master_addr", "--master-addr"),
                           ("rendezvous.master_port", "--master-port"),
                           ("launch.node_rank", "--node-rank")):
-            if key in given and get(key) != _default(key):
+            if key in given and get(key) != default_of(key):
                 warnings.append(f"{what} is only used by the static rendezvous backend; "
                                 f"ignored with {backend}")
     values.update({"rendezvous.backend": backend, "rendezvous.endpoint": endpoint,

@@ -95,6 +95,12 @@ def test_shutdown_timeout_env_order():
     assert load(["t.py"], env).launch.shutdown_timeout == 3.0     # PET_ beats TORCH_ELASTIC_
 
 
+def test_empty_strings_mean_unset_like_torchrun():
+    c = load(["--local-ranks-filter", "", "--log-dir", "", "--local-addr", "", "t.py"])
+    assert c.logs.local_ranks_filter == () and c.logs.log_dir is None
+    assert c.rendezvous.local_addr is None
+
+
 def test_empty_env_is_unset():
     assert load(["t.py"], {"PET_NNODES": "", "PET_MAX_RESTARTS": " "}).launch.max_restarts == 0
 
@@ -185,6 +191,8 @@ def test_yaml_native_types(yml):
     ("rendezvous:\n  nproc_per_node: 2\n", "rendezvous.nproc_per_node", 2,
      ["did you mean 'launch.nproc_per_node'"]),
     ("launch:\n  max_nodes: 2\n", "launch.max_nodes", 2, ["derived", "launch.nnodes"]),
+    ("nproc_per_node: 2\n", "nproc_per_node", 1, ["did you mean 'launch.nproc_per_node'"]),
+    ("launch:\n  role: [a]\n", "launch.role", 2, ["expected a string", "give launch.role as NAME"]),
     ("launch:\n  nnodes: [1, 2]\n", "launch.nnodes", 2, ["expected a string"]),
     ("launch:\n  max_restarts: three\n", "launch.max_restarts", 2, ["'three' is not an integer"]),
     ("launch:\n  max_restarts: true\n", "launch.max_restarts", 2, ["expected an integer"]),
