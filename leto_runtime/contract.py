@@ -49,8 +49,18 @@ LETO_HANG_TIMEOUT = "LETO_HANG_TIMEOUT"           # seconds; 0 disables hang det
 LETO_INJECT_PLAN = "LETO_INJECT_PLAN"             # JSON list of this rank's step-triggered injections
 LETO_RECOVERY = "LETO_RECOVERY"                   # inplace | restart
 LETO_NODE = "LETO_NODE"                           # host name the agent reports for this node
+LETO_JOB_TOKEN = "LETO_JOB_TOKEN"                 # random per leto-run; marks every descendant for cleanup
+LETO_DUMP_SIGNAL = "LETO_DUMP_SIGNAL"             # signal number that makes the runtime dump Python stacks
 
 CONTRACT_VERSION = 1
+
+# ---- Signals the agent sends to runtime-enabled trainers ------------------------------------
+# Real-time signals: no user code or library claims them, and their default action (terminate)
+# is what a plain script without the runtime gets, which the agent never relies on.
+import signal as _signal  # noqa: E402
+
+DUMP_SIGNAL = int(_signal.SIGRTMIN) + 2   # faulthandler dumps every thread's Python stack
+HANG_SIGNAL = int(_signal.SIGRTMIN) + 3   # injected hang: the runtime blocks the main thread
 
 # ---- Heartbeat datagram (JSON, one object per datagram) ------------------------------------
 # {"v": 1, "kind": "beat" | "register" | "inject" | "bye", "rank": int, "role": str,

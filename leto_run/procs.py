@@ -1,0 +1,199 @@
+"""Process mechanics behind a small interface: spawn, watch, signal, stop, reap.
+
+The control loop (`leto_run.agent`) never touches pids directly; it holds `Proc` objects and
+asks this module to start and stop them.  Why each mechanism is here (MECHANICS.md §6):
+
+- every child gets its own process group (``process_group=0``) so a signal reaches the
+  worker *and* its grandchildren, and a parent-death signal so a ``kill -9`` of the agent does
+  not leave it running;
+- each child is watched through a pidfd: it becomes readable within ~1 ms of the exit, which
+  the agent's selector sees without sleep-polling;
+- signals go through ``pidfd_send_signal`` (no pid-reuse race) or ``killpg`` on the recorded
+  group; the agent is a child subreaper so orphaned descendants come back to it and are
+  killed and reaped too.
+
+Contract: `spawn` must be called from the agent's main thread (PDEATHSIG fires when the
+*thread* that forked exits).  `Proc.poll_exit` is the only place a child is reaped.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of orphaned descendants (Linux >= 3.4)."""
+    return _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def _child_setup(parent_pid: int):
+    # Runs in the child between fork and exec.  The re-check of getppid closes the race where
+    # the parent died before prctl took effect.
+    def setup():
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(137)
+        # The agent blocks/ignores some signals for its own loop; children start clean.
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                  signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(s, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+    return setup
+
+
+@dataclass
+class ExitStatus:
+    """How a process ended: exactly one of `exitcode` (>= 0) / `signal` is meaningful."""
+
+    exitcode: int            # torch convention: negative => killed by signal -exitcode
+    mono: float              # monotonic time the exit was observed
+
+    @property
+    def signal(self) -> int | None:
+        return -self.exitcode if self.exitcode < 0 else None
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0
+
+    def describe(self) -> str:
+        if self.signal is not None:
+            try:
+                return f"Signal {self.signal} ({signal.Signals(self.signal).name})"
+            except ValueError:
+                return f"Signal {self.signal}"
+        return f"exit code {self.exitcode}"
+
+
+@dataclass
+class Proc:
+    """One child process the agent started."""
+
+    popen: subprocess.Popen
+    pidfd: int
+    started_mono: float
+    status: ExitStatus | None = None
+    descendants_seen: set[int] = field(default_factory=set)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.status is None
+
+    def poll_exit(self) -> ExitStatus | None:
+        """Reap the child if it exited (non-blocking).  Safe to call repeatedly."""
+        if self.status is not None:
+            return self.status
+        code = self.popen.poll()
+        if code is None:
+            return None
+        self.status = ExitStatus(code, time.monotonic())
+        try:
+            os.close(self.pidfd)
+        except OSError:
+            pass
+        self.pidfd = -1
+        return self.status
+
+    def send(self, sig: int) -> bool:
+        """Signal the process itself (not its group); False if it is already gone."""
+        if self.status is not None or self.pidfd < 0:
+            return False
+        try:
+            signal.pidfd_send_signal(self.pidfd, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def send_group(self, sig: int) -> None:
+        """Signal the process group (worker and the grandchildren it did not detach)."""
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def snapshot_descendants(self) -> set[int]:
+        """Remember current descendants: after the worker dies they are no longer findable
+        through it (they reparent to us, the subreaper), so collect them while we can."""
+        try:
+            kids = psutil.Process(self.pid).children(recursive=True)
+            self.descendants_seen |= {k.pid for k in kids}
+        except psutil.Error:
+            pass
+        return self.descendants_seen
+
+
+def spawn(argv: list[str], env: dict[str, str], cwd: str | None = None,
+          stdout=None, stderr=None) -> Proc:
+    """Start `argv` in its own process group with a parent-death signal; watch it by pidfd."""
+    popen = subprocess.Popen(
+        argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        process_group=0, preexec_fn=_child_setup(os.getpid()), close_fds=True,
+    )
+    pidfd = os.pidfd_open(popen.pid)
+    return Proc(popen=popen, pidfd=pidfd, started_mono=time.monotonic())
+
+
+def reap_orphans(known: set[int]) -> list[int]:
+    """Reap exited children that are not ours to reap elsewhere (reparented orphans).
+
+    Uses WNOWAIT to peek first so a managed child's status is left for `Proc.poll_exit`.
+    """
+    reaped = []
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            break
+        if info is None or info.si_pid == 0 or info.si_pid in known:
+            break
+        try:
+            os.waitpid(info.si_pid, 0)
+            reaped.append(info.si_pid)
+        except ChildProcessError:
+            break
+    return reaped
+
+
+def kill_pids(pids, sig: int = signal.SIGKILL) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def pids_with_token(key_value: str) -> list[int]:
+    """Processes of this user whose environment carries the job token (escaped descendants).
+
+    Why: a descendant that called setsid() left every process group we know; the token it
+    inherited in its environment still names it as ours.
+    """
+    needle = b"\0" + key_value.encode() + b"\0"
+    me = os.getpid()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                data = b"\0" + f.read() + b"\0"
+        except OSError:
+            continue
+        if needle in data:
+            found.append(int(entry.name))
+    return found

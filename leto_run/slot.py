@@ -1,0 +1,107 @@
+"""Rank slots: the unit the agent supervises (DESIGN.md §2).
+
+A slot serves one local rank on one GPU with up to three sibling processes, each in a
+`SlotRole`: the state manager, the active trainer and the shadow trainer.  In restart mode only
+the active role is filled; the in-place issues add the other two without changing the loop.
+
+Each process runs through `ProcState`; moves follow `_TRANSITIONS` and an illegal move raises
+`IllegalTransition` (a bug in the agent, never a user error).
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from leto_run.procs import Proc
+from leto_run.worker_env import WorkerIdentity
+
+
+class SlotRole(str, enum.Enum):
+    STATE_MANAGER = "state_manager"
+    ACTIVE = "active"
+    SHADOW = "shadow"
+
+
+class ProcState(str, enum.Enum):
+    STARTING = "starting"      # spawned, no heartbeat yet
+    RUNNING = "running"        # heartbeating (or a plain script, which never beats)
+    STOPPING = "stopping"      # the agent asked it to stop (SIGTERM sent)
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"        # ended because the agent stopped it
+
+
+_TRANSITIONS: dict[ProcState, frozenset[ProcState]] = {
+    ProcState.STARTING: frozenset({ProcState.RUNNING, ProcState.STOPPING, ProcState.SUCCEEDED,
+                                   ProcState.FAILED}),
+    ProcState.RUNNING: frozenset({ProcState.STOPPING, ProcState.SUCCEEDED, ProcState.FAILED}),
+    ProcState.STOPPING: frozenset({ProcState.STOPPED, ProcState.SUCCEEDED, ProcState.FAILED}),
+    ProcState.SUCCEEDED: frozenset(),
+    ProcState.FAILED: frozenset(),
+    ProcState.STOPPED: frozenset(),
+}
+TERMINAL = frozenset({ProcState.SUCCEEDED, ProcState.FAILED, ProcState.STOPPED})
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class SlotProcess:
+    """One process in one role of a slot, with its supervision state."""
+
+    role: SlotRole
+    generation: int
+    attempt: int
+    proc: Proc
+    error_file: str
+    state: ProcState = ProcState.STARTING
+    step: int | None = None
+    last_beat: float | None = None          # monotonic time of the last heartbeat
+    beats: int = 0
+    hang_deadline: float | None = None
+    fired_injections: set[str] = field(default_factory=set)
+
+    def move(self, new: ProcState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise IllegalTransition(f"{self.role.value} pid {self.proc.pid}: "
+                                    f"{self.state.value} -> {new.value}")
+        self.state = new
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+    def on_beat(self, step: int | None, now: float, hang_timeout: float) -> None:
+        self.beats += 1
+        self.last_beat = now
+        if step is not None:
+            self.step = step
+        if hang_timeout > 0:
+            self.hang_deadline = now + hang_timeout
+        if self.state == ProcState.STARTING:
+            self.move(ProcState.RUNNING)
+
+
+@dataclass
+class RankSlot:
+    identity: WorkerIdentity
+    procs: dict[SlotRole, SlotProcess] = field(default_factory=dict)
+    created_mono: float = field(default_factory=time.monotonic)
+
+    @property
+    def rank(self) -> int:
+        return self.identity.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.identity.local_rank
+
+    @property
+    def active(self) -> SlotProcess | None:
+        return self.procs.get(SlotRole.ACTIVE)
+
+    def all(self) -> list[SlotProcess]:
+        return list(self.procs.values())

@@ -1,0 +1,118 @@
+"""The one writer of a worker's environment.
+
+Exactly torchrun's worker environment (same keys, values and rules, ANCHORS.md §1 and
+torch's ``LocalElasticAgent._start_workers``), plus Leto's ``LETO_*`` contract variables whose
+names live in `leto_runtime.contract` and which `leto_runtime.context.Context` reads.
+
+Documented differences from torchrun (the env-parity test allows exactly these):
+``LETO_*`` keys; values of run ids, ports and paths (error file, run dir).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from leto_runtime import contract as C
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    """Where one worker sits in the job (torchrun's ``Worker`` fields)."""
+
+    local_rank: int
+    global_rank: int
+    role_rank: int
+    world_size: int
+    role_world_size: int
+    local_world_size: int
+    group_rank: int
+    group_world_size: int
+    role_name: str
+
+
+@dataclass(frozen=True)
+class WorkerEnvSpec:
+    identity: WorkerIdentity
+    master_addr: str
+    master_port: int
+    restart_count: int
+    max_restarts: int
+    run_id: str
+    use_agent_store: bool
+    error_file: str
+    signals_to_handle: str
+    # ---- Leto ----
+    slot_role: str
+    generation: int
+    run_dir: str
+    heartbeat_socket: str
+    hang_timeout: float
+    recovery: str
+    node: str
+    job_token: str
+    dump_signal: int
+    inject_plan: tuple[dict, ...] = ()
+
+
+def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, str]:
+    """Return the complete environment of one worker process.
+
+    `base` is the agent's own environment (torchrun passes ``os.environ`` down the same way,
+    including an ``OMP_NUM_THREADS`` the launcher set for nproc > 1).
+    """
+    ident = spec.identity
+    env = dict(base)
+    env.update({
+        C.RANK: str(ident.global_rank),
+        C.GROUP_RANK: str(ident.group_rank),
+        C.ROLE_RANK: str(ident.role_rank),
+        C.ROLE_NAME: ident.role_name,
+        C.LOCAL_WORLD_SIZE: str(ident.local_world_size),
+        C.WORLD_SIZE: str(ident.world_size),
+        C.GROUP_WORLD_SIZE: str(ident.group_world_size),
+        C.ROLE_WORLD_SIZE: str(ident.role_world_size),
+        C.MASTER_ADDR: spec.master_addr,
+        C.MASTER_PORT: str(spec.master_port),
+        C.TORCHELASTIC_RESTART_COUNT: str(spec.restart_count),
+        C.TORCHELASTIC_MAX_RESTARTS: str(spec.max_restarts),
+        C.TORCHELASTIC_RUN_ID: spec.run_id,
+        C.TORCHELASTIC_USE_AGENT_STORE: str(spec.use_agent_store),
+        C.TORCH_NCCL_ASYNC_ERROR_HANDLING: base.get(C.TORCH_NCCL_ASYNC_ERROR_HANDLING, "1"),
+        C.LOCAL_RANK: str(ident.local_rank),
+        C.TORCHELASTIC_ERROR_FILE: spec.error_file,
+        C.TORCHELASTIC_SIGNALS_TO_HANDLE: spec.signals_to_handle,
+        # ---- Leto contract ----
+        C.LETO_CONTRACT_VERSION: str(C.CONTRACT_VERSION),
+        C.LETO_ROLE: spec.slot_role,
+        C.LETO_GENERATION: str(spec.generation),
+        C.LETO_ATTEMPT: str(spec.restart_count),
+        C.LETO_RUN_DIR: spec.run_dir,
+        C.LETO_HEARTBEAT_SOCKET: spec.heartbeat_socket,
+        C.LETO_HANG_TIMEOUT: repr(float(spec.hang_timeout)),
+        C.LETO_RECOVERY: spec.recovery,
+        C.LETO_NODE: spec.node,
+        C.LETO_JOB_TOKEN: spec.job_token,
+        C.LETO_DUMP_SIGNAL: str(spec.dump_signal),
+        C.LETO_INJECT_PLAN: json.dumps(list(spec.inject_plan), separators=(",", ":")),
+    })
+    return env
+
+
+def default_omp_threads(environ: dict[str, str], nproc_per_node: int) -> str | None:
+    """torchrun's rule: with nproc > 1 and OMP_NUM_THREADS unset, set it to 1 (and warn).
+
+    Returns the warning text when it set the variable (the caller prints it), else None.
+    Mutates `environ` like torchrun mutates ``os.environ``.
+    """
+    if C.OMP_NUM_THREADS in environ or nproc_per_node <= 1:
+        return None
+    environ[C.OMP_NUM_THREADS] = "1"
+    return ("Setting OMP_NUM_THREADS environment variable for each process to be 1 in default, "
+            "to avoid your system being overloaded, please further tune the variable for "
+            "optimal performance in your application as needed.")
+
+
+def job_token_kv(token: str) -> str:
+    return f"{C.LETO_JOB_TOKEN}={token}"
+

@@ -1,0 +1,66 @@
+"""The one reader of the worker environment: `Context.from_env()`.
+
+Everything a trainer needs to know about its place in the job and about the agent comes from
+here; no other module of `leto_runtime` reads ``os.environ`` for contract variables.  Under a
+plain ``torchrun`` (no LETO_* variables) the context still works: `under_leto` is False and the
+Leto-specific features switch off.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from leto_runtime import contract as C
+
+
+class ContractError(RuntimeError):
+    """The environment says Leto but does not match this runtime's contract version."""
+
+
+@dataclass(frozen=True)
+class Context:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    group_rank: int
+    restart_count: int
+    run_id: str
+    under_leto: bool
+    role: str                       # active | shadow ("active" outside Leto)
+    generation: int
+    run_dir: str | None
+    heartbeat_socket: str | None
+    hang_timeout: float
+    recovery: str
+    dump_signal: int
+    inject_plan: tuple[dict, ...]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "Context":
+        env = os.environ if env is None else env
+        under = C.LETO_CONTRACT_VERSION in env
+        if under and env[C.LETO_CONTRACT_VERSION] != str(C.CONTRACT_VERSION):
+            raise ContractError(
+                f"{C.LETO_CONTRACT_VERSION}={env[C.LETO_CONTRACT_VERSION]} but this leto_runtime "
+                f"speaks version {C.CONTRACT_VERSION}: install the same Leto version for the "
+                "launcher and the trainers")
+
+        def i(key: str, default: int = 0) -> int:
+            return int(env.get(key, default))
+
+        plan_text = env.get(C.LETO_INJECT_PLAN, "[]") if under else "[]"
+        return cls(
+            rank=i(C.RANK), local_rank=i(C.LOCAL_RANK), world_size=i(C.WORLD_SIZE, 1),
+            local_world_size=i(C.LOCAL_WORLD_SIZE, 1), group_rank=i(C.GROUP_RANK),
+            restart_count=i(C.TORCHELASTIC_RESTART_COUNT),
+            run_id=env.get(C.TORCHELASTIC_RUN_ID, ""), under_leto=under,
+            role=env.get(C.LETO_ROLE, "active"), generation=i(C.LETO_GENERATION),
+            run_dir=env.get(C.LETO_RUN_DIR), heartbeat_socket=env.get(C.LETO_HEARTBEAT_SOCKET),
+            hang_timeout=float(env.get(C.LETO_HANG_TIMEOUT, 0) or 0),
+            recovery=env.get(C.LETO_RECOVERY, "restart"),
+            dump_signal=i(C.LETO_DUMP_SIGNAL, C.DUMP_SIGNAL),
+            inject_plan=tuple(json.loads(plan_text)),
+        )

@@ -1,0 +1,96 @@
+"""Heartbeats from a trainer to its agent, and the runtime's side of failure injection.
+
+`heartbeat(step)` is the one-call API for scripts that do not use the rest of the runtime:
+call it once per training step from the training loop's thread.  It sends one datagram (no
+reply, never blocks: a full socket buffer drops the beat, which only makes the agent *more*
+cautious), so it costs a few microseconds.  Calling it from the loop's thread is the point: a
+background thread would keep beating while the loop is stuck.
+
+On the first call it also arms the stack dump (faulthandler on the agent's dump signal, so a
+hung rank's Python stacks reach its stderr log before the agent kills it) and the handler for
+injected hangs; and at each call it fires this rank's step-triggered injections, which are
+real signals sent to itself (SIGKILL, SIGSEGV, ...) or a real block of the main thread.
+"""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+from leto_runtime import contract as C
+from leto_runtime.context import Context
+
+_state: dict = {}
+
+
+def _setup() -> dict:
+    ctx = Context.from_env()
+    st = {"ctx": ctx, "sock": None, "plan": list(ctx.inject_plan)}
+    if ctx.under_leto and ctx.heartbeat_socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        s.setblocking(False)
+        st["sock"] = s
+        faulthandler.register(ctx.dump_signal, file=sys.stderr, all_threads=True, chain=False)
+        signal.signal(C.HANG_SIGNAL, _hang_handler)
+    _state.update(st)
+    _send("register", None)
+    return _state
+
+
+def _send(kind: str, step: int | None, detail: str | None = None) -> None:
+    sock = _state.get("sock")
+    if sock is None:
+        return
+    ctx: Context = _state["ctx"]
+    msg = {"v": C.HEARTBEAT_VERSION, "kind": kind, "rank": ctx.rank, "role": ctx.role,
+           "gen": ctx.generation, "pid": os.getpid(), "step": step, "detail": detail}
+    try:
+        sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), ctx.heartbeat_socket)
+    except (BlockingIOError, FileNotFoundError, ConnectionRefusedError, OSError):
+        pass   # the agent is gone or busy; the parent-death signal handles the former
+
+
+def _block_forever(reason: str) -> None:
+    sys.stderr.write(f"[leto_runtime] {reason}: blocking the training loop\n")
+    sys.stderr.flush()
+    while True:          # a real hang: the main thread never returns to the training loop
+        time.sleep(3600)
+
+
+def _hang_handler(signum, frame) -> None:
+    _block_forever("injected hang (signal from the agent)")
+
+
+def _fire_step_injections(step: int) -> None:
+    for inj in list(_state["plan"]):
+        if inj.get("step") is None or step < inj["step"]:
+            continue
+        _state["plan"].remove(inj)
+        _send("inject", step, inj.get("text") or inj.get("kind"))
+        kind = inj.get("kind")
+        if kind == "hang":
+            _block_forever(f"injected hang at step {step} ({inj.get('text')})")
+        sig = int(inj.get("signal") or signal.SIGKILL)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os.kill(os.getpid(), sig)
+        time.sleep(1.0)     # a catchable signal with a handler may return; the kill still stands
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Tell the agent this rank is alive (and at `step`).  Cheap; call once per step."""
+    if not _state:
+        _setup()
+    if step is not None and _state["plan"]:
+        _fire_step_injections(step)
+    _send("beat", step)
+
+
+def done() -> None:
+    """The training loop finished: the time until exit (saving, teardown) is not a hang."""
+    if _state:
+        _send("bye", None)
