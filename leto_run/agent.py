@@ -353,14 +353,17 @@ class Agent:
                 continue
             name = signal.Signals(signum).name
             self.events.emit("signal", self.generation, signal=name)
-            if signum in self.handled:
-                self.log(f"received {name}: forwarding to every worker")
-                for slot in self.slots:
-                    for sp in slot.all():
-                        if not sp.done:
-                            sp.proc.send_group(signum)
-                if signum in _SHUTDOWN_SIGNALS:
-                    raise E.StoppedBySignal(signum)
+            if signum not in self.handled:
+                continue
+            if signum in _SHUTDOWN_SIGNALS:
+                # The stop forwards it (to every process group) after recording descendants.
+                self.log(f"received {name}: forwarding to every worker and stopping the job")
+                raise E.StoppedBySignal(signum)
+            self.log(f"received {name}: forwarding to every worker")
+            for slot in self.slots:
+                for sp in slot.all():
+                    if not sp.done:
+                        sp.proc.send_group(signum)
 
     def _check_hangs(self, now: float) -> None:
         timeout = self.cfg.recovery.hang_timeout

@@ -65,7 +65,7 @@ def stop_processes(procs: list[Proc], *, grace: float, first_signal: int = signa
                 sigs = b""
             if any(s in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP) for s in sigs):
                 if log:
-                    log("second termination signal: killing now")
+                    log(f"second termination signal: killing now {list(sigs)}")
                 break
     # Then for their descendants, within the same grace period (polling is fine here: this is
     # the shutdown path and the set is small).

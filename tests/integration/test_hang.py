@@ -1,0 +1,35 @@
+"""A rank that stops heartbeating inside a step is detected after --hang-timeout, its Python
+stacks are dumped into its log, it is killed, and the job fails with it as the root cause."""
+import time
+
+from conftest import SCRIPTS, base_env, events, leto_cmd, run
+
+
+def test_hang_detected_with_stack_dump(tmp_path, out_dir):
+    logs, ev = tmp_path / "logs", tmp_path / "ev.jsonl"
+    t0 = time.monotonic()
+    r = run(leto_cmd("--no-status", "--nproc-per-node", "2", "--hang-timeout", "2",
+                     "--log-dir", str(logs), "--redirects", "2", "--events", str(ev),
+                     str(SCRIPTS / "hang.py"), "3"), base_env(out_dir), timeout=90)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert took < 60
+    evs = events(ev)
+    hangs = [e for e in evs if e["event"] == "hang_detected"]
+    assert {e["rank"] for e in hangs} == {0, 1} or len(hangs) >= 1
+    first = hangs[0]
+    assert first["step"] == 3
+    # Detection happened no earlier than the timeout after the last beat.
+    beats_done = [e for e in evs if e["event"] == "spawn" and e["rank"] == first["rank"]][0]
+    assert first["mono"] - beats_done["mono"] >= 2.0
+    stderr_logs = list(logs.glob("*/attempt_0/*/stderr.log"))
+    dumped = [p for p in stderr_logs if "stuck_in_step" in p.read_text()]
+    assert dumped, [p.read_text()[-500:] for p in stderr_logs]
+    assert "Root Cause" in r.stderr and "hang" in r.stderr
+
+
+def test_no_false_hang_without_heartbeats(out_dir):
+    """Scripts that never call heartbeat() are never judged hung (torchrun behaviour)."""
+    r = run(leto_cmd("--no-status", "--hang-timeout", "0.5", str(SCRIPTS / "fail_until.py"), "0"),
+            base_env(out_dir))
+    assert r.returncode == 0, r.stderr[-2000:]
