@@ -34,6 +34,7 @@ from leto_run.inject import InjectKind
 from leto_run.logs import LogLayout, OutputPump
 from leto_run.procs import become_subreaper, reap_orphans, spawn
 from leto_run.rendezvous import RoundResult, make_handler, next_round
+from leto_run.report import format_report
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_run.status import StatusView
 from leto_run.stopper import stop_processes
@@ -111,7 +112,8 @@ class Agent:
         self.group_started = 0.0
         self.timers: list[tuple[float, str, object]] = []
         self.next_peer_check = 0.0
-        self.pending_signal: int | None = None
+        self.catch_up_step: int | None = None     # the step a failed generation had reached
+        self.resumed_gens: set[int] = set()
         self._closed = False
         if omp_warning:
             self.log("\n*****************************************\n" + omp_warning +
@@ -135,6 +137,16 @@ class Agent:
 
     # ---- the control loop ----------------------------------------------------------------
     def run(self) -> int:
+        try:
+            return self._run()
+        finally:
+            report = format_report(self.events.records)
+            if report:
+                with self.console_lock:
+                    sys.stderr.write(report + "\n")
+                    sys.stderr.flush()
+
+    def _run(self) -> int:
         la = self.cfg.launch
         self.events.emit("job_start", 0, run_id=self.run_id, nproc_per_node=self.nproc,
                          log_root=self.layout.root, argv=worker_argv(self.cfg),
@@ -320,6 +332,8 @@ class Agent:
                                 attempt=sp.attempt, pid=sp.proc.pid, exitcode=exitcode,
                                 how=how, error_file=sp.error_file, wall=time.time(),
                                 mono=mono, note=note)
+        if not self.failures and sp.step is not None:
+            self.catch_up_step = sp.step
         self.failures.append(rec)
         self.events.emit("failure_detected", sp.generation, rank=ident.global_rank,
                          local_rank=ident.local_rank, role=sp.role.value, pid=sp.proc.pid,
@@ -342,6 +356,16 @@ class Agent:
                 continue
             sp.on_beat(beat.step, beat.mono, self.cfg.recovery.hang_timeout)
             self.status.changed()
+            if beat.step is None or sp.generation == 0:
+                continue
+            if sp.generation not in self.resumed_gens:
+                self.resumed_gens.add(sp.generation)
+                self.events.emit("resumed", sp.generation, rank=slot.rank, role=sp.role.value,
+                                 step=beat.step, mono=beat.mono)
+            if self.catch_up_step is not None and beat.step >= self.catch_up_step:
+                self.events.emit("caught_up", sp.generation, rank=slot.rank, step=beat.step,
+                                 mono=beat.mono)
+                self.catch_up_step = None
 
     def _on_signals(self) -> None:
         try:

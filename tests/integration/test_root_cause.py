@@ -35,7 +35,8 @@ def test_root_cause_is_the_killed_rank_not_its_peers(tmp_path, out_dir):
 def test_time_triggered_signal_injection(tmp_path, out_dir):
     ev = tmp_path / "ev.jsonl"
     r = run(leto_cmd("--no-status", "--nproc-per-node", "2", "--events", str(ev),
-                     "--inject", "signal=SIGSEGV:rank=0:after=1s", str(SCRIPTS / "tree.py")),
+                     "--shutdown-timeout", "1", "--inject", "signal=SIGSEGV:rank=0:after=1s",
+                     str(SCRIPTS / "tree.py")),
             base_env(out_dir))
     assert r.returncode == 1
     assert "Signal 11 (SIGSEGV)" in root_section(r.stderr)

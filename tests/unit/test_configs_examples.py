@@ -52,8 +52,8 @@ def test_restart_demo():
     assert c.rendezvous.standalone and c.rendezvous.backend == "c10d"
     assert c.logs.tee == "3"
     (spec,) = c.inject
-    assert (spec.kind, spec.rank, spec.after_s, spec.attempt, spec.signal) == \
-        (InjectKind.KILL, 1, 2.0, 0, 9)
+    assert (spec.kind, spec.rank, spec.step, spec.after_s, spec.attempt, spec.signal) == \
+        (InjectKind.KILL, 1, 23, None, 0, 9)
 
 
 def test_restart_demo_cli_overrides(tmp_path):

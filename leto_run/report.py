@@ -1,0 +1,104 @@
+"""The recovery report: what each failure cost, phase by phase, computed from the event log.
+
+A pure function of the event records (the same JSONL that `--events` writes), so benchmarks and
+tests compute exactly what the user sees.  Phases of one restart-mode recovery:
+
+  injected/failed -> detected -> group stopped -> rendezvous done -> workers spawned
+  -> first heartbeat (training resumed, at step R) -> back at the pre-failure step F
+
+`recomputed` = F - R steps were trained twice (restart mode reloads the script's last
+checkpoint; in-place recovery, a later issue, makes this zero).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Recovery:
+    index: int
+    rank: int
+    how: str
+    generation_from: int
+    generation_to: int | None
+    failed_step: int | None
+    injected: str | None
+    detect_s: float | None          # injection -> detection (None when not injected)
+    stop_s: float | None            # detection -> every worker of the group stopped
+    rendezvous_s: float | None      # stopped -> next rendezvous round complete
+    spawn_s: float | None           # detection -> new workers spawned
+    resume_s: float | None          # detection -> first heartbeat of the new generation
+    resumed_step: int | None
+    caught_up_s: float | None       # detection -> back at the failed step
+    recomputed_steps: int | None
+
+
+def _first(evs, pred):
+    return next((e for e in evs if pred(e)), None)
+
+
+def recoveries(events: list[dict]) -> list[Recovery]:
+    out: list[Recovery] = []
+    fails = [e for e in events if e["event"] == "failure_detected"]
+    seen_gen: set[int] = set()
+    for f in fails:
+        gen = f["generation"]
+        if gen in seen_gen:          # one recovery per generation: the first failure is the cause
+            continue
+        seen_gen.add(gen)
+        t = f["mono"]
+        inj = _first(events, lambda e: e["event"] == "inject" and e.get("rank") == f["rank"]
+                     and e["generation"] == gen and e["mono"] <= t + 1e-3)
+        stop = _first(events, lambda e: e["event"] == "stop" and e["generation"] == gen)
+        stopped = [e for e in events if e["event"] == "exit" and e["generation"] == gen]
+        rdzv = _first(events, lambda e: e["event"] == "rendezvous" and e["generation"] == gen + 1)
+        spawn = _first(events, lambda e: e["event"] == "spawn" and e["generation"] == gen + 1)
+        resumed = _first(events, lambda e: e["event"] == "resumed" and e["generation"] == gen + 1)
+        caught = _first(events, lambda e: e["event"] == "caught_up" and e["generation"] == gen + 1)
+        failed_step = f.get("step")
+        stop_end = max((e["mono"] for e in stopped), default=None) if stop else None
+
+        def dt(e):
+            return None if e is None else e["mono"] - t
+
+        out.append(Recovery(
+            index=len(out) + 1, rank=f["rank"], how=f["how"], generation_from=gen,
+            generation_to=gen + 1 if spawn else None, failed_step=failed_step,
+            injected=inj.get("spec") if inj else None,
+            detect_s=(t - inj["mono"]) if inj else None,
+            stop_s=None if stop_end is None else stop_end - t,
+            rendezvous_s=None if rdzv is None else rdzv.get("seconds"),
+            spawn_s=dt(spawn), resume_s=dt(resumed),
+            resumed_step=resumed.get("step") if resumed else None,
+            caught_up_s=dt(caught),
+            recomputed_steps=(failed_step - resumed["step"]
+                              if resumed and failed_step is not None
+                              and resumed.get("step") is not None else None)))
+    return out
+
+
+def _ms(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def format_report(events: list[dict]) -> str:
+    recs = recoveries(events)
+    if not recs:
+        return ""
+    lines = ["", "Recovery report (restart mode: stop all, rendezvous, respawn, reload checkpoint)"]
+    for r in recs:
+        head = (f"  #{r.index} generation {r.generation_from}->"
+                f"{r.generation_to if r.generation_to is not None else 'end'}: rank {r.rank} "
+                f"{r.how}" + (f" at step {r.failed_step}" if r.failed_step is not None else ""))
+        if r.injected:
+            head += f"  [injected: {r.injected}]"
+        lines.append(head)
+        lines.append(
+            f"     detection {_ms(r.detect_s)} | group stopped +{_ms(r.stop_s)} | rendezvous "
+            f"{_ms(r.rendezvous_s)} | respawned +{_ms(r.spawn_s)} | training resumed "
+            f"+{_ms(r.resume_s)}" + (f" at step {r.resumed_step}" if r.resumed_step is not None else "")
+            + f" | back at step {r.failed_step} +{_ms(r.caught_up_s)}"
+            + (f" | recomputed {r.recomputed_steps} step(s)" if r.recomputed_steps is not None else ""))
+    return "\n".join(lines)

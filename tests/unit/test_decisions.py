@@ -1,0 +1,64 @@
+"""Pure decision functions and the slot state machine (no processes)."""
+import pytest
+
+from leto_run.decisions import Action, decide_group, hang_verdict
+from leto_run.slot import IllegalTransition, ProcState, SlotProcess, SlotRole
+
+R, S, F = ProcState.RUNNING, ProcState.SUCCEEDED, ProcState.FAILED
+
+
+def test_success_needs_every_worker():
+    assert decide_group([S, S], [], 0, 0).action == Action.SUCCEED
+    assert decide_group([S, R], [], 0, 0).action == Action.CONTINUE
+
+
+def test_failure_restarts_while_budget_remains():
+    d = decide_group([F, R], [1], remaining_restarts=2, max_restarts=3)
+    assert d.action == Action.RESTART and d.counts_as_restart
+    assert "rank 1 failed" in d.reason and "restart 2 of 3" in d.reason
+
+
+def test_failure_gives_up_with_reason():
+    d = decide_group([F, R], [0], remaining_restarts=0, max_restarts=0)
+    assert d.action == Action.GIVE_UP and "--max-restarts 0" in d.reason
+    d = decide_group([F, R], [0], remaining_restarts=0, max_restarts=2)
+    assert d.action == Action.GIVE_UP and "all 2 restarts used" in d.reason
+
+
+def test_waiting_nodes_restart_without_counting():
+    d = decide_group([R, R], [], 0, 0, nodes_waiting=1)
+    assert d.action == Action.RESTART and not d.counts_as_restart
+
+
+def test_failure_wins_over_success_of_others():
+    assert decide_group([S, F], [1], 0, 0).action == Action.GIVE_UP
+
+
+def test_hang_verdict():
+    assert hang_verdict(10.0, None, None, 5.0)[0] is False        # no heartbeat yet
+    assert hang_verdict(10.0, 12.0, 7.0, 5.0)[0] is False
+    hung, why = hang_verdict(12.5, 12.0, 7.0, 5.0)
+    assert hung and "5.5 s" in why
+    assert hang_verdict(100.0, 12.0, 7.0, 0.0)[0] is False       # disabled
+
+
+class _P:
+    pid = 1
+
+
+def _sp():
+    return SlotProcess(role=SlotRole.ACTIVE, generation=0, attempt=0, proc=_P(), error_file="")
+
+
+def test_transitions_and_illegal_moves():
+    sp = _sp()
+    sp.on_beat(3, now=1.0, hang_timeout=5.0)
+    assert sp.state == R and sp.step == 3 and sp.hang_deadline == 6.0
+    sp.move(ProcState.STOPPING)
+    sp.move(ProcState.STOPPED)
+    with pytest.raises(IllegalTransition):
+        sp.move(R)
+    sp2 = _sp()
+    sp2.move(F)
+    with pytest.raises(IllegalTransition):
+        sp2.move(S)

@@ -1,0 +1,65 @@
+"""The agent's heartbeat socket accepts only well-formed datagrams from registered pids."""
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from leto_run.heartbeat import HeartbeatServer
+from leto_runtime import contract as C
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = HeartbeatServer(str(tmp_path / "hb.sock"))
+    yield s
+    s.close()
+
+
+def send(path, payload: bytes):
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    c.sendto(payload, path)
+    c.close()
+
+
+def beat(**kw):
+    msg = {"v": C.HEARTBEAT_VERSION, "kind": "beat", "rank": 0, "role": "active", "gen": 0,
+           "pid": 1, "step": 7}
+    msg.update(kw)
+    return json.dumps(msg).encode()
+
+
+def test_socket_is_private(server):
+    assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o600
+
+
+def test_accepts_registered_pid_using_kernel_credentials(server):
+    send(server.path, beat(pid=999999))       # the payload's pid is ignored
+    beats = server.drain({os.getpid()})
+    assert len(beats) == 1 and beats[0].pid == os.getpid() and beats[0].step == 7
+
+
+def test_rejects_unregistered_pid(server):
+    send(server.path, beat())
+    assert server.drain({os.getpid() + 1}) == [] and server.rejected == 1
+
+
+@pytest.mark.parametrize("payload", [
+    b"not json", b"[1,2]", beat(v=99), beat(kind="evil"), b"x" * (C.HEARTBEAT_MAX_BYTES + 10),
+    json.dumps({"v": 1, "kind": "beat", "rank": "zero"}).encode(),
+])
+def test_rejects_malformed(server, payload):
+    send(server.path, payload)
+    assert server.drain({os.getpid()}) == []
+    assert server.rejected == 1
+
+
+def test_other_process_pid_is_what_counts(server):
+    code = ("import socket,sys; c=socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); "
+            f"c.sendto({beat()!r}, sys.argv[1])")
+    p = subprocess.run([sys.executable, "-c", code, server.path], timeout=30)
+    assert p.returncode == 0
+    assert server.drain({os.getpid()}) == []       # came from the child's pid, not ours

@@ -1,0 +1,46 @@
+"""The env writer and reader agree (round trip through the contract), without processes."""
+from leto_run.worker_env import WorkerEnvSpec, WorkerIdentity, build_worker_env, default_omp_threads
+from leto_runtime import Context
+from leto_runtime import contract as C
+
+
+def spec(**kw):
+    ident = WorkerIdentity(local_rank=1, global_rank=5, role_rank=5, world_size=8, role_world_size=8,
+                           local_world_size=4, group_rank=1, group_world_size=2, role_name="default")
+    base = dict(identity=ident, master_addr="h", master_port=1234, restart_count=2, max_restarts=3,
+                run_id="rid", use_agent_store=True, error_file="/e.json",
+                signals_to_handle="SIGTERM,SIGINT", slot_role="active", generation=4, run_dir="/r",
+                heartbeat_socket="/r/hb.sock", hang_timeout=7.5, recovery="restart", node="n",
+                job_token="tok", dump_signal=C.DUMP_SIGNAL,
+                inject_plan=({"kind": "kill", "rank": 5, "step": 3, "signal": 9, "text": "kill:rank=5:step=3"},))
+    base.update(kw)
+    return WorkerEnvSpec(**base)
+
+
+def test_round_trip():
+    env = build_worker_env({"PATH": "/bin"}, spec())
+    assert env["PATH"] == "/bin" and env["RANK"] == "5" and env["LOCAL_RANK"] == "1"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    ctx = Context.from_env(env)
+    assert (ctx.rank, ctx.local_rank, ctx.world_size, ctx.restart_count) == (5, 1, 8, 2)
+    assert ctx.under_leto and ctx.generation == 4 and ctx.hang_timeout == 7.5
+    assert ctx.inject_plan[0]["step"] == 3
+
+
+def test_user_nccl_setting_is_kept():
+    env = build_worker_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}, spec())
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
+def test_plain_torchrun_env_reads_as_not_leto():
+    ctx = Context.from_env({"RANK": "0", "WORLD_SIZE": "1"})
+    assert not ctx.under_leto and ctx.inject_plan == ()
+
+
+def test_omp_rule():
+    env = {}
+    assert default_omp_threads(env, 1) is None and env == {}
+    assert default_omp_threads(env, 2) and env["OMP_NUM_THREADS"] == "1"
+    env2 = {"OMP_NUM_THREADS": "4"}
+    assert default_omp_threads(env2, 8) is None and env2["OMP_NUM_THREADS"] == "4"
