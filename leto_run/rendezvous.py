@@ -83,8 +83,10 @@ def next_round(handler: RendezvousHandler, *, round_no: int, restart_count: int,
     ids = assign_ranks(store, round_no=round_no, group_rank=group_rank,
                        group_world_size=group_world_size, role=role,
                        local_world_size=local_world_size)
-    # The dynamic backends scope `store` to the round; static does not, hence the count in the key.
-    key = f"leto/worker_store/{restart_count}"
+    # The dynamic backends scope `store` to the round, so one key name is right for every node
+    # (their restart counts may differ: a membership restart does not count).  The static store
+    # is not scoped; there every node restarts on every failure, so the count agrees.
+    key = "leto/worker_store" + ("" if handler.get_backend() != "static" else f"/{restart_count}")
     server = None
     if group_rank == 0:
         server = TCPStore(host_name=addr, port=0, is_master=True, wait_for_workers=False,
