@@ -33,14 +33,19 @@ def _alive(pid: int) -> bool:
 def stop_processes(procs: list[Proc], *, grace: float, first_signal: int = signal.SIGTERM,
                    token_kv: str | None = None, escalate_fd: int | None = None,
                    log: Callable[[str], None] | None = None, kill_wait: float = 10.0) -> None:
+    # Signal first, look second: every millisecond before the SIGTERM is a millisecond the
+    # survivors spend blocked on a dead peer.  The descendant snapshot right after still sees
+    # the tree (a worker needs far longer than that to handle SIGTERM and exit), and anything
+    # orphaned in between reparents to us, the subreaper, so nothing is lost.
+    for p in procs:
+        if p.alive:
+            p.send_group(first_signal)
+    deadline = time.monotonic() + max(0.0, grace)
     descendants: set[int] = set()
     for p in procs:
         descendants |= p.snapshot_descendants()
-        if p.alive:
-            p.send_group(first_signal)
     if token_kv:
         descendants |= set(pids_with_token(token_kv))
-    deadline = time.monotonic() + max(0.0, grace)
     known = {p.pid for p in procs}
 
     def pending() -> list[Proc]:
