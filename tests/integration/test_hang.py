@@ -33,3 +33,22 @@ def test_no_false_hang_without_heartbeats(out_dir):
     r = run(leto_cmd("--no-status", "--hang-timeout", "0.5", str(SCRIPTS / "fail_until.py"), "0"),
             base_env(out_dir))
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_injected_hang_by_time_is_detected(tmp_path, out_dir):
+    """`hang:rank=1:after=2s`: the agent makes the runtime block the training loop (a real hang);
+    detection, stack dump and root cause follow as for any hang."""
+    logs, ev = tmp_path / "logs", tmp_path / "ev.jsonl"
+    r = run(leto_cmd("--no-status", "--nproc-per-node", "2", "--hang-timeout", "1.5",
+                     "--log-dir", str(logs), "-r", "2", "--events", str(ev),
+                     "--inject", "hang:rank=1:after=2s", str(SCRIPTS / "hang.py"), "100000"),
+            base_env(out_dir), timeout=90)
+    assert r.returncode == 1, r.stderr[-3000:]
+    evs = events(ev)
+    inj = [e for e in evs if e["event"] == "inject"][0]
+    hang = [e for e in evs if e["event"] == "hang_detected"][0]
+    assert hang["rank"] == 1 and inj["rank"] == 1
+    # The deadline runs from the last heartbeat, one 50 ms step before the injection.
+    assert 1.4 <= hang["mono"] - inj["mono"] < 5
+    err = next(logs.glob("*/attempt_0/1/stderr.log")).read_text()
+    assert "injected hang" in err and "_block_forever" in err

@@ -72,3 +72,16 @@ def test_script_args_that_look_like_options(out_dir):
             base_env(out_dir))
     assert r.returncode == 0 and (out_dir / "hello_0").read_text() == "--nproc-per-node 7 -m"
     assert not (out_dir / "hello_1").exists()
+
+
+def test_status_views(out_dir):
+    """--status draws the live table (ranks, roles, state, step); --no-status prints plain
+    state-change lines instead."""
+    r = run(leto_cmd("--status", "--nproc-per-node", "2", str(SCRIPTS / "fail_until.py"), "0"),
+            base_env(out_dir))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "generation 0" in r.stderr and "last heartbeat" in r.stderr
+    assert "[leto-run status" not in r.stderr
+    r = run(leto_cmd("--no-status", "--nproc-per-node", "2", str(SCRIPTS / "fail_until.py"), "0"),
+            base_env(out_dir))
+    assert "rank 1 active" in r.stderr and "succeeded" in r.stderr

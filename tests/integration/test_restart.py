@@ -54,3 +54,13 @@ def test_restart_with_gloo_reforms_the_group(out_dir):
         world, total, attempt = (out_dir / "result").read_text().split()
         assert (world, attempt) == ("2", "1")
         assert float(total) == sum(2 * s + 3 for s in range(5))
+
+
+def test_restart_with_static_rendezvous(out_dir):
+    """Static backend (--master-port given): same restart semantics on the fixed store."""
+    from conftest import free_port
+    r = run(leto_cmd("--no-status", "--master-port", str(free_port()), "--nproc-per-node", "2",
+                     "--max-restarts", "1", "--inject", "kill:rank=0:step=3",
+                     str(SCRIPTS / "allreduce.py")), base_env(out_dir), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (out_dir / "result").read_text().split()[2] == "1"
