@@ -75,7 +75,11 @@ def next_round(handler: RendezvousHandler, *, round_no: int, restart_count: int,
     try:
         info = handler.next_rendezvous()
     except Exception as e:
-        raise RendezvousFailed(f"rendezvous round {round_no} failed: {type(e).__name__}: {e}") from e
+        detail = str(e).strip() or (
+            "not enough nodes joined in time; check that every node uses the same "
+            "--rdzv-endpoint and --rdzv-id, or raise --rdzv-conf join_timeout=SECONDS")
+        raise RendezvousFailed(f"rendezvous round {round_no} failed: {type(e).__name__}: "
+                               f"{detail}") from e
     store = info.store
     group_rank, group_world_size = info.rank, info.world_size
     addr = master_addr or info.bootstrap_store_info.master_addr
