@@ -77,7 +77,8 @@ def worker_argv(cfg: JobConfig) -> list[str]:
 class Agent:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
-        self.node = cfg.rendezvous.local_addr or socket.getfqdn()
+        self.host = socket.getfqdn()
+        self.node = cfg.rendezvous.local_addr or self.host
         self.token = secrets.token_hex(12)
         # Forked first: no threads exist yet (fork safety), and it must outlive a kill -9 of us.
         self.guardian = start_guardian(job_token_kv(self.token))
@@ -331,7 +332,7 @@ class Agent:
                                 role=sp.role.value, generation=sp.generation,
                                 attempt=sp.attempt, pid=sp.proc.pid, exitcode=exitcode,
                                 how=how, error_file=sp.error_file, wall=time.time(),
-                                mono=mono, note=note)
+                                mono=mono, host=self.host, note=note)
         if not self.failures and sp.step is not None:
             self.catch_up_step = sp.step
         self.failures.append(rec)

@@ -35,7 +35,10 @@ class FailureRecord:
 
 def failure_from_exit(*, rank: int, local_rank: int, role: str, generation: int, attempt: int,
                       pid: int, exitcode: int, how: str, error_file: str, wall: float,
-                      mono: float, note: str | None = None) -> FailureRecord:
+                      mono: float, host: str | None = None,
+                      note: str | None = None) -> FailureRecord:
+    """`host` defaults to the FQDN; callers on the hot path pass a cached one (a resolver
+    lookup can take milliseconds, paid before the surviving ranks are told to stop)."""
     pf = ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode, error_file=error_file)
     msg = pf.message
     if isinstance(msg, dict):                     # {"message": ..., "extraInfo": {"py_callstack"}}
@@ -44,7 +47,7 @@ def failure_from_exit(*, rank: int, local_rank: int, role: str, generation: int,
     if note:
         msg = f"{note}\n{msg}" if msg else note
     return FailureRecord(rank=rank, local_rank=local_rank, role=role, generation=generation,
-                         attempt=attempt, host=socket.getfqdn(), pid=pid, exitcode=exitcode,
+                         attempt=attempt, host=host or socket.getfqdn(), pid=pid, exitcode=exitcode,
                          how=how, error_file=error_file, message=str(msg), wall=wall, mono=mono)
 
 

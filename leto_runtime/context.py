@@ -37,6 +37,7 @@ class Context:
     recovery: str
     dump_signal: int
     inject_plan: tuple[dict, ...]
+    sm_socket: str | None = None    # the state manager's socket (None: no memory pool)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Context":
@@ -63,4 +64,5 @@ class Context:
             recovery=env.get(C.LETO_RECOVERY, "restart"),
             dump_signal=i(C.LETO_DUMP_SIGNAL, C.DUMP_SIGNAL),
             inject_plan=tuple(json.loads(plan_text)),
+            sm_socket=(env.get(C.LETO_SM_SOCKET) or None) if under else None,
         )

@@ -51,6 +51,7 @@ LETO_RECOVERY = "LETO_RECOVERY"                   # inplace | restart
 LETO_NODE = "LETO_NODE"                           # host name the agent reports for this node
 LETO_JOB_TOKEN = "LETO_JOB_TOKEN"                 # random per leto-run; marks every descendant for cleanup
 LETO_DUMP_SIGNAL = "LETO_DUMP_SIGNAL"             # signal number that makes the runtime dump Python stacks
+LETO_SM_SOCKET = "LETO_SM_SOCKET"                 # this rank slot's state-manager socket (Resilient Memory Pool)
 
 CONTRACT_VERSION = 1
 
