@@ -1,0 +1,305 @@
+"""The state manager's metadata: retained states, their pages, protection groups, failure marks.
+
+Role: the pure data half of the pool (no fds, no syscalls).  `pool.Pool` mutates it under its
+lock and ships a `snapshot()` to the agent's fd keeper after every change, so a restarted state
+manager rebuilds exactly this from `PoolMeta.from_snapshot()` plus the kept fds.
+
+Layout (DESIGN.md §5, PARITY.md): a *protected* state's data pages are cut into protection
+groups of up to D pages (the last group may be shorter: the code works for any k); each group
+owns H1 tier-1 and H2 tier-2 parity pages in host memory, of the state's page size.  Pages are
+named by pool-wide integer ids; where a page sits (state, role, group, index) is derived from the
+states, so the snapshot carries only ids, flags and the geometry (32,768 pages ~ 200 KB).
+
+Page flags:
+  failed       contents lost; a protected page must be reconstructed before use
+  needs_remap  the physical memory is unusable; `remap` replaces it with fresh memory
+  poisoned     the poison registry (injected host faults; DESIGN.md §5 -- this kernel cannot
+               poison pages for real); consulted next to the madvise scan
+  retired      emulated GPU page retirement: the page has no fd any more (see pool.py)
+
+Calling contract: not thread-safe on its own (the pool holds a lock); `from_snapshot` validates
+everything it reads and raises `SnapshotError` rather than guess.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Iterator
+
+SNAPSHOT_VERSION = 1
+NAME_RE = re.compile(r"[A-Za-z0-9_.:/@+=-]{1,200}")
+DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+          "float64", "bool")
+MAX_STATE_BYTES = 1 << 42         # 4 TiB: a sanity bound on requests, far above any GPU
+
+
+class SnapshotError(ValueError):
+    """A keeper snapshot that this state manager cannot trust (version, geometry, shape)."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Protection-group shape: D data pages, H1 tier-1 and H2 tier-2 parity pages of S bytes."""
+
+    data_pages: int = 1024
+    tier1: int = 16
+    tier2: int = 1
+    page_bytes: int = 2 << 20
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.data_pages < 1:
+            out.append(f"data_pages={self.data_pages} must be >= 1")
+        if not 1 <= self.tier1 <= 16:
+            out.append(f"tier1={self.tier1} must be 1..16 (the codec's exponent window)")
+        if not 0 <= self.tier2 <= min(16, self.tier1):
+            out.append(f"tier2={self.tier2} must be 0..min(16, tier1)")
+        if self.page_bytes < 1024 or self.page_bytes % 4096:
+            out.append(f"page_bytes={self.page_bytes} must be a positive multiple of 4096 "
+                       "(memory pages; the codec needs multiples of 1024)")
+        if self.data_pages + self.tier1 > 65535:
+            out.append("data_pages + tier1 must be <= 65535 (GF(2^16) code length)")
+        return out
+
+    def to_json(self) -> dict:
+        return {"data_pages": self.data_pages, "tier1": self.tier1, "tier2": self.tier2,
+                "page_bytes": self.page_bytes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Geometry":
+        try:
+            g = cls(**{k: int(d[k]) for k in ("data_pages", "tier1", "tier2", "page_bytes")})
+        except (KeyError, TypeError, ValueError) as e:
+            raise SnapshotError(f"bad geometry {d!r}: {e}") from None
+        if g.problems():
+            raise SnapshotError("; ".join(g.problems()))
+        return g
+
+
+@dataclass
+class Group:
+    id: int                      # pool-wide group number (what `--inject pages:group=G` names)
+    first: int                   # index of its first data page in the state
+    k: int                       # data pages in this group (<= D)
+    p1: list[int]                # tier-1 parity page ids (H1)
+    p2: list[int]                # tier-2 parity page ids (H2)
+
+    def to_json(self) -> list:
+        return [self.id, self.first, self.k, self.p1, self.p2]
+
+
+@dataclass
+class State:
+    name: str
+    nbytes: int
+    kind: str                    # model | process
+    protected: bool
+    tier: str                    # device | host (where the data pages live)
+    page_bytes: int
+    dtype: str | None
+    shape: list[int] | None
+    data: list[int]              # page ids, in address order
+    groups: list[Group] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "nbytes": self.nbytes, "kind": self.kind,
+                "protected": self.protected, "tier": self.tier, "page_bytes": self.page_bytes,
+                "dtype": self.dtype, "shape": self.shape, "data": self.data,
+                "groups": [g.to_json() for g in self.groups]}
+
+
+@dataclass
+class Flags:
+    failed: bool = False
+    needs_remap: bool = False
+    poisoned: bool = False
+    retired: bool = False
+
+    def any(self) -> bool:
+        return self.failed or self.needs_remap or self.poisoned or self.retired
+
+    def to_json(self) -> str:
+        return "".join(c for c, on in zip("fnpr", (self.failed, self.needs_remap, self.poisoned,
+                                                   self.retired)) if on)
+
+    @classmethod
+    def from_json(cls, s: str) -> "Flags":
+        if not isinstance(s, str) or set(s) - set("fnpr"):
+            raise SnapshotError(f"bad page flags {s!r}")
+        return cls("f" in s, "n" in s, "p" in s, "r" in s)
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a page sits: `role` data (index in the state) or p1/p2 (index in group `group`)."""
+
+    state: str
+    role: str                    # data | p1 | p2
+    index: int
+    group: int | None            # group *position* in the state (0-based), None for unprotected data
+    tier: str                    # device | host
+
+    def describe(self) -> dict:
+        return {"state": self.state, "role": self.role, "index": self.index, "group": self.group,
+                "tier": self.tier}
+
+
+def pages_needed(nbytes: int, page_bytes: int) -> int:
+    return max(1, math.ceil(nbytes / page_bytes))
+
+
+class PoolMeta:
+    """All metadata of one pool.  `version` counts mutations (the keeper keeps the newest)."""
+
+    def __init__(self, geometry: Geometry, device_page_bytes: int):
+        self.geometry = geometry
+        self.device_page_bytes = device_page_bytes
+        self.states: dict[str, State] = {}
+        self.flags: dict[int, Flags] = {}
+        self.where: dict[int, Where] = {}
+        self.next_page = 1
+        self.next_group = 0
+        self.version = 0
+
+    # ---- construction ----------------------------------------------------------------------
+    def new_page_id(self) -> int:
+        pid = self.next_page
+        self.next_page += 1
+        return pid
+
+    def plan_state(self, name: str, nbytes: int, kind: str, protected: bool, tier: str,
+                   dtype: str | None, shape: list[int] | None) -> State:
+        """A new State with fresh page and group ids (not yet added; `add_state` does)."""
+        page = self.device_page_bytes if tier == "device" else self.geometry.page_bytes
+        n = pages_needed(nbytes, page)
+        st = State(name, nbytes, kind, protected, tier, page, dtype, shape,
+                   [self.new_page_id() for _ in range(n)])
+        if protected:
+            D, H1, H2 = self.geometry.data_pages, self.geometry.tier1, self.geometry.tier2
+            for first in range(0, n, D):
+                st.groups.append(Group(self.next_group, first, min(D, n - first),
+                                       [self.new_page_id() for _ in range(H1)],
+                                       [self.new_page_id() for _ in range(H2)]))
+                self.next_group += 1
+        return st
+
+    def add_state(self, st: State) -> None:
+        self.states[st.name] = st
+        self._index_state(st)
+        self.version += 1
+
+    def remove_state(self, name: str) -> list[int]:
+        st = self.states.pop(name)
+        ids = list(self.page_ids(st))
+        for pid in ids:
+            self.where.pop(pid, None)
+            self.flags.pop(pid, None)
+        self.version += 1
+        return ids
+
+    def _index_state(self, st: State) -> None:
+        covered = set()
+        for gi, g in enumerate(st.groups):
+            covered.update(range(g.first, g.first + g.k))
+            for role, ids in (("p1", g.p1), ("p2", g.p2)):
+                for i, pid in enumerate(ids):
+                    self.where[pid] = Where(st.name, role, i, gi, "host")
+        gi_of = {}
+        for gi, g in enumerate(st.groups):
+            for i in range(g.first, g.first + g.k):
+                gi_of[i] = gi
+        for i, pid in enumerate(st.data):
+            self.where[pid] = Where(st.name, "data", i, gi_of.get(i), st.tier)
+        if st.protected and covered != set(range(len(st.data))):
+            raise SnapshotError(f"state {st.name!r}: groups do not cover its pages exactly")
+
+    # ---- queries ---------------------------------------------------------------------------
+    @staticmethod
+    def page_ids(st: State) -> Iterator[int]:
+        yield from st.data
+        for g in st.groups:
+            yield from g.p1
+            yield from g.p2
+
+    def all_page_ids(self) -> list[int]:
+        return [pid for st in self.states.values() for pid in self.page_ids(st)]
+
+    def flag(self, pid: int) -> Flags:
+        f = self.flags.get(pid)
+        if f is None:
+            f = self.flags[pid] = Flags()
+        return f
+
+    def clean_flags(self) -> None:
+        for pid in [p for p, f in self.flags.items() if not f.any()]:
+            del self.flags[pid]
+
+    def group_by_id(self, gid: int) -> tuple[State, int, Group]:
+        for st in self.states.values():
+            for gi, g in enumerate(st.groups):
+                if g.id == gid:
+                    return st, gi, g
+        raise KeyError(gid)
+
+    def marks(self, st: State) -> dict:
+        """Failure marks of one state: {"data": [i], "p1": {gi: [i]}, "p2": {gi: [i]}, ...}."""
+        out: dict = {"data": [], "p1": {}, "p2": {}, "unmapped": []}
+        for pid, f in self.flags.items():
+            w = self.where.get(pid)
+            if w is None or w.state != st.name:
+                continue
+            if f.needs_remap or f.retired:
+                out["unmapped"].append([w.role, w.group, w.index])
+            if not f.failed:
+                continue
+            if w.role == "data":
+                out["data"].append(w.index)
+            else:
+                out[w.role].setdefault(str(w.group), []).append(w.index)
+        out["data"].sort()
+        for role in ("p1", "p2"):
+            for v in out[role].values():
+                v.sort()
+        out["unmapped"].sort(key=lambda x: (x[0], -1 if x[1] is None else x[1], x[2]))
+        return out
+
+    # ---- snapshot --------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        self.clean_flags()
+        return {"snapshot_version": SNAPSHOT_VERSION, "version": self.version,
+                "geometry": self.geometry.to_json(), "device_page_bytes": self.device_page_bytes,
+                "next_page": self.next_page, "next_group": self.next_group,
+                "states": [st.to_json() for st in self.states.values()],
+                "flags": {str(pid): f.to_json() for pid, f in self.flags.items()}}
+
+    @classmethod
+    def from_snapshot(cls, d: dict) -> "PoolMeta":
+        if not isinstance(d, dict) or d.get("snapshot_version") != SNAPSHOT_VERSION:
+            raise SnapshotError(f"snapshot version {d.get('snapshot_version') if isinstance(d, dict) else d!r}"
+                                f" is not {SNAPSHOT_VERSION}")
+        try:
+            meta = cls(Geometry.from_json(d["geometry"]), int(d["device_page_bytes"]))
+            meta.next_page, meta.next_group = int(d["next_page"]), int(d["next_group"])
+            meta.version = int(d["version"])
+            for s in d["states"]:
+                groups = [Group(int(g[0]), int(g[1]), int(g[2]), [int(x) for x in g[3]],
+                                [int(x) for x in g[4]]) for g in s["groups"]]
+                st = State(str(s["name"]), int(s["nbytes"]), str(s["kind"]), bool(s["protected"]),
+                           str(s["tier"]), int(s["page_bytes"]), s["dtype"], s["shape"],
+                           [int(x) for x in s["data"]], groups)
+                if st.name in meta.states:
+                    raise SnapshotError(f"state {st.name!r} appears twice")
+                meta.states[st.name] = st
+                meta._index_state(st)
+            for k, v in d["flags"].items():
+                if int(k) in meta.where:
+                    meta.flags[int(k)] = Flags.from_json(v)
+        except SnapshotError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise SnapshotError(f"malformed snapshot: {type(e).__name__}: {e}") from None
+        ids = meta.all_page_ids()
+        if len(ids) != len(set(ids)) or (ids and max(ids) >= meta.next_page):
+            raise SnapshotError("page ids repeat or exceed next_page")
+        return meta

@@ -1,0 +1,445 @@
+"""Page owners and the pool: the memory the state manager holds, as file descriptors only.
+
+Role: everything the state manager does to memory.  `Pool` keeps the metadata (`metadata.py`),
+one fd per page, and the link to the agent's fd keeper; every mutation ends in `_commit`, which
+hands the keeper duplicates of new fds and the new metadata snapshot *before* the client hears
+about it, so a state manager killed at any point restarts with consistent memory and metadata.
+
+Page owners:
+* `MemfdPages`: host pages (retained host state and all parity) and, on machines without CUDA,
+  the stand-in for device pages (DESIGN.md §9).  Created with memfd_create, sized, and
+  fallocate'd so that "out of memory" is an allocation error, not a later SIGBUS.
+* `CudaPages`: one cuMemCreate allocation per page with POSIX-fd handles, exported, then the
+  handle is released: the fd alone keeps the memory (MECHANICS.md §1).  Only context-free
+  driver calls are made (cuInit, device attributes, granularity, cuMemCreate, export): the
+  state manager never creates a CUDA context and uses 0 bytes of HBM for itself.
+
+Emulated faults (`inject`; DESIGN.md §5 -- the recovery path must not be able to tell them from
+real ones):
+* host page: contents overwritten with random bytes, page entered into the poison registry
+  (the `poisoned` flag), which localization consults next to the real madvise scan;
+* CPU stand-in device page: random bytes, then the memfd is truncated to 0 bytes, so every
+  mapping of it -- a live trainer's too -- traps (SIGBUS) and MADV_POPULATE_READ fails with
+  EFAULT: the client finds it by a real probe;
+* GPU page: the state manager drops its fd and the keeper's (emulated retirement: the physical
+  page goes away with the last live mapping); the next importer gets no mapping for that page,
+  and cuPointerGetAttribute fails on it.  Live mappings keep working until their process ends:
+  a GPU page fault takes effect at the next attach.
+
+Calling contract: every public method is called with `self.lock` held by the server (one
+operation at a time); errors are `leto_runtime.rmp.protocol` typed errors.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import resource
+import threading
+import time
+from typing import Callable
+
+from leto_run.state_manager.metadata import NAME_RE, DTYPES, MAX_STATE_BYTES, PoolMeta, State
+from leto_runtime.rmp import protocol as P
+from leto_runtime.rmp.mapping import HostMapping
+
+FD_RESERVE = 64 + 2 * P.MAX_FDS_PER_MESSAGE      # sockets, logs and one fd train in flight
+
+
+def scramble(fd: int, nbytes: int) -> None:
+    """Destroy a memfd page's contents with random bytes (what an injected fault leaves)."""
+    chunk = os.urandom(min(nbytes, 1 << 20))
+    for off in range(0, nbytes, len(chunk)):
+        os.pwrite(fd, chunk[: nbytes - off], off)
+
+
+class MemfdPages:
+    """memfd pages.  `sealed`: no one can resize them (host pages); stand-in device pages stay
+    unsealed so an injected fault can truncate them."""
+
+    kind = "memfd"
+
+    def __init__(self, label: str, sealed: bool):
+        self.label, self.sealed = label, sealed
+
+    def create(self, nbytes: int) -> int:
+        fd = os.memfd_create(f"leto-{self.label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, nbytes)
+            os.posix_fallocate(fd, 0, nbytes)
+            if self.sealed:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+            return fd
+        except OSError as e:
+            os.close(fd)
+            raise P.PoolOutOfMemory(f"memfd page of {nbytes} bytes: {e.strerror}") from None
+
+    def info(self) -> dict:
+        return {"kind": "memfd"}
+
+
+class CudaPages:
+    """GPU pages through the CUDA driver's virtual-memory API, without a context."""
+
+    kind = "cuda"
+
+    def __init__(self, ordinal: int):
+        from leto_runtime.rmp.mapping import cuda_driver
+
+        try:
+            cu = cuda_driver()
+        except ImportError as e:
+            raise P.DeviceUnavailable(f"cuda-python is not installed ({e}); "
+                                      "pip install cuda-python matching the driver") from None
+        self.cu, self.ordinal = cu, ordinal
+        ok = cu.CUresult.CUDA_SUCCESS
+
+        def call(r, what):
+            if r[0] != ok:
+                raise P.DeviceUnavailable(f"GPU {ordinal}: {what} failed: {r[0]!r}")
+            return r[1] if len(r) == 2 else None
+
+        call(cu.cuInit(0), "cuInit")
+        count = call(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        if not 0 <= ordinal < count:
+            raise P.DeviceUnavailable(f"GPU {ordinal} does not exist ({count} visible)")
+        dev = call(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+        A = cu.CUdevice_attribute
+        attr = lambda a: call(cu.cuDeviceGetAttribute(a, dev), f"cuDeviceGetAttribute({a.name})")
+        if not attr(A.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED):
+            raise P.DeviceUnavailable(f"GPU {ordinal} does not support CUDA virtual memory "
+                                      "management (cuMemCreate); it cannot serve a memory pool")
+        if not attr(A.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED):
+            raise P.DeviceUnavailable(f"GPU {ordinal} cannot export memory as POSIX fds")
+        mode = attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_MODE)
+        if mode != int(cu.CUcomputemode.CU_COMPUTEMODE_DEFAULT):
+            raise P.DeviceUnavailable(
+                f"GPU {ordinal} is in compute mode {mode}, not DEFAULT: the state manager, the "
+                "active and the shadow trainer share the GPU; run `nvidia-smi -c DEFAULT`")
+        self.name = call(cu.cuDeviceGetName(64, dev), "cuDeviceGetName").split(b"\0")[0].decode()
+        p = cu.CUmemAllocationProp()
+        p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        p.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        p.location.id = ordinal
+        p.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self.prop = p
+        self.fd_type = p.requestedHandleTypes
+        self.granularity = int(call(cu.cuMemGetAllocationGranularity(
+            p, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+            "cuMemGetAllocationGranularity"))
+
+    def create(self, nbytes: int) -> int:
+        cu = self.cu
+        r = cu.cuMemCreate(nbytes, self.prop, 0)
+        if r[0] != cu.CUresult.CUDA_SUCCESS:
+            if r[0] == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+                raise P.PoolOutOfMemory(f"GPU {self.ordinal}: cuMemCreate({nbytes}) out of memory")
+            raise P.DeviceUnavailable(f"GPU {self.ordinal}: cuMemCreate({nbytes}): {r[0]!r}")
+        h = r[1]
+        try:
+            r = cu.cuMemExportToShareableHandle(h, self.fd_type, 0)
+            if r[0] != cu.CUresult.CUDA_SUCCESS:
+                raise P.DeviceUnavailable(f"GPU {self.ordinal}: export: {r[0]!r}")
+            fd = int(r[1])
+        finally:
+            cu.cuMemRelease(h)          # the exported fd alone keeps the memory
+        fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
+        return fd
+
+    def info(self) -> dict:
+        return {"kind": "cuda", "ordinal": self.ordinal, "name": self.name,
+                "granularity": self.granularity}
+
+
+def device_owner(spec: str, slot: int):
+    """`cpu` -> memfd stand-in; `cuda:N` -> GPU N; `auto` -> GPU `slot` if CUDA works, else cpu."""
+    if spec == "cpu":
+        return MemfdPages("device", sealed=False)
+    if spec.startswith("cuda:"):
+        return CudaPages(int(spec.split(":", 1)[1]))
+    if spec == "auto":
+        try:
+            return CudaPages(slot)
+        except P.DeviceUnavailable:
+            return MemfdPages("device", sealed=False)
+    raise ValueError(f"device {spec!r}: use cpu, cuda:N or auto")
+
+
+class Pool:
+    """Metadata + one fd per page + the keeper link.  See the module docstring."""
+
+    def __init__(self, meta: PoolMeta, device, keeper=None, log: Callable[[str], None] = print):
+        self.meta, self.device, self.keeper, self.log = meta, device, keeper, log
+        self.host = MemfdPages("host", sealed=True)
+        self.fds: dict[int, int] = {}
+        self.scan: dict[str, tuple[HostMapping, list[int]]] = {}   # the SM's view of host pages
+        self.lock = threading.RLock()
+        self.keeper_ok = keeper is not None
+        self.started = time.time()
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def owner(self, tier: str):
+        return self.device if tier == "device" else self.host
+
+    def snapshot(self) -> dict:
+        return {"meta": self.meta.snapshot(), "device": self.device.info()}
+
+    def _commit(self, put: dict[int, int] | None = None, drop: list[int] | None = None) -> None:
+        """Keeper first (dups of `put`, snapshot, `drop`), then close our fds of `drop`."""
+        if self.keeper is not None:
+            try:
+                self.keeper.commit(put or {}, drop or [], self.snapshot())
+                self.keeper_ok = True
+            except P.RmpError as e:
+                self.keeper_ok = False
+                self.log(f"WARNING: fd keeper unreachable ({e}); this memory would not survive "
+                         "a state-manager crash")
+                if put and isinstance(e, (P.BadFds, P.FdLimit)):
+                    raise P.FdLimit(f"the fd keeper could not take {len(put)} more fds: {e}")
+        for pid in drop or []:
+            fd = self.fds.pop(pid, None)
+            if fd is not None:
+                os.close(fd)
+
+    def _fd_budget(self, more: int) -> None:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if len(self.fds) + more + FD_RESERVE > soft:
+            raise P.FdLimit(f"{more} more pages would exceed RLIMIT_NOFILE={soft} "
+                            f"({len(self.fds)} page fds held); raise the limit (ulimit -n) or "
+                            "use larger pages", {"held": len(self.fds), "limit": soft})
+
+    def _scan_map(self, st: State) -> None:
+        ids = ([pid for pid in st.data] if st.tier == "host" else []) + \
+              [pid for g in st.groups for pid in g.p1 + g.p2]
+        if not ids:
+            return
+        hm = HostMapping(len(ids), st.page_bytes)
+        hm.map_pages((i, os.dup(self.fds[pid])) for i, pid in enumerate(ids) if pid in self.fds)
+        self.scan[st.name] = (hm, ids)
+
+    def restore(self, fds: dict[int, int]) -> list[int]:
+        """Adopt the keeper's fds for the current metadata; returns page ids found missing."""
+        want = set(self.meta.all_page_ids())
+        for pid, fd in fds.items():
+            if pid in want:
+                self.fds[pid] = fd
+            else:
+                os.close(fd)                          # a page the last snapshot never recorded
+        missing = [p for p in want if p not in self.fds and not self.meta.flag(p).retired]
+        for p in missing:
+            f = self.meta.flag(p)
+            f.failed = f.needs_remap = True
+        for st in self.meta.states.values():
+            self._scan_map(st)
+        self._commit(drop=[p for p in fds if p not in want])
+        return missing
+
+    # ---- operations ------------------------------------------------------------------------
+    def allocate(self, name: str, nbytes: int, kind: str, protected: bool, tier: str,
+                 dtype: str | None, shape: list[int] | None, exist_ok: bool) -> tuple[State, bool]:
+        if not NAME_RE.fullmatch(name):
+            raise P.BadArgument(f"name {name[:80]!r} must match {NAME_RE.pattern}")
+        if not 0 < nbytes <= MAX_STATE_BYTES:
+            raise P.BadArgument(f"nbytes={nbytes} must be 1..{MAX_STATE_BYTES}")
+        if kind not in P.KINDS or tier not in P.TIERS:
+            raise P.BadArgument(f"kind={kind!r} / tier={tier!r}: use {P.KINDS} / {P.TIERS}")
+        if dtype is not None and dtype not in DTYPES:
+            raise P.BadArgument(f"dtype={dtype!r} is not one of {DTYPES}")
+        old = self.meta.states.get(name)
+        if old is not None:
+            same = (old.nbytes, old.kind, old.protected, old.tier) == (nbytes, kind, protected, tier)
+            if not same:
+                raise P.SizeMismatch(f"state {name!r} exists with nbytes={old.nbytes} kind={old.kind} "
+                                     f"protected={old.protected} tier={old.tier}; asked for "
+                                     f"nbytes={nbytes} kind={kind} protected={protected} tier={tier}")
+            if not exist_ok:
+                raise P.AlreadyExists(f"state {name!r} exists; attach to it by name")
+            return old, False
+        st = self.meta.plan_state(name, nbytes, kind, protected, tier, dtype, shape)
+        ids = list(self.meta.page_ids(st))
+        self._fd_budget(len(ids))
+        made: dict[int, int] = {}
+        try:
+            for pid in st.data:
+                made[pid] = self.owner(tier).create(st.page_bytes)
+            for pid in ids[len(st.data):]:
+                made[pid] = self.host.create(st.page_bytes)
+            self.fds.update(made)
+            self.meta.add_state(st)
+            self._scan_map(st)
+            self._commit(put=made)
+        except BaseException:
+            hm = self.scan.pop(name, None)
+            if hm is not None:
+                hm[0].close()
+            for pid, fd in made.items():
+                self.fds.pop(pid, None)
+                os.close(fd)
+            if name in self.meta.states:
+                self.meta.remove_state(name)
+            raise
+        return st, True
+
+    def state(self, name: str) -> State:
+        st = self.meta.states.get(name)
+        if st is None:
+            raise P.UnknownName(f"no retained state named {name[:80]!r}",
+                                {"known": sorted(self.meta.states)[:50]})
+        return st
+
+    def describe(self, st: State) -> tuple[dict, list[int]]:
+        """The attach reply for `st` and the fds to send (data pages, then each group's p1, p2)."""
+        fds: list[int] = []
+
+        def slot(pid: int) -> int:
+            fd = self.fds.get(pid)
+            if fd is None:
+                return -1                 # retired (emulated) or lost: no memory to map
+            fds.append(fd)
+            return len(fds) - 1
+
+        d = {"name": st.name, "nbytes": st.nbytes, "kind": st.kind, "protected": st.protected,
+             "tier": st.tier, "page_bytes": st.page_bytes, "dtype": st.dtype, "shape": st.shape,
+             "n_pages": len(st.data), "data": [slot(p) for p in st.data],
+             "groups": [{"id": g.id, "first": g.first, "k": g.k, "p1": [slot(p) for p in g.p1],
+                         "p2": [slot(p) for p in g.p2]} for g in st.groups],
+             "marks": self.meta.marks(st), "geometry": self.meta.geometry.to_json(),
+             "device": self.device.info()}
+        return d, fds
+
+    def release(self, name: str) -> int:
+        st = self.state(name)
+        hm = self.scan.pop(name, None)
+        if hm is not None:
+            hm[0].close()
+        ids = self.meta.remove_state(name)
+        self._commit(drop=ids)
+        return len(ids)
+
+    def localize(self, device_failures: dict[str, list[int]]) -> dict:
+        from leto_run.state_manager.localize import localize
+
+        return localize(self, device_failures)
+
+    def remap(self, names: list[str] | None) -> tuple[list[dict], list[int]]:
+        """Fresh physical memory for every page that needs it; returns (entries, new fds)."""
+        todo = [(pid, w) for pid, w in self.meta.where.items()
+                if (names is None or w.state in names) and
+                (self.meta.flags.get(pid) and self.meta.flags[pid].needs_remap)]
+        for n in names or []:
+            self.state(n)
+        self._fd_budget(len(todo))
+        new: dict[int, int] = {}
+        try:
+            for pid, w in todo:
+                st = self.meta.states[w.state]
+                new[pid] = self.owner(w.tier).create(st.page_bytes)
+        except BaseException:
+            for fd in new.values():
+                os.close(fd)
+            raise
+        entries, out = [], []
+        for pid, w in todo:
+            old = self.fds.pop(pid, None)
+            self.fds[pid] = new[pid]
+            if old is not None:
+                os.close(old)
+            f = self.meta.flag(pid)
+            f.needs_remap = f.retired = f.poisoned = False
+            st = self.meta.states[w.state]
+            if not st.protected:
+                f.failed = False                   # nothing to rebuild: remapped without contents
+            if w.tier == "host" and w.state in self.scan:
+                hm, ids = self.scan[w.state]
+                hm.map_page(ids.index(pid), os.dup(new[pid]))
+            out.append(new[pid])
+            entries.append({**w.describe(), "fd": len(out) - 1, "contents": "reconstruct"
+                            if st.protected else "undefined"})
+        self.meta.version += 1
+        self._commit(put=new)
+        return entries, out
+
+    def all_marks(self) -> dict:
+        return {n: self.meta.marks(st) for n, st in self.meta.states.items()}
+
+    def clear_marks(self, name: str) -> int:
+        st = self.state(name)
+        n = 0
+        for pid in self.meta.page_ids(st):
+            f = self.meta.flags.get(pid)
+            if f and f.failed and not f.needs_remap:
+                f.failed = False
+                n += 1
+        self.meta.version += 1
+        self._commit()
+        return n
+
+    def inject(self, tier: str, count: int, first: int, part: str | None, group: int | None,
+               state: str | None) -> dict:
+        """Destroy and make unavailable `count` consecutive pages (see module docstring)."""
+        part = part or ("data" if tier == "device" else "p1")
+        if tier not in P.TIERS or part not in ("data", "p1", "p2") or count < 1 or first < 0:
+            raise P.BadArgument(f"inject: tier={tier!r} part={part!r} count={count} first={first}")
+        if part != "data" and tier != "host":
+            raise P.BadArgument("parity pages live in host memory: use tier=host")
+        if group is None and state is None:
+            gids = sorted(g.id for st in self.meta.states.values() for g in st.groups
+                          if part != "data" or st.tier == tier)
+            if not gids:
+                raise P.BadArgument("inject: no protection group to inject into; name state=")
+            group = gids[0]
+        if group is not None:
+            try:
+                st, gi, g = self.meta.group_by_id(group)
+            except KeyError:
+                raise P.BadArgument(f"inject: no protection group {group}") from None
+            pool_ids = st.data[g.first:g.first + g.k] if part == "data" else getattr(g, part)
+        else:
+            st = self.state(state)
+            if part != "data":
+                raise P.BadArgument("inject: parity pages are named by group=G")
+            pool_ids = st.data
+        if part == "data" and st.tier != tier:
+            raise P.BadArgument(f"inject: state {st.name!r} lives in {st.tier} memory, not {tier}")
+        ids = pool_ids[first:first + count]
+        if len(ids) != count:
+            raise P.BadArgument(f"inject: pages {first}..{first + count - 1} of {part} exceed the "
+                                f"{len(pool_ids)} available")
+        how = self._fault_pages(ids, st)
+        self.meta.version += 1
+        self._commit(drop=[pid for pid in ids if how == "retired"])
+        report = [{**self.meta.where[pid].describe(), "page_id": pid} for pid in ids]
+        self.log(f"injected fault: {count} {part} page(s) of state {st.name!r} "
+                 f"({tier} memory) destroyed and made unavailable ({how})")
+        return {"pages": report, "emulation": how, "tier": tier, "part": part}
+
+    def _fault_pages(self, ids: list[int], st: State) -> str:
+        if self.meta.where[ids[0]].tier == "host":
+            for pid in ids:
+                if pid in self.fds:
+                    scramble(self.fds[pid], st.page_bytes)
+                self.meta.flag(pid).poisoned = True
+            return "poison-registry"
+        if self.device.kind == "memfd":
+            for pid in ids:
+                if pid in self.fds:
+                    scramble(self.fds[pid], st.page_bytes)
+                    os.ftruncate(self.fds[pid], 0)    # every mapping of it now traps
+            return "truncated"
+        for pid in ids:
+            self.meta.flag(pid).retired = True        # fd dropped by _commit (ours and the keeper's)
+        return "retired"
+
+    def status(self) -> dict:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        by_tier: dict[str, int] = {}
+        for st in self.meta.states.values():
+            by_tier[st.tier] = by_tier.get(st.tier, 0) + len(st.data) * st.page_bytes
+        return {"pid": os.getpid(), "uptime_s": time.time() - self.started,
+                "device": self.device.info(), "geometry": self.meta.geometry.to_json(),
+                "device_page_bytes": self.meta.device_page_bytes,
+                "states": {n: {"nbytes": s.nbytes, "kind": s.kind, "protected": s.protected,
+                               "tier": s.tier, "pages": len(s.data), "groups": len(s.groups)}
+                           for n, s in self.meta.states.items()},
+                "data_bytes": by_tier, "fds_held": len(self.fds), "nofile": [soft, hard],
+                "keeper": self.keeper is not None, "keeper_ok": self.keeper_ok,
+                "metadata_version": self.meta.version, "cuda_context": False}

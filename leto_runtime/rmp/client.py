@@ -1,0 +1,403 @@
+"""The trainer's side of the Resilient Memory Pool: ask the state manager, map, expose tensors.
+
+Role: `RmpClient` talks to this rank slot's state manager (socket from `Context.sm_socket`, i.e.
+LETO_SM_SOCKET); every state it allocates or attaches is mapped into this process as a
+`RetainedState` -- its pages back to back in one reserved address range (GPU or host, see
+`mapping.py`), and, for protected state, its parity pages in a second (host) range, pinned on
+GPU machines.  Tensors are zero-copy views (`tensors.py`).
+
+Typical use (a promoted trainer after a failure)::
+
+    c = RmpClient()                          # connects; retries while the socket appears
+    w = c.attach("model.params")             # the stable name finds the same memory
+    rep = c.localize()                       # probe device pages here, host pages in the SM
+    c.remap()                                # fresh memory behind every failed page
+    reconstruct(c)                           # leto_runtime.rmp.reconstruct: parity -> pages
+    t = w.tensor()                           # zero-copy torch view (dtype/shape as allocated)
+
+Calling contract:
+* Every call has a timeout (`timeout`, default 60 s) and raises a `protocol.RmpError` subclass:
+  `UnknownName`, `SizeMismatch`, `AlreadyExists`, `NotAuthorized`, `Disconnected`, ...
+* If the state manager restarts (crash, respawn by the agent), idempotent calls (hello,
+  attach, list, localize, clear_marks, status) reconnect and retry once; the others raise
+  `Disconnected` (re-attach and repeat the recovery step: every step is safe to repeat).
+* fds are mapped as they arrive and closed at once (never more than 253 open).
+* `RetainedState.unmap()` waits until no tensor view is alive (or raises `ViewsAlive`); the
+  memory itself stays in the pool.  Only `release()` gives it back (when no mapping is left).
+* One client per thread at a time (calls are serialized by a lock).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from leto_runtime.rmp import protocol as P
+from leto_runtime.rmp.mapping import CudaMapping, HostMapping
+from leto_runtime.rmp.tensors import ViewRegistry, make_tensor
+
+RETRYABLE = frozenset({"hello", "attach", "list", "localize", "clear_marks", "status"})
+FRESH_FILL = 0xA5          # remapped pages start as this pattern, never as stale or zero data
+
+
+@dataclass
+class Marks:
+    """Failure marks of one state: data page indices; parity by group position."""
+
+    data: list[int] = field(default_factory=list)
+    p1: dict[int, list[int]] = field(default_factory=dict)
+    p2: dict[int, list[int]] = field(default_factory=dict)
+    unmapped: list = field(default_factory=list)      # [role, group, index] awaiting remap
+
+    @classmethod
+    def from_wire(cls, d: dict | None) -> "Marks":
+        d = d or {}
+        return cls(list(d.get("data", [])), {int(k): list(v) for k, v in d.get("p1", {}).items()},
+                   {int(k): list(v) for k, v in d.get("p2", {}).items()},
+                   list(d.get("unmapped", [])))
+
+    def __bool__(self) -> bool:
+        return bool(self.data or self.p1 or self.p2 or self.unmapped)
+
+    def count(self) -> int:
+        return len(self.data) + sum(map(len, self.p1.values())) + sum(map(len, self.p2.values()))
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    id: int            # pool-wide group number
+    index: int         # position within its state
+    first: int         # first data page
+    k: int             # data pages
+
+
+@dataclass
+class LocalizeReport:
+    marks: dict[str, Marks]
+    device_pages_probed: int
+    device_probe_s: float
+    host_pages_scanned: int
+    host_scan_s: float
+    total_s: float
+
+    def failed(self) -> int:
+        return sum(m.count() for m in self.marks.values())
+
+
+class RetainedState:
+    """One retained state mapped into this process (see the module docstring)."""
+
+    def __init__(self, d: dict, device: str, geometry: dict):
+        self.name: str = d["name"]
+        self.nbytes: int = d["nbytes"]
+        self.kind: str = d["kind"]
+        self.protected: bool = d["protected"]
+        self.tier: str = d["tier"]
+        self.page_bytes: int = d["page_bytes"]
+        self.n_pages: int = d["n_pages"]
+        self.dtype: str | None = d["dtype"]
+        self.shape: list[int] | None = d["shape"]
+        self.h1, self.h2 = geometry["tier1"], geometry["tier2"]
+        self.groups = [GroupInfo(g["id"], i, g["first"], g["k"]) for i, g in enumerate(d["groups"])]
+        self.marks = Marks.from_wire(d.get("marks"))
+        self.device = device if self.tier == "device" else "cpu"
+        self.views = ViewRegistry(f"retained state {self.name!r}")
+        if self.device.startswith("cuda"):
+            self._data = CudaMapping(self.n_pages, self.page_bytes, int(self.device.split(":")[1]))
+        else:
+            self._data = HostMapping(self.n_pages, self.page_bytes)
+        per = self.h1 + self.h2
+        self._parity = HostMapping(len(self.groups) * per, self.page_bytes) if self.groups else None
+        # fd slot (position in the reply's fd train) -> (mapping, page index)
+        self._slots: dict[int, tuple[object, int]] = {}
+        for i, s in enumerate(d["data"]):
+            if s >= 0:
+                self._slots[s] = (self._data, i)
+        for gi, g in enumerate(d["groups"]):
+            for i, s in enumerate(g["p1"]):
+                if s >= 0:
+                    self._slots[s] = (self._parity, gi * per + i)
+            for i, s in enumerate(g["p2"]):
+                if s >= 0:
+                    self._slots[s] = (self._parity, gi * per + self.h1 + i)
+
+    def _map_batch(self, fds: list[int], offset: int) -> None:
+        by_map: dict[int, tuple[object, list]] = {}
+        for j, fd in enumerate(fds):
+            m, i = self._slots.get(offset + j, (None, None))
+            if m is None:
+                P.close_fds([fd])
+                continue
+            by_map.setdefault(id(m), (m, []))[1].append((i, fd))
+        for m, pairs in by_map.values():
+            m.map_pages(pairs)
+
+    def _finish_map(self) -> None:
+        del self._slots
+        if self._parity is not None:
+            self._parity.pin()                     # page-locked: fast H2D/D2H on GPU machines
+
+    # ---- views -------------------------------------------------------------------------------
+    def tensor(self, dtype=None, shape=None, offset: int = 0, nbytes: int | None = None):
+        """A zero-copy view of the data; defaults: the dtype/shape given at allocation."""
+        if dtype is None and shape is None and offset == 0 and nbytes is None:
+            dtype, shape = self.dtype, self.shape
+        if nbytes is None:
+            nbytes = self.nbytes - offset
+            if shape is not None:
+                from leto_runtime.rmp.tensors import torch_dtype
+
+                nbytes = torch_dtype(dtype or "uint8").itemsize
+                for s in shape:
+                    nbytes *= int(s)
+        if offset < 0 or nbytes <= 0 or offset + nbytes > self.n_pages * self.page_bytes:
+            raise ValueError(f"view [{offset}, {offset + nbytes}) outside {self.name!r}")
+        return make_tensor(self._data.addr(0) + offset, nbytes, self.device, self.views,
+                           dtype=dtype, shape=shape)
+
+    def pages(self, first: int = 0, count: int | None = None):
+        """Data pages [first, first+count) as a (count, page_bytes) uint8 tensor."""
+        count = self.n_pages - first if count is None else count
+        if first < 0 or count < 1 or first + count > self.n_pages:
+            raise IndexError(f"pages {first}..{first + count - 1} of {self.n_pages}")
+        return make_tensor(self._data.addr(first), count * self.page_bytes, self.device,
+                           self.views, shape=(count, self.page_bytes))
+
+    def group_pages(self, g: int):
+        gi = self.groups[g]
+        return self.pages(gi.first, gi.k)
+
+    def _parity_view(self, g: int, start: int, n: int):
+        if self._parity is None:
+            raise ValueError(f"state {self.name!r} is not protected: it has no parity")
+        if n == 0:
+            return None
+        per = self.h1 + self.h2
+        return make_tensor(self._parity.addr(g * per + start), n * self.page_bytes, "cpu",
+                           self.views, shape=(n, self.page_bytes))
+
+    def tier1(self, g: int):
+        """Group g's tier-1 parity pages, (H1, page_bytes) uint8, host (pinned on GPU machines)."""
+        return self._parity_view(g, 0, self.h1)
+
+    def tier2(self, g: int):
+        """Group g's tier-2 parity pages, (H2, page_bytes) uint8 (None if H2 = 0)."""
+        return self._parity_view(g, self.h1, self.h2)
+
+    def probe(self) -> list[int]:
+        """Data pages this process cannot use (device probe; see mapping.py)."""
+        return self._data.probe()
+
+    @property
+    def mapped(self) -> bool:
+        return self._data is not None and self._data.base is not None
+
+    def unmap(self, timeout: float = 10.0) -> None:
+        """Unmap after every tensor view is gone (waits up to `timeout`, then ViewsAlive)."""
+        if not self.mapped:
+            return
+        self.views.wait_dead(timeout)
+        self._data.close()
+        if self._parity is not None:
+            self._parity.close()
+
+
+class RmpClient:
+    """A connection to one state manager; see the module docstring."""
+
+    def __init__(self, socket_path: str | None = None, *, timeout: float = P.DEFAULT_CALL_TIMEOUT,
+                 connect_timeout: float = 10.0):
+        if socket_path is None:
+            from leto_runtime.context import Context
+
+            socket_path = Context.from_env().sm_socket
+            if not socket_path:
+                raise P.Disconnected("no state manager: LETO_SM_SOCKET is not set (not started "
+                                     "by leto-run with in-place recovery?)")
+        P.raise_nofile_limit()
+        self.path, self.timeout, self.connect_timeout = socket_path, timeout, connect_timeout
+        self._lock = threading.RLock()
+        self._sock = None
+        self._id = 0
+        self.states: dict[str, RetainedState] = {}
+        self.info = self._call("hello").header
+
+    # ---- transport -----------------------------------------------------------------------
+    def _connect(self) -> None:
+        self._sock = P.connect(self.path, deadline=time.monotonic() + self.connect_timeout)
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _call(self, op: str, *, on_fds=None, **args) -> P.Message:
+        """One request/reply.  `on_fds(header, fds, offset)` consumes an fd train as it comes."""
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    if self._sock is None:
+                        self._connect()
+                    return self._roundtrip(op, args, on_fds)
+                except P.Disconnected:
+                    self._drop()
+                    if attempt or op not in RETRYABLE:
+                        raise
+                except BaseException:
+                    self._drop()                 # the stream may be mid-message: start over
+                    raise
+        raise AssertionError("unreachable")
+
+    def _roundtrip(self, op, args, on_fds) -> P.Message:
+        self._id += 1
+        deadline = time.monotonic() + self.timeout
+        P.send_message(self._sock, {"op": op, "id": self._id, **args}, deadline=deadline)
+        if on_fds is None:
+            msg = P.recv_message(self._sock, deadline=deadline)
+            P.raise_for_reply(msg.header)
+            return msg
+        header = None
+        for header, fds, offset in P.iter_fd_train(self._sock, deadline=deadline,
+                                                   max_fds=1 << 24):
+            if offset == 0:
+                try:
+                    P.raise_for_reply(header)
+                except P.RmpError:
+                    P.close_fds(fds)
+                    raise
+            on_fds(header, fds, offset)
+        return P.Message(header)
+
+    # ---- states ----------------------------------------------------------------------------
+    def _device(self) -> str:
+        dev = self.info["device"]
+        return f"cuda:{dev['ordinal']}" if dev["kind"] == "cuda" else "cpu"
+
+    def _map_reply(self, op: str, **args) -> tuple[RetainedState, dict]:
+        box: dict = {}
+
+        def on_fds(header, fds, offset):
+            if offset == 0:
+                box["st"] = RetainedState(header["state"], self._device(), self.info["geometry"])
+            box["st"]._map_batch(fds, offset)
+
+        try:
+            msg = self._call(op, on_fds=on_fds, **args)
+        except BaseException:
+            if "st" in box:
+                box["st"].unmap(timeout=0)
+            raise
+        st = box["st"]
+        st._finish_map()
+        old = self.states.get(st.name)
+        self.states[st.name] = st
+        if old is not None and old.views.alive() == 0:
+            old.unmap(timeout=0)
+        return st, msg.header
+
+    def allocate(self, name: str, nbytes: int, *, kind: str = "model", protected: bool | None = None,
+                 tier: str = "device", dtype: str | None = None, shape=None,
+                 exist_ok: bool = False) -> RetainedState:
+        """A new retained state (or, with exist_ok, the existing one of the same size and kind)."""
+        args = {"name": name, "nbytes": int(nbytes), "kind": kind, "tier": tier,
+                "exist_ok": exist_ok, "dtype": dtype,
+                "shape": None if shape is None else [int(s) for s in shape]}
+        if protected is not None:
+            args["protected"] = protected
+        return self._map_reply("allocate", **args)[0]
+
+    def retain(self, name: str, nbytes: int, **kw) -> RetainedState:
+        """`allocate(..., exist_ok=True)`: the first trainer creates, later ones attach."""
+        return self.allocate(name, nbytes, exist_ok=True, **kw)
+
+    def attach(self, name: str, nbytes: int | None = None) -> RetainedState:
+        """Map an existing state by its stable name (`UnknownName`, `SizeMismatch`)."""
+        return self._map_reply("attach", name=name, nbytes=nbytes)[0]
+
+    def list(self) -> list[dict]:
+        return self._call("list").header["states"]
+
+    def status(self) -> dict:
+        return self._call("status").header
+
+    def release(self, name: str) -> int:
+        """Drop the state from the pool (local mappings keep their memory until unmapped)."""
+        return self._call("release", name=name).header["pages"]
+
+    def clear_marks(self, name: str) -> int:
+        n = self._call("clear_marks", name=name).header["cleared"]
+        if name in self.states:
+            self.states[name].marks = Marks()
+        return n
+
+    def inject_pages(self, *, tier: str, count: int = 1, first: int = 0, part: str | None = None,
+                     group: int | None = None, state: str | None = None) -> dict:
+        """Emulated memory fault (see leto_run/state_manager/pool.py): destroy + make unavailable."""
+        return self._call("inject", tier=tier, count=count, first=first, part=part, group=group,
+                          state=state).header
+
+    # ---- failure handling ------------------------------------------------------------------
+    def localize(self) -> LocalizeReport:
+        """Probe the device pages mapped here, then let the state manager scan host pages."""
+        t0 = time.perf_counter()
+        failures, probed = {}, 0
+        for st in self.states.values():
+            if st.tier == "device" and st.mapped:
+                probed += st.n_pages
+                bad = st.probe()
+                if bad:
+                    failures[st.name] = bad
+        t1 = time.perf_counter()
+        h = self._call("localize", device_failures=failures).header
+        marks = {n: Marks.from_wire(m) for n, m in h["marks"].items()}
+        for n, st in self.states.items():
+            st.marks = marks.get(n, Marks())
+        return LocalizeReport(marks, probed, t1 - t0, h["host_pages_scanned"], h["host_scan_s"],
+                              time.perf_counter() - t0)
+
+    def remap(self, names: list[str] | None = None) -> list[dict]:
+        """Fresh memory behind every failed page; mapped here in place (other pages untouched)."""
+        pinned = [st for st in self.states.values() if st._parity is not None and st._parity.pinned]
+        for st in pinned:
+            st._parity.unpin()                    # a registered range cannot change underneath
+        box: dict = {}
+
+        def on_fds(header, fds, offset):
+            box["h"] = header
+            by_slot = {e["fd"]: e for e in header["replaced"]}
+            for j, fd in enumerate(fds):
+                e = by_slot.get(offset + j)
+                st = self.states.get(e["state"]) if e else None
+                if st is None or not st.mapped:
+                    P.close_fds([fd])
+                    continue
+                if e["role"] == "data":
+                    st._data.map_page(e["index"], fd)
+                    st._data.fill(e["index"], FRESH_FILL)
+                else:
+                    pos = e["group"] * (st.h1 + st.h2) + e["index"] + (st.h1 if e["role"] == "p2" else 0)
+                    st._parity.map_page(pos, fd)
+                    st._parity.fill(pos, FRESH_FILL)
+
+        try:
+            msg = self._call("remap", on_fds=on_fds, names=names)
+        finally:
+            for st in pinned:
+                st._parity.pin()
+        h = box.get("h", msg.header)
+        for n, m in h.get("marks", {}).items():
+            if n in self.states:
+                self.states[n].marks = Marks.from_wire(m)
+        return h["replaced"]
+
+    def close(self, unmap: bool = True, timeout: float = 10.0) -> None:
+        if unmap:
+            for st in list(self.states.values()):
+                st.unmap(timeout)
+        self._drop()
+
+    def __enter__(self) -> "RmpClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

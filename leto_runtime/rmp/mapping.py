@@ -1,0 +1,318 @@
+"""Map the pages of one retained state back to back into one reserved virtual-address range.
+
+Role: the memory half of the client (and of the state manager's host-page scan).  Two kinds:
+
+* `HostMapping`: memfd pages (host state, all parity, and the CPU stand-in for device pages).
+  The range is reserved PROT_NONE, then every page is mmap'ed MAP_SHARED|MAP_FIXED at its
+  offset.  `probe()` is the real host localization path: MADV_POPULATE_READ over the range,
+  recursive bisection of any part that fails with EHWPOISON (hardware poison) or EFAULT
+  (nothing is there: e.g. a page truncated away, which is how a CPU stand-in device page
+  "fails" -- see leto_run/state_manager/pool.py).  `pin()` registers the range with CUDA for
+  fast host<->device copies.
+* `CudaMapping`: cuMemCreate pages imported from POSIX fds (MECHANICS.md §1): import, close the
+  fd at once (an open fd pins memory), cuMemMap at the page's offset, cuMemRelease (the mapping
+  keeps the memory), one cuMemSetAccess per contiguous run.  Each page is its own cuMemMap, so
+  one page can be unmapped or replaced alone.  `probe()` asks the driver about every page
+  (cuPointerGetAttribute); an unmapped or retired page fails the query.
+
+Calling contract: page fds handed to `map_page(s)` are consumed (closed) in every case.  Nothing
+here tracks tensors: `tensors.ViewRegistry` does, and the owner must wait for it before
+`close()`.  CUDA work needs a current context; `CudaMapping` makes the device's primary context
+current (the one torch uses).  Nothing imports torch or cuda-python at module import.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from typing import Iterable, Sequence
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+PROT_NONE = 0                    # the mmap module lacks PROT_NONE on 3.11
+MAP_FIXED = 0x10
+MAP_NORESERVE = 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
+MADV_POPULATE_READ = 22          # Linux >= 5.14; Python 3.11/3.12 lack the constant
+EHWPOISON = 133                  # likewise missing from the errno module
+_PROBE_FAIL = (EHWPOISON, errno.EFAULT)
+
+
+def _check_mmap(addr: int | None, what: str) -> int:
+    if addr is None or addr == MAP_FAILED:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    return addr
+
+
+def scan_range(base: int, n_pages: int, page_bytes: int, pages: Sequence[int] | None = None) -> list[int]:
+    """Indices of pages in [0, n_pages) that MADV_POPULATE_READ cannot populate.
+
+    One madvise over each contiguous run; a run that fails is halved until the failing pages
+    are isolated (log2(n) calls per failed page).  `pages` restricts the scan to those indices.
+    """
+    idx = sorted(set(range(n_pages) if pages is None else pages))
+    runs: list[tuple[int, int]] = []
+    for i in idx:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    failed: list[int] = []
+    stack = list(reversed(runs))
+    while stack:
+        lo, hi = stack.pop()
+        while True:
+            r = _libc.madvise(base + lo * page_bytes, (hi - lo) * page_bytes, MADV_POPULATE_READ)
+            err = ctypes.get_errno() if r else 0
+            if err not in (errno.EINTR, errno.EAGAIN):
+                break
+        if r == 0:
+            continue
+        if err not in _PROBE_FAIL:
+            raise OSError(err, f"madvise(MADV_POPULATE_READ) on pages {lo}..{hi - 1}: "
+                               f"{os.strerror(err)}")
+        if hi - lo == 1:
+            failed.append(lo)
+            continue
+        mid = (lo + hi) // 2
+        stack.append((mid, hi))
+        stack.append((lo, mid))
+    return sorted(failed)
+
+
+class HostMapping:
+    """`n_pages` memfd pages of `page_bytes`, back to back from `base`."""
+
+    kind = "host"
+
+    def __init__(self, n_pages: int, page_bytes: int):
+        if page_bytes % mmap.PAGESIZE:
+            raise ValueError(f"page_bytes={page_bytes} is not a multiple of {mmap.PAGESIZE}")
+        self.n_pages, self.page_bytes = n_pages, page_bytes
+        self.size = n_pages * page_bytes
+        # PROT_NONE + NORESERVE: address space only; an unmapped page traps instead of reading zeros.
+        self.base = _check_mmap(_libc.mmap(None, max(self.size, 1), PROT_NONE,
+                                           mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE,
+                                           -1, 0), "reserving address space")
+        self.mapped: set[int] = set()
+        self.pinned = False
+
+    def addr(self, i: int) -> int:
+        return self.base + i * self.page_bytes
+
+    def map_page(self, i: int, fd: int) -> None:
+        """Map memfd `fd` as page i (replacing whatever was there); closes fd."""
+        try:
+            if not 0 <= i < self.n_pages:
+                raise IndexError(f"page {i} outside 0..{self.n_pages - 1}")
+            _check_mmap(_libc.mmap(self.addr(i), self.page_bytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                                   mmap.MAP_SHARED | MAP_FIXED, fd, 0), f"mapping page {i}")
+            self.mapped.add(i)
+        finally:
+            os.close(fd)
+
+    def map_pages(self, pairs: Iterable[tuple[int, int]]) -> None:
+        pairs = list(pairs)
+        try:
+            for n, (i, fd) in enumerate(pairs):
+                self.map_page(i, fd)
+        except BaseException:
+            for _, fd in pairs[n + 1:]:
+                _close(fd)
+            raise
+
+    def unmap_page(self, i: int) -> None:
+        """Put an inaccessible hole where page i was (the reservation stays)."""
+        _check_mmap(_libc.mmap(self.addr(i), self.page_bytes, PROT_NONE,
+                               mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
+                               -1, 0), f"unmapping page {i}")
+        self.mapped.discard(i)
+
+    def probe(self, pages: Sequence[int] | None = None) -> list[int]:
+        """Pages that cannot be read (poisoned, truncated away, or never mapped)."""
+        want = range(self.n_pages) if pages is None else pages
+        holes = [i for i in want if i not in self.mapped]
+        return sorted(set(holes) | set(scan_range(self.base, self.n_pages, self.page_bytes,
+                                                  [i for i in want if i in self.mapped])))
+
+    def fill(self, i: int, byte: int) -> None:
+        ctypes.memset(self.addr(i), byte, self.page_bytes)
+
+    # ---- pinning (GPU machines): page-locked for fast, asynchronous copies -----------------
+    def pin(self) -> bool:
+        """cudaHostRegister the whole range; False where CUDA is absent (CPU machines)."""
+        if self.pinned or not self.size:
+            return self.pinned
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        rc = torch.cuda.cudart().cudaHostRegister(self.base, self.size, 0)
+        if int(rc) != 0:
+            raise OSError(f"cudaHostRegister of {self.size} bytes failed: {rc}")
+        self.pinned = True
+        return True
+
+    def unpin(self) -> None:
+        if self.pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.base)
+            self.pinned = False
+
+    def close(self) -> None:
+        if self.base is None:
+            return
+        self.unpin()
+        _libc.munmap(self.base, max(self.size, 1))
+        self.base = None
+        self.mapped.clear()
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+# ---- CUDA ------------------------------------------------------------------------------------
+def cuda_driver():
+    """`cuda.bindings.driver`, imported on first use only (CPU machines never need it)."""
+    from cuda.bindings import driver as cu
+    return cu
+
+
+def cu_check(r, what: str):
+    """Unpack a cuda-python result tuple; raise OSError naming the call on failure."""
+    cu = cuda_driver()
+    if r[0] != cu.CUresult.CUDA_SUCCESS:
+        raise OSError(f"{what}: {r[0].name if hasattr(r[0], 'name') else r[0]}")
+    return None if len(r) == 1 else (r[1] if len(r) == 2 else r[1:])
+
+
+def ensure_context(device: int) -> None:
+    """Make `device`'s primary context (torch's) current on this thread."""
+    cu = cuda_driver()
+    ctx = cu_check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is not None and int(ctx) != 0:
+        dev = cu_check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
+        if int(dev) == device:
+            return
+    import torch
+
+    torch.cuda.set_device(device)
+    torch.empty(1, device=f"cuda:{device}")          # creates torch's primary context
+    ctx = cu_check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    cu_check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    cu.cuDevicePrimaryCtxRelease(device)              # torch holds its own reference
+
+
+class CudaMapping:
+    """`n_pages` VMM pages of `page_bytes` on `device`, back to back from `base`."""
+
+    kind = "cuda"
+
+    def __init__(self, n_pages: int, page_bytes: int, device: int):
+        cu = cuda_driver()
+        ensure_context(device)
+        self.cu, self.device = cu, device
+        self.n_pages, self.page_bytes = n_pages, page_bytes
+        self.size = n_pages * page_bytes
+        self._fd_type = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        va = cu_check(cu.cuMemAddressReserve(self.size, page_bytes, 0, 0), "cuMemAddressReserve")
+        self.base = int(va)
+        self.mapped: set[int] = set()
+        acc = cu.CUmemAccessDesc()
+        acc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        acc.location.id = device
+        acc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [acc]
+        self._attr = cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        self._ok = cu.CUresult.CUDA_SUCCESS
+
+    def addr(self, i: int) -> int:
+        return self.base + i * self.page_bytes
+
+    def map_pages(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Import, map and grant access to pages; every fd is closed, success or not."""
+        cu, P = self.cu, self.page_bytes
+        pairs = sorted(pairs)
+        done: list[int] = []
+        try:
+            for n, (i, fd) in enumerate(pairs):
+                if not 0 <= i < self.n_pages:
+                    raise IndexError(f"page {i} outside 0..{self.n_pages - 1}")
+                try:
+                    h = cu_check(cu.cuMemImportFromShareableHandle(fd, self._fd_type),
+                                 f"cuMemImportFromShareableHandle (page {i})")
+                finally:
+                    os.close(fd)
+                try:
+                    cu_check(cu.cuMemMap(self.base + i * P, P, 0, h, 0), f"cuMemMap (page {i})")
+                finally:
+                    cu.cuMemRelease(h)                   # the mapping keeps the memory alive
+                self.mapped.add(i)
+                done.append(i)
+        except BaseException:
+            for _, fd in pairs[n + 1:]:
+                _close(fd)
+            raise
+        finally:
+            self._grant(done)
+
+    def _grant(self, pages: list[int]) -> None:
+        """One cuMemSetAccess per contiguous run of newly mapped pages."""
+        P = self.page_bytes
+        run: list[int] = []
+        for i in sorted(pages) + [None]:
+            if run and (i is None or i != run[-1] + 1):
+                cu_check(self.cu.cuMemSetAccess(self.base + run[0] * P, len(run) * P,
+                                                self._access, 1), "cuMemSetAccess")
+                run = []
+            if i is not None:
+                run.append(i)
+
+    def map_page(self, i: int, fd: int) -> None:
+        if i in self.mapped:
+            self.unmap_page(i)
+        self.map_pages([(i, fd)])
+
+    def unmap_page(self, i: int) -> None:
+        self.cu.cuMemUnmap(self.base + i * self.page_bytes, self.page_bytes)
+        self.mapped.discard(i)
+
+    def probe(self, pages: Sequence[int] | None = None) -> list[int]:
+        """Pages whose mapping the driver does not know (cuPointerGetAttribute fails)."""
+        get, attr, ok, base, P = (self.cu.cuPointerGetAttribute, self._attr, self._ok,
+                                  self.base, self.page_bytes)
+        want = range(self.n_pages) if pages is None else pages
+        return [i for i in want if get(attr, base + i * P)[0] != ok]
+
+    def fill(self, i: int, byte: int) -> None:
+        cu_check(self.cu.cuMemsetD8(self.addr(i), byte, self.page_bytes), "cuMemsetD8")
+        cu_check(self.cu.cuCtxSynchronize(), "cuCtxSynchronize")
+
+    def pin(self) -> bool:
+        return False
+
+    def unpin(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.base is None:
+            return
+        ensure_context(self.device)
+        self.cu.cuCtxSynchronize()
+        for i in sorted(self.mapped):
+            self.cu.cuMemUnmap(self.base + i * self.page_bytes, self.page_bytes)
+        self.cu.cuMemAddressFree(self.base, self.size)
+        self.mapped.clear()
+        self.base = None
