@@ -28,6 +28,15 @@
 #define LETO_INL __attribute__((always_inline))
 #endif
 #define LETO_CV(x) std::decay_t<decltype(x)>::value
+#if defined(__CUDACC__)
+#define LETO_UNROLL _Pragma("unroll")
+#elif defined(__clang__)
+#define LETO_UNROLL _Pragma("clang loop unroll(full)")
+#elif defined(__GNUC__)
+#define LETO_UNROLL _Pragma("GCC unroll 16")
+#else
+#define LETO_UNROLL
+#endif
 
 namespace leto_gf {
 
@@ -91,16 +100,20 @@ LETO_HD void mul_x(W (&z)[16]) {
 
 // acc[o] ^= c_o * z for NOUT runtime constants c_o given as bit masks: mask(o, b) is all-ones
 // when bit b of c_o is set, else zero.  Shift-xor form: c*z = sum_b c_b * (x^b z), with x^b z
-// built incrementally (one mul_x per bit, shared by the NOUT outputs).
+// built incrementally (one mul_x per bit, shared by the NOUT outputs).  Plain unrolled loops
+// (not static_for) keep the number of template instantiations, and so compile time, small.
 template <int NOUT, class W, class MaskF>
 LETO_HD void mac_shift_xor(W (&acc)[NOUT][16], W (&z)[16], MaskF&& mask) {
-  static_for<16>([&](auto b) LETO_INL {
-    static_for<NOUT>([&](auto o) LETO_INL {
-      const W m = mask(LETO_CV(o), LETO_CV(b));
-      static_for<16>([&](auto r) LETO_INL { acc[LETO_CV(o)][LETO_CV(r)] ^= z[LETO_CV(r)] & m; });
-    });
-    if constexpr (LETO_CV(b) < 15) mul_x(z);
-  });
+  LETO_UNROLL
+  for (int b = 0; b < 16; ++b) {
+    LETO_UNROLL
+    for (int o = 0; o < NOUT; ++o) {
+      const W m = mask(o, b);
+      LETO_UNROLL
+      for (int r = 0; r < 16; ++r) acc[o][r] ^= z[r] & m;
+    }
+    if (b < 15) mul_x(z);
+  }
 }
 
 // Host-side helpers ---------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class InjectKind(str, enum.Enum):
     KILL = "kill"
     HANG = "hang"
     SIGNAL = "signal"
+    PAGES = "pages"
 
 
 def signal_number(name: str | int) -> int:
@@ -136,6 +137,34 @@ def _inject_signal(v: str) -> int:
     return n
 
 
+def _positive_int(v: str) -> int:
+    n = _nonneg_int(v)
+    if n < 1:
+        raise ValueError(f"{v!r} must be >= 1")
+    return n
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(v: str) -> str:
+        if v.lower() not in allowed:
+            raise ValueError(f"{v!r} is not one of {', '.join(allowed)}")
+        return v.lower()
+    return parse
+
+
+# `pages`: emulated memory faults in the rank's Resilient Memory Pool (leto_run/state_manager):
+# `count` consecutive pages from `first` of protection group `group` (default: the lowest) are
+# destroyed and made unavailable -- data pages for tier=device, tier-1 parity (`part=p1`, the
+# default there) or `part=p2` / host-state `part=data` for tier=host.  Cross-field checks (parity
+# lives in host memory; the pages must exist) are made by the state manager when it fires.
+PAGES_KEYS: dict[str, KeyRule] = {
+    "tier": KeyRule(_choice("device", "host"), "tier=device (GPU data pages) or tier=host"),
+    "group": KeyRule(_nonneg_int, "group=G with G a protection group number >= 0"),
+    "count": KeyRule(_positive_int, "count=N with N >= 1 (e.g. 16 for a DRAM row)"),
+    "first": KeyRule(_nonneg_int, "first=P, the first page's index within the group (>= 0)"),
+    "part": KeyRule(_choice("data", "p1", "p2"), "part=data, p1 (tier-1 parity) or p2 (tier-2)"),
+}
+
 KINDS: dict[str, KindRule] = {
     r.kind.value: r
     for r in (
@@ -143,6 +172,8 @@ KINDS: dict[str, KindRule] = {
         KindRule(InjectKind.HANG, "the rank blocks (stops heartbeating) without exiting", 0),
         KindRule(InjectKind.SIGNAL, "deliver a signal (name or number) to the rank's process", 0,
                  arg="signal", parse_arg=_inject_signal),
+        KindRule(InjectKind.PAGES, "destroy retained memory pages and make them unavailable", 0,
+                 extra_keys=PAGES_KEYS, required_extra=frozenset({"tier"})),
     )
 }
 # Keys every kind accepts; `rank` is required and exactly one of TRIGGERS must be given.
