@@ -123,7 +123,7 @@ def load_cuda() -> ModuleType:
             raise ParityBackendUnavailable("cuda", "nvcc / CUDA_HOME not found", "install the CUDA toolkit or set CUDA_HOME")
         if not torch.cuda.is_available():
             raise ParityBackendUnavailable("cuda", "no CUDA device is visible")
-        srcs = [str(_SRC / "parity_cuda.cu"), str(_SRC / "parity_cuda_binding.cpp")]
+        srcs = [str(_SRC / f) for f in ("parity_cuda.cu", "parity_cuda_variants.cu", "parity_cuda_binding.cpp")]
         return _load("leto_parity_cuda", srcs, cuda=True)
 
     return _cached("cuda", build)

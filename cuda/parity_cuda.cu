@@ -1,0 +1,67 @@
+// CUDA parity kernels: syndrome_mix (encode / decode / scrub) and delta_update.
+//
+// Reference: leto_runtime/parity/reference.py (syndrome_mix, delta_update); the bitsliced math is
+// cuda/gf16_bitslice.h, shared with (and tested through) the CPU kernels.  No torch headers here:
+// parity_cuda_binding.cpp is the torch face; this file only needs the CUDA runtime.
+//
+// syndrome_mix: out_i = sum_t coef[i][t] * S_t,  S_t = sum_j x^(j t) page_j,  t = -7..8.
+//   A CTA owns a tile of NB 1024-byte blocks (16*NB columns of 32 symbols) of every page and
+//   walks all pages once, top page first (Horner).  4 thread groups share each column, each
+//   group keeping 4 of the 16 syndromes in registers (64 words).  Pages stream through shared
+//   memory with cp.async (8 stages of 2 pages, ~60 KB in flight per CTA) from an array of page
+//   addresses, so pages need not be contiguous; a zero address (or a position past n) reads as
+//   an all-zero page.  The page loop is unrolled by 16 pages: multiplying by x^t rotates the
+//   planes by t, and after 16 pages every rotation is back at the start, so the rotation is pure
+//   register renaming.  At the end the 16 syndromes of a column are exchanged through shared
+//   memory and each group computes 4 outputs with the shift-xor multiply (mac_shift_xor).  The
+//   default code's encode matrix is compiled in (parity_baked.h) - zero bits cost nothing -
+//   otherwise the coefficient bit masks come from a 16 KB __grid_constant__ parameter.
+// delta_update: out_i ^= sum_l coef[i][l] * (a_l ^ b_l); one thread per (column, 4 outputs),
+//   page words loaded straight from global memory (the 4 groups share them through L1).
+//
+// Every launch goes to the caller's stream; nothing synchronizes.
+#include "parity_cuda_kernels.cuh"
+
+namespace leto_cuda {
+
+bool coef_is_baked(const uint16_t* coef, int m_out) {
+  if (m_out != leto_gf::kBakedM) return false;
+  for (int i = 0; i < 16; ++i)
+    for (int t = 0; t < 16; ++t)
+      if (coef[i * 16 + t] != leto_gf::baked_coef(i, t)) return false;
+  return true;
+}
+
+void syndrome_mix(const SyndromeArgs& args_in, const uint16_t* coef, int variant, cudaStream_t stream) {
+  if (args_in.m_out < 1 || args_in.m_out > 16) throw std::runtime_error("syndrome_mix: 1..16 outputs");
+  SyndromeArgs a = args_in;
+  MixMasks masks{};
+  a.group_mask = 0;
+  a.col_mask = 0;
+  for (int i = 0; i < a.m_out; ++i)
+    for (int t = 0; t < 16; ++t) {
+      const uint32_t c = coef[i * 16 + t];
+      if (c) a.col_mask |= 1u << t;
+      for (int b = 0; b < 16; ++b) masks.m[i][t][b] = ((c >> b) & 1u) ? 0xFFFFFFFFu : 0u;
+    }
+  for (int g = 0; g < 4; ++g)
+    for (int k = 0; k < 4; ++k)
+      if ((a.col_mask >> (group_t(g, k) - leto_gf::kTLo)) & 1u) a.group_mask |= 1u << g;
+  const bool baked = coef_is_baked(coef, a.m_out);
+  switch (variant) {
+    case kVariantSimple:
+    case kVariantNB2: return launch_variant(variant, baked, a, masks, stream);
+    case kVariantNoBake: return launch_sm<4, false, true>(a, masks, stream);
+    default: return baked ? launch_sm<4, true, true>(a, masks, stream) : launch_sm<4, false, true>(a, masks, stream);
+  }
+}
+
+void delta_update(const DeltaArgs& a, cudaStream_t stream) {
+  constexpr int NB = 4;
+  const int blocks = static_cast<int>(a.page_bytes / 1024);
+  const dim3 grid((blocks + NB - 1) / NB, (a.m_out + 15) / 16);
+  delta_kernel<NB><<<grid, Cfg<NB>::kThreads, 0, stream>>>(a);
+  check(cudaGetLastError(), "delta_update kernel launch");
+}
+
+}  // namespace leto_cuda

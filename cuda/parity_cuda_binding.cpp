@@ -1,0 +1,93 @@
+// Torch face of the CUDA parity kernels (parity_cuda.cu): checks tensors, takes the current
+// stream and device, and calls the launchers.  Reference: leto_runtime/parity/reference.py.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <stdexcept>
+#include <vector>
+
+#include "parity_cuda.h"
+
+namespace {
+
+void check_ptrs(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.is_cuda() && t.scalar_type() == torch::kInt64 && t.dim() == 1 && t.is_contiguous(),
+              what, " must be a contiguous 1-D int64 CUDA tensor of device addresses");
+}
+
+void syndrome_mix(const torch::Tensor& pages, const torch::Tensor& outs, const torch::Tensor& coef,
+                  int64_t page_bytes, int64_t variant) {
+  check_ptrs(pages, "pages");
+  check_ptrs(outs, "outs");
+  TORCH_CHECK(pages.device() == outs.device(), "pages and outs on different devices");
+  TORCH_CHECK(page_bytes > 0 && page_bytes % 1024 == 0, "page_bytes must be a multiple of 1024");
+  const int64_t m_out = outs.numel();
+  TORCH_CHECK(m_out >= 1 && m_out <= 16, "1..16 outputs");
+  TORCH_CHECK(pages.numel() < (1 << 30), "too many pages");
+  TORCH_CHECK(!coef.is_cuda() && coef.scalar_type() == torch::kInt32 && coef.is_contiguous() &&
+                  coef.numel() == m_out * 16,
+              "coef must be a contiguous int32 CPU tensor of shape (outputs, 16)");
+  std::vector<uint16_t> c(static_cast<size_t>(m_out * 16));
+  const int32_t* cp = coef.data_ptr<int32_t>();
+  for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<uint16_t>(cp[i]);
+  const c10::cuda::CUDAGuard guard(pages.device());
+  SyndromeArgs a{};
+  a.pages = reinterpret_cast<const uint8_t* const*>(pages.data_ptr<int64_t>());
+  a.n = static_cast<int>(pages.numel());
+  a.outs = reinterpret_cast<uint8_t* const*>(outs.data_ptr<int64_t>());
+  a.m_out = static_cast<int>(m_out);
+  a.page_bytes = page_bytes;
+  try {
+    leto_cuda::syndrome_mix(a, c.data(), static_cast<int>(variant), c10::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, "leto parity CUDA: ", e.what());
+  }
+}
+
+void delta_update(const torch::Tensor& outs, const torch::Tensor& a_ptrs, const torch::Tensor& b_ptrs,
+                  const torch::Tensor& coef, int64_t page_bytes) {
+  check_ptrs(outs, "outs");
+  check_ptrs(a_ptrs, "a");
+  check_ptrs(b_ptrs, "b");
+  TORCH_CHECK(page_bytes > 0 && page_bytes % 1024 == 0, "page_bytes must be a multiple of 1024");
+  const int64_t m_out = outs.numel(), n = a_ptrs.numel();
+  TORCH_CHECK(b_ptrs.numel() == n, "a and b must list the same number of pages");
+  TORCH_CHECK(coef.is_cuda() && coef.device() == outs.device() && coef.scalar_type() == torch::kInt32 &&
+                  coef.is_contiguous() && coef.numel() == m_out * n,
+              "coef must be a contiguous int32 tensor of shape (outputs, pages) on the pages' device");
+  const c10::cuda::CUDAGuard guard(outs.device());
+  DeltaArgs d{};
+  d.outs = reinterpret_cast<uint8_t* const*>(outs.data_ptr<int64_t>());
+  d.m_out = static_cast<int>(m_out);
+  d.a = reinterpret_cast<const uint8_t* const*>(a_ptrs.data_ptr<int64_t>());
+  d.b = reinterpret_cast<const uint8_t* const*>(b_ptrs.data_ptr<int64_t>());
+  d.n = static_cast<int>(n);
+  d.coef = coef.data_ptr<int32_t>();
+  d.page_bytes = page_bytes;
+  try {
+    leto_cuda::delta_update(d, c10::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, "leto parity CUDA: ", e.what());
+  }
+}
+
+bool coef_is_baked(const torch::Tensor& coef) {
+  TORCH_CHECK(!coef.is_cuda() && coef.scalar_type() == torch::kInt32 && coef.is_contiguous() &&
+                  coef.numel() % 16 == 0, "coef must be an int32 CPU tensor of shape (outputs, 16)");
+  std::vector<uint16_t> c(static_cast<size_t>(coef.numel()));
+  for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<uint16_t>(coef.data_ptr<int32_t>()[i]);
+  return leto_cuda::coef_is_baked(c.data(), static_cast<int>(coef.numel() / 16));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Leto parity codec, CUDA kernels (see cuda/README.md)";
+  m.def("syndrome_mix", &syndrome_mix, "outs[i] = sum_t coef[i][t] * sum_j x^(j t) pages[j], t = -7..8",
+        py::arg("pages"), py::arg("outs"), py::arg("coef"), py::arg("page_bytes"), py::arg("variant") = 0);
+  m.def("delta_update", &delta_update, "outs[i] ^= sum_l coef[i][l] * (a[l] ^ b[l])");
+  m.def("coef_is_baked", &coef_is_baked, "whether these mix coefficients take the compiled-in path");
+  m.attr("VARIANTS") = py::dict(py::arg("auto") = 0, py::arg("simple") = 1, py::arg("nb2") = 2,
+                                py::arg("nobake") = 3);
+}

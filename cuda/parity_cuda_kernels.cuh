@@ -1,0 +1,286 @@
+// Device code of the CUDA parity kernels, included by parity_cuda.cu (default variants) and
+// parity_cuda_variants.cu (benchmark / cross-check variants): two translation units, so that
+// the slow front-end compile of the unrolled kernels runs in parallel.  See parity_cuda.cu.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+#include "gf16_bitslice.h"
+#include "parity_baked.h"
+#include "parity_cuda.h"
+
+namespace {
+
+using leto_gf::static_for;
+
+// The 16 exponents split over 4 thread groups, heavy (large |t|) with light, so that every
+// group does about the same number of LOP3s per page (87, 85, 84, 83): all groups wait for the
+// slowest one at each stage barrier.
+__host__ __device__ constexpr int group_t(int g, int k) {
+  constexpr int kT[4][4] = {{-7, -1, 0, 8}, {-6, -2, 1, 7}, {-5, -3, 2, 6}, {-4, 3, 4, 5}};
+  return kT[g][k];
+}
+
+template <int NB>
+struct Cfg {
+  static constexpr int kCols = 16 * NB;            // 32-bit columns per tile
+  static constexpr int kThreads = 4 * kCols;       // 4 groups per column
+  static constexpr int kBlockStride = 1024 + 64;   // smem stride of a block: +16 banks per block
+  static constexpr int kPageSmem = NB * kBlockStride;
+  static constexpr int kP = 2;                     // pages per stage
+  static constexpr int kNS = 16 / kP;              // stages; 16 pages = one rotation period
+  static constexpr int kStageBytes = kP * kPageSmem;
+  static constexpr int kPipeBytes = kNS * kStageBytes;
+  static constexpr int kSynBytes = 256 * kCols * 4;  // [t*16 + plane][column]
+  static constexpr int kSmem = kPipeBytes > kSynBytes ? kPipeBytes : kSynBytes;
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One Horner step for the 4 exponents of group GI on the 16 plane words d.
+template <int GI>
+__device__ __forceinline__ void group_step(uint32_t (&acc)[4][16], const uint32_t (&d)[16]) {
+  static_for<4>([&](auto k) {
+    leto_gf::horner_step<group_t(GI, LETO_CV(k)), true>(acc[LETO_CV(k)], d);
+  });
+}
+
+// Main loop of one thread group.  kPipe=false reads page words straight from global memory
+// (simple variant, kept as a cross-check of the pipeline); kCompute=false only keeps the
+// pipeline going (a group whose syndromes no output needs).
+template <int NB, int GI, bool kPipe, bool kCompute>
+__device__ __forceinline__ void page_loop(const SyndromeArgs& a, uint8_t* smem,
+                                          uint32_t (&acc)[4][16]) {
+  using C = Cfg<NB>;
+  const int tid = threadIdx.x;
+  const int col = tid % C::kCols;
+  const int bl = col / 16, q = col % 16;
+  const size_t tile_off = static_cast<size_t>(blockIdx.x) * NB * 1024;
+  const int blocks = static_cast<int>(a.page_bytes / 1024);
+  const int n_pad = (a.n + 15) & ~15;
+  const int n_stages = n_pad / C::kP;
+  // Copy duty: one 16-byte chunk of every page of a stage (64*NB threads, 64*NB chunks).
+  const int cbl = tid / 64, cch = tid % 64;
+  const bool cvalid = static_cast<int>(blockIdx.x) * NB + cbl < blocks;
+  const size_t csrc = tile_off + static_cast<size_t>(cbl) * 1024 + cch * 16;
+  const int cdst = cbl * C::kBlockStride + cch * 16;
+
+  auto issue = [&](int s, int buf) {
+    if (kPipe && s < n_stages) {
+      uint8_t* st = smem + buf * C::kStageBytes + cdst;
+#pragma unroll
+      for (int p = 0; p < C::kP; ++p) {
+        const int j = n_pad - 1 - (s * C::kP + p);
+        const uint8_t* src = (j < a.n && cvalid) ? a.pages[j] : nullptr;
+        if (src != nullptr) cp_async16(st + p * C::kPageSmem, src + csrc);
+        else *reinterpret_cast<uint4*>(st + p * C::kPageSmem) = make_uint4(0, 0, 0, 0);
+      }
+    }
+    cp_async_commit();  // always, so that group counting stays uniform
+  };
+
+  const bool mine_valid = static_cast<int>(blockIdx.x) * NB + bl < blocks;
+  const size_t gword = tile_off + static_cast<size_t>(bl) * 1024 + q * 4;
+
+#pragma unroll
+  for (int s = 0; s < C::kNS - 1; ++s) issue(s, s);
+  for (int s0 = 0; s0 < n_stages; s0 += C::kNS) {
+#pragma unroll
+    for (int u = 0; u < C::kNS; ++u) {  // u == (s0 + u) % kNS: compile-time buffer index
+      const int s = s0 + u;
+      cp_async_wait<C::kNS - 2>();
+      __syncthreads();  // stage s visible to all; everyone is done with stage s-1's buffer
+      issue(s + C::kNS - 1, (u + C::kNS - 1) % C::kNS);
+      if constexpr (kCompute) {
+        const uint8_t* st = smem + u * C::kStageBytes + bl * C::kBlockStride + q * 4;
+#pragma unroll
+        for (int p = 0; p < C::kP; ++p) {
+          uint32_t d[16];
+          if constexpr (kPipe) {
+#pragma unroll
+            for (int r = 0; r < 16; ++r)
+              d[r] = *reinterpret_cast<const uint32_t*>(st + p * C::kPageSmem + r * 64);
+          } else {
+            const int j = n_pad - 1 - (s * C::kP + p);
+            const uint8_t* pg = (j < a.n && mine_valid) ? a.pages[j] : nullptr;
+#pragma unroll
+            for (int r = 0; r < 16; ++r)
+              d[r] = pg ? __ldg(reinterpret_cast<const uint32_t*>(pg + gword + r * 64)) : 0u;
+          }
+          group_step<GI>(acc, d);
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // pipeline drained; smem is free for the syndrome exchange
+}
+
+// out[o] ^= baked_coef(4*GI + o, TI) * z.  The coefficients are compile-time constants once
+// the loops are unrolled (baked_coef is a constexpr table), so only the XORs of set bits remain.
+template <int GI, int TI>
+__device__ __forceinline__ void baked_mac(uint32_t (&out)[4][16], uint32_t (&z)[16]) {
+  constexpr int i0 = 4 * GI;
+  if constexpr ((leto_gf::baked_coef(i0, TI) | leto_gf::baked_coef(i0 + 1, TI) |
+                 leto_gf::baked_coef(i0 + 2, TI) | leto_gf::baked_coef(i0 + 3, TI)) != 0) {
+#pragma unroll
+    for (int b = 0; b < 16; ++b) {
+#pragma unroll
+      for (int o = 0; o < 4; ++o) {
+        if ((leto_gf::baked_coef(i0 + o, TI) >> b) & 1u) {
+#pragma unroll
+          for (int r = 0; r < 16; ++r) out[o][r] ^= z[r];
+        }
+      }
+      if (b < 15) leto_gf::mul_x(z);
+    }
+  }
+}
+
+template <int NB, int GI, bool kBaked, bool kPipe>
+__device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks& masks,
+                                          uint8_t* smem) {
+  using C = Cfg<NB>;
+  const int col = threadIdx.x % C::kCols;
+  const int bl = col / 16, q = col % 16;
+  uint32_t acc[4][16];
+  static_for<4>([&](auto k) { static_for<16>([&](auto r) { acc[LETO_CV(k)][LETO_CV(r)] = 0u; }); });
+
+  if ((a.group_mask >> GI) & 1u) page_loop<NB, GI, kPipe, true>(a, smem, acc);
+  else page_loop<NB, GI, kPipe, false>(a, smem, acc);
+
+  // Exchange: syn[(t*16 + r) * kCols + col]; consecutive columns -> consecutive banks.
+  uint32_t* syn = reinterpret_cast<uint32_t*>(smem);
+  static_for<4>([&](auto k) {
+    constexpr int ti = group_t(GI, LETO_CV(k)) - leto_gf::kTLo;
+    static_for<16>([&](auto r) { syn[(ti * 16 + LETO_CV(r)) * C::kCols + col] = acc[LETO_CV(k)][LETO_CV(r)]; });
+  });
+  __syncthreads();
+
+  // Mix: this group computes outputs 4*GI .. 4*GI+3.
+  const int i0 = 4 * GI;
+  if (i0 >= a.m_out) return;
+  uint32_t out[4][16];
+  static_for<4>([&](auto o) { static_for<16>([&](auto r) { out[LETO_CV(o)][LETO_CV(r)] = 0u; }); });
+  if constexpr (kBaked) {
+    // ti is a run-time loop (so the scheduler cannot hoist all 256 syndrome loads and spill);
+    // each iteration branches to a copy specialised for its compile-time ti.
+#pragma unroll 1
+    for (int ti = 0; ti < 16; ++ti) {
+      uint32_t z[16];
+#pragma unroll
+      for (int r = 0; r < 16; ++r) z[r] = syn[(ti * 16 + r) * C::kCols + col];
+      static_for<16>([&](auto tc) {
+        if (ti == LETO_CV(tc)) baked_mac<GI, LETO_CV(tc)>(out, z);
+      });
+    }
+  } else {
+#pragma unroll 1
+    for (int ti = 0; ti < 16; ++ti) {
+      if (!((a.col_mask >> ti) & 1u)) continue;
+      uint32_t z[16];
+#pragma unroll
+      for (int r = 0; r < 16; ++r) z[r] = syn[(ti * 16 + r) * C::kCols + col];
+      leto_gf::mac_shift_xor<4>(out, z, [&](int o, int b) -> uint32_t { return masks.m[i0 + o][ti][b]; });
+    }
+  }
+  const int blocks = static_cast<int>(a.page_bytes / 1024);
+  if (static_cast<int>(blockIdx.x) * NB + bl >= blocks) return;
+  const size_t off = static_cast<size_t>(blockIdx.x) * NB * 1024 + static_cast<size_t>(bl) * 1024 + q * 4;
+  static_for<4>([&](auto o) {
+    if (i0 + LETO_CV(o) < a.m_out) {
+      uint8_t* dst = a.outs[i0 + LETO_CV(o)] + off;
+      static_for<16>([&](auto r) { *reinterpret_cast<uint32_t*>(dst + LETO_CV(r) * 64) = out[LETO_CV(o)][LETO_CV(r)]; });
+    }
+  });
+}
+
+template <int NB, bool kBaked, bool kPipe>
+__global__ void __launch_bounds__(Cfg<NB>::kThreads, 2)
+    syndrome_mix_kernel(const SyndromeArgs a, const __grid_constant__ MixMasks masks) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  // The group index is warp-uniform (16*NB >= 32 columns per group), so each warp runs one
+  // compile-time specialisation: its exponents are constants and the rotation can be renamed.
+  switch (threadIdx.x / Cfg<NB>::kCols) {
+    case 0: run_group<NB, 0, kBaked, kPipe>(a, masks, smem); break;
+    case 1: run_group<NB, 1, kBaked, kPipe>(a, masks, smem); break;
+    case 2: run_group<NB, 2, kBaked, kPipe>(a, masks, smem); break;
+    default: run_group<NB, 3, kBaked, kPipe>(a, masks, smem); break;
+  }
+}
+
+template <int NB>
+__global__ void __launch_bounds__(Cfg<NB>::kThreads)
+    delta_kernel(const DeltaArgs a) {
+  using C = Cfg<NB>;
+  const int g = threadIdx.x / C::kCols;
+  const int col = threadIdx.x % C::kCols;
+  const int bl = col / 16, q = col % 16;
+  const int i0 = blockIdx.y * 16 + 4 * g;
+  const int blocks = static_cast<int>(a.page_bytes / 1024);
+  if (i0 >= a.m_out || static_cast<int>(blockIdx.x) * NB + bl >= blocks) return;  // no barriers below
+  const int no = a.m_out - i0 < 4 ? a.m_out - i0 : 4;
+  const size_t off = static_cast<size_t>(blockIdx.x) * NB * 1024 + static_cast<size_t>(bl) * 1024 + q * 4;
+  uint32_t acc[4][16];
+  static_for<4>([&](auto o) {
+    static_for<16>([&](auto r) {
+      acc[LETO_CV(o)][LETO_CV(r)] =
+          LETO_CV(o) < no ? *reinterpret_cast<const uint32_t*>(a.outs[i0 + LETO_CV(o)] + off + LETO_CV(r) * 64) : 0u;
+    });
+  });
+  for (int l = 0; l < a.n; ++l) {
+    uint32_t c[4];
+#pragma unroll
+    for (int o = 0; o < 4; ++o) c[o] = o < no ? static_cast<uint32_t>(a.coef[(i0 + o) * a.n + l]) : 0u;
+    if ((c[0] | c[1] | c[2] | c[3]) == 0u) continue;
+    const uint8_t* pa = a.a[l] + off;
+    const uint8_t* pb = a.b[l];
+    uint32_t z[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      z[r] = __ldg(reinterpret_cast<const uint32_t*>(pa + r * 64));
+      if (pb != nullptr) z[r] ^= __ldg(reinterpret_cast<const uint32_t*>(pb + off + r * 64));
+    }
+    leto_gf::mac_shift_xor<4>(acc, z, [&](int o, int b) -> uint32_t { return 0u - ((c[o] >> b) & 1u); });
+  }
+  static_for<4>([&](auto o) {
+    if (LETO_CV(o) < no) {
+      uint8_t* dst = a.outs[i0 + LETO_CV(o)] + off;
+      static_for<16>([&](auto r) { *reinterpret_cast<uint32_t*>(dst + LETO_CV(r) * 64) = acc[LETO_CV(o)][LETO_CV(r)]; });
+    }
+  });
+}
+
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <int NB, bool kBaked, bool kPipe>
+inline void launch_sm(const SyndromeArgs& a, const MixMasks& masks, cudaStream_t stream) {
+  using C = Cfg<NB>;
+  auto kern = syndrome_mix_kernel<NB, kBaked, kPipe>;
+  static bool attr = [&] {  // > 48 KB of dynamic shared memory needs an explicit opt-in
+    check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
+          "cudaFuncSetAttribute");
+    return true;
+  }();
+  (void)attr;
+  const int blocks = static_cast<int>(a.page_bytes / 1024);
+  const dim3 grid((blocks + NB - 1) / NB);
+  kern<<<grid, C::kThreads, C::kSmem, stream>>>(a, masks);
+  check(cudaGetLastError(), "syndrome_mix kernel launch");
+}
+
+}  // namespace
