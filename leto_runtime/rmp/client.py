@@ -220,6 +220,7 @@ class RmpClient:
         self._sock = None
         self._id = 0
         self.states: dict[str, RetainedState] = {}
+        self.last_remap: list[dict] = []          # what the last remap() replaced
         self.info = self._call("hello").header
 
     # ---- transport -----------------------------------------------------------------------
@@ -388,6 +389,7 @@ class RmpClient:
         for n, m in h.get("marks", {}).items():
             if n in self.states:
                 self.states[n].marks = Marks.from_wire(m)
+        self.last_remap = h["replaced"]
         return h["replaced"]
 
     def close(self, unmap: bool = True, timeout: float = 10.0) -> None:

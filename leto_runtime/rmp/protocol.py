@@ -78,6 +78,7 @@ class ErrorCode(str, enum.Enum):
     TIMEOUT = "timeout"                  # client side: no reply in time
     DISCONNECTED = "disconnected"        # client side: the state manager went away
     VIEWS_ALIVE = "views_alive"          # client side: unmap while tensors still exist
+    UNRECOVERABLE = "unrecoverable"      # client side: more lost pages than the parity tolerates
 
 
 class RmpError(Exception):

@@ -1,0 +1,140 @@
+"""Page loss end to end on CPU: inject faults in a real state manager, localize them by probe,
+remap, reconstruct from two-tier parity, and compare with the bytes written before the fault."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from leto_run.state_manager import Geometry
+from leto_run.state_manager.harness import SlotHarness
+from leto_runtime.rmp.client import FRESH_FILL, RmpClient
+from leto_runtime.rmp.reconstruct import NotRemapped, Unrecoverable, protect, recover, reconstruct
+
+# D=32 (as small as lets 16 + 1 page losses be interesting), H1=16, H2=1, 16 KiB pages
+GEOM = Geometry(data_pages=32, tier1=16, tier2=1, page_bytes=16 << 10)
+S = GEOM.page_bytes
+N_PAGES = 80                                     # groups of 32, 32 and 16 pages
+
+
+@pytest.fixture(scope="module")
+def slot():
+    s = SlotHarness(device="cpu", geometry=GEOM)
+    yield s
+    s.close()
+
+
+def write_state(slot, name, seed, n_pages=N_PAGES, kind="model"):
+    """Allocate, fill with seeded bytes, encode parity; return (bytes, parity snapshot)."""
+    c = RmpClient(slot.socket)
+    st = c.allocate(name, n_pages * S, kind=kind)
+    data = np.random.default_rng(seed).integers(0, 256, (n_pages, S), dtype=np.uint8)
+    st.pages().numpy()[:] = data
+    parity = None
+    if st.protected:
+        protect(st)
+        parity = [(st.tier1(g.index).numpy().copy(), st.tier2(g.index).numpy().copy())
+                  for g in st.groups]
+    c.close()
+    return data, parity
+
+
+def check_exact(st, data, parity):
+    assert np.array_equal(st.pages().numpy(), data)
+    for g in st.groups:
+        assert np.array_equal(st.tier1(g.index).numpy(), parity[g.index][0]), f"tier1 g{g.index}"
+        assert np.array_equal(st.tier2(g.index).numpy(), parity[g.index][1]), f"tier2 g{g.index}"
+
+
+def gid(slot, name, index):
+    return next(s for s in RmpClient(slot.socket).list() if s["name"] == name)["groups"][index]
+
+
+def test_16_device_pages_plus_one_tier1_page_bit_exact(slot):
+    data, parity = write_state(slot, "a", 1)
+    c = RmpClient(slot.socket)
+    g1 = gid(slot, "a", 1)
+    rep = c.inject_pages(tier="device", group=g1, first=5, count=16)      # a DRAM row
+    assert rep["emulation"] == "truncated" and [p["index"] for p in rep["pages"]] == list(range(37, 53))
+    c.inject_pages(tier="host", group=g1, part="p1", first=3, count=1)
+    st = c.attach("a")                               # the promoted trainer maps the pool
+    loc, rec = recover(c)
+    assert loc.marks["a"].data == list(range(37, 53)) and loc.marks["a"].p1 == {1: [3]}
+    assert loc.device_pages_probed == N_PAGES
+    assert [(g.index, len(g.data), g.p1) for g in rec.repaired] == [(1, 16, [3])]
+    check_exact(st, data, parity)
+    assert not c.localize().failed()                 # marks cleared, nothing left to find
+    c.release("a")
+
+
+def test_17_device_pages_unrecoverable_nothing_overwritten(slot):
+    data, parity = write_state(slot, "b", 2)
+    c = RmpClient(slot.socket)
+    c.inject_pages(tier="device", group=gid(slot, "b", 0), first=10, count=17)
+    st = c.attach("b")
+    c.localize()
+    c.remap()
+    with pytest.raises(Unrecoverable) as ei:
+        reconstruct(c)
+    assert ei.value.code.value == "unrecoverable"
+    [g] = ei.value.report.unrecoverable
+    assert (g.index, len(g.data), g.tolerance) == (0, 17, 16)
+    pages = st.pages().numpy()
+    assert (pages[10:27] == FRESH_FILL).all()         # fresh memory, not silently "repaired"
+    keep = np.r_[0:10, 27:N_PAGES]
+    assert np.array_equal(pages[keep], data[keep])
+    for gi in range(3):
+        assert np.array_equal(st.tier1(gi).numpy(), parity[gi][0])
+    assert st.marks.data == list(range(10, 27))      # marks stay for the fallback to see
+    c.release("b")
+
+
+def test_losses_spread_over_groups_and_both_parity_tiers(slot):
+    data, parity = write_state(slot, "c", 3)
+    c = RmpClient(slot.socket)
+    g0, g1, g2 = (gid(slot, "c", i) for i in range(3))
+    c.inject_pages(tier="device", group=g0, first=0, count=3)
+    c.inject_pages(tier="host", group=g0, part="p2")                  # tier 2 only: re-encoded
+    c.inject_pages(tier="device", group=g1, first=0, count=8)         # 16 in two rows
+    c.inject_pages(tier="device", group=g1, first=20, count=8)
+    c.inject_pages(tier="device", group=g2, first=11, count=5)        # the short last group
+    c.inject_pages(tier="host", group=g2, part="p1", first=0, count=2)  # > H2: tier-1 erasures
+    st = c.attach("c")
+    loc, rec = recover(c)
+    assert sorted((g.index, len(g.data), len(g.p1), len(g.p2)) for g in rec.repaired) == \
+        [(0, 3, 0, 1), (1, 16, 0, 0), (2, 5, 2, 0)]
+    check_exact(st, data, parity)
+    c.release("c")
+
+
+def test_unprotected_state_is_remapped_without_contents(slot):
+    c = RmpClient(slot.socket)
+    st = c.allocate("scratch", 4 * S, kind="process")
+    assert not st.protected
+    st.pages().numpy()[:] = 7
+    rep = c.inject_pages(tier="device", state="scratch", first=1, count=2)
+    assert len(rep["pages"]) == 2
+    loc = c.localize()
+    assert loc.marks["scratch"].data == [1, 2] and len(loc.marks["scratch"].unmapped) == 2
+    with pytest.raises(NotRemapped):
+        reconstruct(c, ["scratch"])
+    c.remap(["scratch"])
+    assert not st.marks                               # nothing to rebuild: contents undefined
+    rec = reconstruct(c, ["scratch"])
+    assert [e["index"] for e in rec.undefined] == [1, 2] and not rec.repaired
+    pages = st.pages().numpy()
+    assert (pages[[0, 3]] == 7).all() and (pages[1:3] == FRESH_FILL).all()
+    c.release("scratch")
+
+
+def test_marks_survive_a_state_manager_crash(slot):
+    data, parity = write_state(slot, "d", 4, n_pages=20)
+    c = RmpClient(slot.socket)
+    c.inject_pages(tier="host", group=gid(slot, "d", 0), part="p1", first=7, count=1)
+    c.inject_pages(tier="device", group=gid(slot, "d", 0), first=2, count=4)
+    slot.restart()                                    # SIGKILL, then start from the keeper
+    c2 = RmpClient(slot.socket)
+    st = c2.attach("d")
+    loc, rec = recover(c2)
+    assert loc.marks["d"].p1 == {0: [7]} and loc.marks["d"].data == [2, 3, 4, 5]
+    check_exact(st, data, parity)
+    c2.release("d")
