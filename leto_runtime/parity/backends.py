@@ -1,0 +1,180 @@
+"""Backend selection and the two primitives every backend implements.
+
+Role: map the codec's two primitives onto the NumPy reference, the C++ CPU kernels or the CUDA
+kernels, and pick one explicitly (`reference`, `cpu`, `cuda`) or by device (`auto`, which warns
+when it has to fall back to the reference).
+
+    syndrome_mix(pages, outs, coef, ts, page_bytes)
+        outs[i] = sum_c coef[i][c] * sum_j x^(j ts[c]) pages[j]   (pages[j] None = all-zero page)
+    delta_update(outs, olds, news, coef, page_bytes)
+        outs[i] ^= sum_l coef[i][l] * (olds[l] ^ news[l])        (news[l] None: olds[l] is the delta)
+
+Calling contract: pages are validated 1-D uint8 tensors of `page_bytes` bytes on one device (the
+code object does that); outputs are written in place; work is queued on the current CUDA
+stream for CUDA pages (nothing synchronizes).  The kernels cover exponents t = -7..8, i.e. codes
+with m <= 16; wider codes need the reference backend.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import _ext, gf16, reference
+from .errors import ParityBackendUnavailable
+
+log = logging.getLogger("leto.parity")
+
+BACKENDS = ("auto", "reference", "cpu", "cuda")
+Page = Optional[torch.Tensor]
+
+
+class ReferenceBackend:
+    """NumPy on the host; CUDA pages are copied to the host and the results back."""
+
+    name = "reference"
+
+    @staticmethod
+    def _np(t: Page) -> Optional[np.ndarray]:
+        return None if t is None else t.detach().cpu().numpy()
+
+    def syndrome_mix(self, pages: Sequence[Page], outs: Sequence[torch.Tensor], coef: np.ndarray,
+                     ts: Sequence[int], page_bytes: int) -> None:
+        used = [c for c in range(len(ts)) if coef[:, c].any()]
+        res = reference.syndrome_mix([self._np(p) for p in pages], coef[:, used],
+                                     [ts[c] for c in used], page_bytes)
+        for o, r in zip(outs, res):
+            o.copy_(torch.from_numpy(r))
+
+    def delta_update(self, outs: Sequence[torch.Tensor], olds: Sequence[torch.Tensor],
+                     news: Sequence[Page], coef: np.ndarray, page_bytes: int) -> None:
+        par = [self._np(o).copy() for o in outs]
+        reference.delta_update(par, coef, [self._np(o) for o in olds], [self._np(n) for n in news])
+        for o, r in zip(outs, par):
+            o.copy_(torch.from_numpy(r))
+
+
+class _KernelBackend:
+    """Shared plumbing of the C++ and CUDA backends: address arrays and the t = -7..8 window."""
+
+    name = "?"
+
+    def __init__(self, ext) -> None:
+        self.ext = ext
+        self._ptr_cache: dict[tuple, torch.Tensor] = {}
+
+    def _ptrs(self, pages: Sequence[Page], device: torch.device) -> torch.Tensor:
+        key = (device, tuple(0 if p is None else p.data_ptr() for p in pages))
+        hit = self._ptr_cache.get(key)
+        if hit is None:
+            # Small LRU: re-encoding the same group (the common case) reuses its address array.
+            if len(self._ptr_cache) >= 64:
+                self._ptr_cache.pop(next(iter(self._ptr_cache)))
+            hit = torch.tensor(key[1], dtype=torch.int64)
+            if device.type == "cuda":
+                hit = hit.to(device, non_blocking=True)
+            self._ptr_cache[key] = hit
+        return hit
+
+    @staticmethod
+    def _window(coef: np.ndarray, ts: Sequence[int]) -> torch.Tensor:
+        if min(ts) < gf16.T_LO_MIN or max(ts) > gf16.T_HI_MAX:
+            raise ParityBackendUnavailable(
+                "cpu/cuda", f"the kernels cover codes with m <= 16 (exponents -7..8), not {list(ts)}",
+                "use backend='reference' for wider codes")
+        return torch.from_numpy(gf16.kernel_mix(coef, tuple(ts)).astype(np.int32))
+
+
+class CpuBackend(_KernelBackend):
+    name = "cpu"
+
+    def syndrome_mix(self, pages, outs, coef, ts, page_bytes) -> None:
+        cpu = torch.device("cpu")
+        self.ext.syndrome_mix(self._ptrs(pages, cpu), self._ptrs(outs, cpu), self._window(coef, ts), page_bytes)
+
+    def delta_update(self, outs, olds, news, coef, page_bytes) -> None:
+        cpu = torch.device("cpu")
+        c = torch.from_numpy(np.ascontiguousarray(coef, dtype=np.int32))
+        self.ext.delta_update(self._ptrs(outs, cpu), self._ptrs(olds, cpu), self._ptrs(news, cpu), c, page_bytes)
+
+
+class CudaBackend(_KernelBackend):
+    name = "cuda"
+
+    def __init__(self, ext) -> None:
+        super().__init__(ext)
+        # LETO_PARITY_CUDA_VARIANT: auto | simple | nb2 | nobake (benchmarks and cross-checks).
+        self.variant = os.environ.get("LETO_PARITY_CUDA_VARIANT", "auto")
+
+    def syndrome_mix(self, pages, outs, coef, ts, page_bytes) -> None:
+        dev = outs[0].device
+        self.ext.syndrome_mix(self._ptrs(pages, dev), self._ptrs(outs, dev), self._window(coef, ts),
+                              page_bytes, self.ext.VARIANTS[self.variant])
+
+    def delta_update(self, outs, olds, news, coef, page_bytes) -> None:
+        dev = outs[0].device
+        c = torch.from_numpy(np.ascontiguousarray(coef, dtype=np.int32)).to(dev, non_blocking=True)
+        self.ext.delta_update(self._ptrs(outs, dev), self._ptrs(olds, dev), self._ptrs(news, dev), c, page_bytes)
+
+
+_REFERENCE = ReferenceBackend()
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        log.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def cpu_backend() -> CpuBackend:
+    ext = _ext.load_cpu()
+    global _CPU
+    if _CPU is None or _CPU.ext is not ext:
+        _CPU = CpuBackend(ext)
+    return _CPU
+
+
+def cuda_backend() -> CudaBackend:
+    ext = _ext.load_cuda()
+    global _CUDA
+    if _CUDA is None or _CUDA.ext is not ext:
+        _CUDA = CudaBackend(ext)
+    return _CUDA
+
+
+_CPU: Optional[CpuBackend] = None
+_CUDA: Optional[CudaBackend] = None
+
+
+def select(backend: str, device: torch.device, m: int):
+    """The backend object for pages on `device`.  Explicit names raise ParityBackendUnavailable;
+    'auto' falls back to the reference with a warning (once per reason)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return _REFERENCE
+    if backend == "cpu" and device.type != "cpu":
+        raise ParityBackendUnavailable("cpu", f"pages are on {device}", "use backend='cuda' or 'auto'")
+    if backend == "cuda" and device.type != "cuda":
+        raise ParityBackendUnavailable("cuda", f"pages are on {device}", "use backend='cpu' or 'auto'")
+    want = backend if backend != "auto" else ("cuda" if device.type == "cuda" else "cpu")
+    if m > 16:
+        err = ParityBackendUnavailable(want, f"the kernels support m <= 16 (this code has m={m})",
+                                       "use backend='reference'")
+        if backend != "auto":
+            raise err
+        _warn_once(f"leto.parity: falling back to the NumPy reference: {err}")
+        return _REFERENCE
+    try:
+        return cuda_backend() if want == "cuda" else cpu_backend()
+    except ParityBackendUnavailable as e:
+        if backend != "auto":
+            raise
+        _warn_once(f"leto.parity: backend 'auto' falls back to the NumPy reference (slow): {e}")
+        return _REFERENCE
