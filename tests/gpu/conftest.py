@@ -1,0 +1,27 @@
+"""GPU tier: every test here is marked `gpu` and skipped, with the reason, where no CUDA device
+is visible (CI, CPU dev machines).  Run on the lent H200: `pytest tests/gpu -q`."""
+from __future__ import annotations
+
+import pytest
+
+
+def _no_cuda_reason() -> str | None:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - torch is a core dependency
+        return f"torch is not importable ({e})"
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    if not torch.cuda.is_available():
+        return f"no CUDA device visible (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _no_cuda_reason()
+    for item in items:
+        if "tests/gpu/" not in str(item.fspath).replace("\\", "/"):
+            continue
+        item.add_marker(pytest.mark.gpu)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=f"needs a CUDA GPU: {reason}"))
