@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                     allow_file=allow_file_path(a.run_dir, a.slot),
                     parent_pid=a.parent_pid or os.getppid(), allow_wait=a.allow_wait, log=log)
     for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: server.stop.set())
+        signal.signal(s, lambda *_: server.request_stop())
     if keeper is not None:
         try:
             keeper.ready()

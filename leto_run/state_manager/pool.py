@@ -98,7 +98,13 @@ class CudaPages:
                 raise P.DeviceUnavailable(f"GPU {ordinal}: {what} failed: {r[0]!r}")
             return r[1] if len(r) == 2 else None
 
-        call(cu.cuInit(0), "cuInit")
+        try:
+            call(cu.cuInit(0), "cuInit")
+        except P.DeviceUnavailable:
+            raise
+        except Exception as e:    # no driver library at all (cuda-python raises, not returns)
+            raise P.DeviceUnavailable(f"GPU {ordinal}: no CUDA driver ({type(e).__name__}: "
+                                      f"{str(e)[:200]})") from None
         count = call(cu.cuDeviceGetCount(), "cuDeviceGetCount")
         if not 0 <= ordinal < count:
             raise P.DeviceUnavailable(f"GPU {ordinal} does not exist ({count} visible)")

@@ -60,18 +60,29 @@ class Server:
         self.parent_pid, self.allow_wait, self.max_conns = parent_pid, allow_wait, max_conns
         self.log = log
         self.stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._nconn = 0
         self._count_lock = threading.Lock()
         self.listener = P.bind_private(path)
 
     # ---- accept loop -----------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Stop serving (safe from a signal handler: an Event and a pipe write)."""
+        self.stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
     def serve(self) -> None:
-        """Accept until `stop` is set (checked at least every 0.5 s)."""
+        """Accept until `request_stop()` (the selector also wakes every 0.5 s)."""
         sel = selectors.DefaultSelector()
         sel.register(self.listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
         try:
             while not self.stop.is_set():
-                if not sel.select(timeout=0.5):
+                ready = sel.select(timeout=0.5)
+                if not ready or any(k.fileobj == self._wake_r for k, _ in ready):
                     continue
                 try:
                     conn, _ = self.listener.accept()

@@ -19,8 +19,10 @@ remapped pages are reported as "contents undefined".
 The parity must be consistent with the data (the trainer -- RMU -- keeps it so); `protect()`
 encodes every group from scratch (first initialization, tests).
 
-Codec: `leto_runtime.parity` (GF(2^16), PARITY.md).  `_Codec` is the one place that calls it, so
-a change of the codec's API is a change here only.
+Codec: `leto_runtime.parity.ParityCode` (GF(2^16), PARITY.md), one code per tier and group
+shape; `backend` is passed through ('auto': CUDA kernels for GPU pages, C++ for host pages).
+On GPUs the group's parity (host, pinned) is staged to the device, decoded there with the data
+pages rebuilt in place, and the repaired parity rows are copied back to the host.
 
 Calling contract: `recover(client)` = localize + remap + reconstruct; `reconstruct(client)`
 requires that no page awaits remapping.  Both return a `ReconstructReport` or raise
@@ -30,8 +32,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from leto_runtime.rmp import protocol as P
 
@@ -80,44 +80,22 @@ class ReconstructReport:
         return sum(len(g.data) + len(g.p1) + len(g.p2) for g in self.repaired)
 
 
-# ---- the codec adapter -------------------------------------------------------------------
-class _Codec:
-    """encode / decode on (n, S) uint8 pages, through leto_runtime.parity."""
+# ---- the codec ---------------------------------------------------------------------------
+class _Tiers:
+    """The two codes of one group shape, through `leto_runtime.parity.ParityCode`."""
 
-    def __init__(self, backend: str = "reference"):
-        from leto_runtime.parity import gf16, reference
+    def __init__(self, k: int, h1: int, h2: int, page_bytes: int, backend: str):
+        from leto_runtime.parity import ParityCode
 
-        self.gf16, self.ref, self.backend = gf16, reference, backend
-
-    def encode(self, data: list, m: int, page_bytes: int) -> np.ndarray:
-        k = len(data)
-        return self.ref.syndrome_mix([self._np(d) for d in data], self.gf16.encode_matrix(k, m),
-                                     self.gf16.exponents(m), page_bytes)
-
-    def decode(self, pages: list, m: int, lost: tuple[int, ...], page_bytes: int) -> np.ndarray:
-        """Pages at positions `lost` (ascending) of a k+m codeword; `pages` has None there."""
-        k = len(pages) - m
-        if len(lost) > m:
-            from leto_runtime.parity.errors import TooManyErasures
-            raise TooManyErasures(lost, m)
-        coef = self.gf16.decode_matrix(k, m, tuple(lost))
-        return self.ref.syndrome_mix([None if p is None else self._np(p) for p in pages], coef,
-                                     self.gf16.exponents(m)[:len(lost)], page_bytes)
-
-    @staticmethod
-    def _np(t) -> np.ndarray:
-        if isinstance(t, np.ndarray):
-            return t
-        if t.device.type != "cpu":
-            t = t.cpu()                      # device pages: host round trip (correct, not fast)
-        return t.numpy()
+        self.t1 = ParityCode(k, h1, page_bytes, backend=backend)
+        self.t2 = ParityCode(h1, h2, page_bytes, backend=backend) if h2 else None
 
 
-def _write(dst, src: np.ndarray) -> None:
-    """Copy a host page into a tensor page (host or device)."""
-    import torch
-
-    dst.copy_(torch.from_numpy(np.ascontiguousarray(src)))
+def _staged(host, device):
+    """Parity pages on the data's device: the host tensor itself on CPU, a (pinned) copy on GPU."""
+    if host is None or device.type == "cpu":
+        return host
+    return host.to(device, non_blocking=True)
 
 
 # ---- planning ----------------------------------------------------------------------------
@@ -147,7 +125,7 @@ def _feasible(st, loss: GroupLoss) -> bool:
 
 
 # ---- the API -----------------------------------------------------------------------------
-def reconstruct(client, names: list[str] | None = None, *, backend: str = "reference",
+def reconstruct(client, names: list[str] | None = None, *, backend: str = "auto",
                 clear: bool = True) -> ReconstructReport:
     """Rebuild every marked page of the attached protected states (see module docstring)."""
     t0 = time.perf_counter()
@@ -169,11 +147,11 @@ def reconstruct(client, names: list[str] | None = None, *, backend: str = "refer
                             f"{worst.state!r}: {len(worst.data)} data + {len(worst.p1)} tier-1 "
                             f"+ {len(worst.p2)} tier-2 lost, tolerance {worst.tolerance}); "
                             "nothing was written: recover from a checkpoint", report)
-    codec = _Codec(backend)
     for loss in losses:
-        _repair_group(client.states[loss.state], loss, codec)
+        _repair_group(client.states[loss.state], loss, backend)
         report.repaired.append(loss)
-    _sync(client, names)
+    for n in names:
+        _sync_state(client.states[n])
     if clear:
         for name in {g.state for g in losses}:
             client.clear_marks(name)
@@ -181,62 +159,66 @@ def reconstruct(client, names: list[str] | None = None, *, backend: str = "refer
     return report
 
 
-def _sync(client, names) -> None:
-    for n in names:
-        if client.states[n].device.startswith("cuda"):
-            import torch
-            torch.cuda.synchronize(client.states[n].device)
-            return
-
-
-def _repair_group(st, loss: GroupLoss, codec: _Codec) -> None:
-    S, H1, H2 = st.page_bytes, st.h1, st.h2
+def _repair_group(st, loss: GroupLoss, backend: str) -> None:
+    H1, H2 = st.h1, st.h2
     g = st.groups[loss.index]
-    data = st.group_pages(loss.index)                # (k, S) views
-    p1 = st.tier1(loss.index)
-    p2 = st.tier2(loss.index)
-    rebuilt_p1 = False
-    # 1. tier 2 -> tier 1
-    if loss.p1 and _tier2_can_repair(st, loss):
-        lost = tuple(sorted(loss.p1) + [H1 + i for i in sorted(loss.p2)])
-        pages = [None if i in loss.p1 else p1[i] for i in range(H1)] + \
-                [None if i in loss.p2 else p2[i] for i in range(H2)]
-        out = codec.decode(pages, H2, lost, S)
-        for r, pos in enumerate(lost):
-            if pos < H1:
-                _write(p1[pos], out[r])
-        rebuilt_p1 = True
-    # 2. tier 1 -> data (plus tier-1 pages that tier 2 could not rebuild)
-    bad_p1 = [] if rebuilt_p1 or not loss.p1 else sorted(loss.p1)
+    codes = _Tiers(g.k, H1, H2, st.page_bytes, backend)
+    data = st.group_pages(loss.index)                # (k, S) zero-copy view, device or host
+    dev = data.device
+    p1h, p2h = st.tier1(loss.index), st.tier2(loss.index)
+    p1, p2 = _staged(p1h, dev), _staged(p2h, dev)
     lost_d = sorted(i - g.first for i in loss.data)
-    if lost_d or bad_p1:
-        lost = tuple(lost_d + [g.k + i for i in bad_p1])
-        pages = [None if j in lost_d else data[j] for j in range(g.k)] + \
-                [None if i in bad_p1 else p1[i] for i in range(H1)]
-        out = codec.decode(pages, H1, lost, S)
-        for r, pos in enumerate(lost):
-            _write(data[pos] if pos < g.k else p1[pos - g.k], out[r])
-    # 3. tier 1 -> tier 2 (re-encode: also covers tier-2 pages lost with nothing else)
-    if H2 and (loss.p2 or bad_p1):
-        out = codec.encode([p1[i] for i in range(H1)], H2, S)
-        for i in range(H2):
-            _write(p2[i], out[i])
+    lost1, lost2 = sorted(loss.p1), sorted(loss.p2)
+    changed1: set[int] = set()
+    changed2: set[int] = set()
+    # 1. tier 2 -> tier 1 (decode writes straight into the staged parity rows)
+    via_t2 = bool(lost1) and _tier2_can_repair(st, loss)
+    if via_t2:
+        pages = [None if i in lost1 else p1[i] for i in range(H1)] + \
+                [None if i in lost2 else p2[i] for i in range(H2)]
+        codes.t2.decode(pages, out={**{i: p1[i] for i in lost1}, **{H1 + i: p2[i] for i in lost2}})
+        changed1.update(lost1)
+        changed2.update(lost2)
+    # 2. tier 1 -> data pages, in place (plus the tier-1 pages tier 2 could not rebuild)
+    bad1 = [] if via_t2 else lost1
+    if lost_d or bad1:
+        rows = list(data.unbind(0))
+        pages = [None if j in lost_d else rows[j] for j in range(g.k)] + \
+                [None if i in bad1 else p1[i] for i in range(H1)]
+        codes.t1.decode(pages, out={**{j: rows[j] for j in lost_d},
+                                    **{g.k + i: p1[i] for i in bad1}})
+        changed1.update(bad1)
+    # 3. tier 1 -> tier 2 (lost tier-2 pages, or tier-1 pages rebuilt by tier 1)
+    if H2 and ((lost2 and not via_t2) or bad1):
+        codes.t2.encode(p1, out=p2)
+        changed2.update(range(H2))
+    if dev.type != "cpu":                            # the host parity is the authoritative copy
+        for i in sorted(changed1):
+            p1h[i].copy_(p1[i])
+        for i in sorted(changed2):
+            p2h[i].copy_(p2[i])
 
 
-def protect(state, *, backend: str = "reference") -> None:
+def protect(state, *, backend: str = "auto") -> None:
     """Encode every group's tier-1 parity from its data and tier 2 from tier 1 (full encode)."""
-    codec = _Codec(backend)
     for g in state.groups:
+        codes = _Tiers(g.k, state.h1, state.h2, state.page_bytes, backend)
         data = state.group_pages(g.index)
-        p1 = state.tier1(g.index)
-        out = codec.encode([data[j] for j in range(g.k)], state.h1, state.page_bytes)
-        for i in range(state.h1):
-            _write(p1[i], out[i])
-        if state.h2:
-            p2 = state.tier2(g.index)
-            out2 = codec.encode([p1[i] for i in range(state.h1)], state.h2, state.page_bytes)
-            for i in range(state.h2):
-                _write(p2[i], out2[i])
+        p1h, p2h = state.tier1(g.index), state.tier2(g.index)
+        p1 = codes.t1.encode(data) if data.device.type != "cpu" else codes.t1.encode(data, out=p1h)
+        if codes.t2 is not None:
+            p2 = codes.t2.encode(p1) if data.device.type != "cpu" else codes.t2.encode(p1, out=p2h)
+        if data.device.type != "cpu":
+            p1h.copy_(p1)
+            if codes.t2 is not None:
+                p2h.copy_(p2)
+    _sync_state(state)
+
+
+def _sync_state(st) -> None:
+    if st.device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize(st.device)
 
 
 def recover(client, names: list[str] | None = None, **kw) -> tuple:

@@ -13,6 +13,7 @@ from leto_runtime.rmp.reconstruct import NotRemapped, Unrecoverable, protect, re
 # D=32 (as small as lets 16 + 1 page losses be interesting), H1=16, H2=1, 16 KiB pages
 GEOM = Geometry(data_pages=32, tier1=16, tier2=1, page_bytes=16 << 10)
 S = GEOM.page_bytes
+REF = "reference"          # the NumPy codec: no kernel build on CI (the kernels are tested elsewhere)
 N_PAGES = 80                                     # groups of 32, 32 and 16 pages
 
 
@@ -31,7 +32,7 @@ def write_state(slot, name, seed, n_pages=N_PAGES, kind="model"):
     st.pages().numpy()[:] = data
     parity = None
     if st.protected:
-        protect(st)
+        protect(st, backend=REF)
         parity = [(st.tier1(g.index).numpy().copy(), st.tier2(g.index).numpy().copy())
                   for g in st.groups]
     c.close()
@@ -43,6 +44,19 @@ def check_exact(st, data, parity):
     for g in st.groups:
         assert np.array_equal(st.tier1(g.index).numpy(), parity[g.index][0]), f"tier1 g{g.index}"
         assert np.array_equal(st.tier2(g.index).numpy(), parity[g.index][1]), f"tier2 g{g.index}"
+
+
+def symbol_domain_parity(data: np.ndarray, m: int) -> np.ndarray:
+    """p_i = sum_j G[i][j] * d_j per 16-bit symbol (PARITY.md's generator form): a different
+    computation from the codec's syndrome (Horner) path, so it checks the stored parity."""
+    from leto_runtime.parity import gf16
+    G = gf16.generator(len(data), m)
+    sym = gf16.to_symbols(data)
+    out = np.zeros((m, sym.shape[1]), dtype=np.uint16)
+    for i in range(m):
+        for j in range(len(data)):
+            out[i] ^= gf16.mul(int(G[i, j]), sym[j])
+    return gf16.from_symbols(out)
 
 
 def gid(slot, name, index):
@@ -57,11 +71,12 @@ def test_16_device_pages_plus_one_tier1_page_bit_exact(slot):
     assert rep["emulation"] == "truncated" and [p["index"] for p in rep["pages"]] == list(range(37, 53))
     c.inject_pages(tier="host", group=g1, part="p1", first=3, count=1)
     st = c.attach("a")                               # the promoted trainer maps the pool
-    loc, rec = recover(c)
+    loc, rec = recover(c, backend=REF)
     assert loc.marks["a"].data == list(range(37, 53)) and loc.marks["a"].p1 == {1: [3]}
     assert loc.device_pages_probed == N_PAGES
     assert [(g.index, len(g.data), g.p1) for g in rec.repaired] == [(1, 16, [3])]
     check_exact(st, data, parity)
+    assert np.array_equal(st.tier1(1).numpy(), symbol_domain_parity(data[32:64], 16))
     assert not c.localize().failed()                 # marks cleared, nothing left to find
     c.release("a")
 
@@ -74,7 +89,7 @@ def test_17_device_pages_unrecoverable_nothing_overwritten(slot):
     c.localize()
     c.remap()
     with pytest.raises(Unrecoverable) as ei:
-        reconstruct(c)
+        reconstruct(c, backend=REF)
     assert ei.value.code.value == "unrecoverable"
     [g] = ei.value.report.unrecoverable
     assert (g.index, len(g.data), g.tolerance) == (0, 17, 16)
@@ -99,7 +114,7 @@ def test_losses_spread_over_groups_and_both_parity_tiers(slot):
     c.inject_pages(tier="device", group=g2, first=11, count=5)        # the short last group
     c.inject_pages(tier="host", group=g2, part="p1", first=0, count=2)  # > H2: tier-1 erasures
     st = c.attach("c")
-    loc, rec = recover(c)
+    loc, rec = recover(c, backend=REF)
     assert sorted((g.index, len(g.data), len(g.p1), len(g.p2)) for g in rec.repaired) == \
         [(0, 3, 0, 1), (1, 16, 0, 0), (2, 5, 2, 0)]
     check_exact(st, data, parity)
@@ -116,10 +131,10 @@ def test_unprotected_state_is_remapped_without_contents(slot):
     loc = c.localize()
     assert loc.marks["scratch"].data == [1, 2] and len(loc.marks["scratch"].unmapped) == 2
     with pytest.raises(NotRemapped):
-        reconstruct(c, ["scratch"])
+        reconstruct(c, ["scratch"], backend=REF)
     c.remap(["scratch"])
     assert not st.marks                               # nothing to rebuild: contents undefined
-    rec = reconstruct(c, ["scratch"])
+    rec = reconstruct(c, ["scratch"], backend=REF)
     assert [e["index"] for e in rec.undefined] == [1, 2] and not rec.repaired
     pages = st.pages().numpy()
     assert (pages[[0, 3]] == 7).all() and (pages[1:3] == FRESH_FILL).all()
@@ -134,7 +149,7 @@ def test_marks_survive_a_state_manager_crash(slot):
     slot.restart()                                    # SIGKILL, then start from the keeper
     c2 = RmpClient(slot.socket)
     st = c2.attach("d")
-    loc, rec = recover(c2)
+    loc, rec = recover(c2, backend=REF)
     assert loc.marks["d"].p1 == {0: [7]} and loc.marks["d"].data == [2, 3, 4, 5]
     check_exact(st, data, parity)
     c2.release("d")

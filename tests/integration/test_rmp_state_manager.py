@@ -316,3 +316,13 @@ def test_fd_limits_are_enforced(slot):
     out, err = p.communicate(timeout=60)
     assert out.strip() == str(n), err
     assert RmpClient(slot.socket).status()["states"]["wide"]["pages"] == n
+
+
+def test_a_gpu_that_cannot_serve_is_reported(tmp_path):
+    # cuda:99 exists nowhere: on CPU machines there is no driver, on GPU machines no such GPU
+    r = subprocess.run([sys.executable, "-m", "leto_run.state_manager", "--run-dir", str(tmp_path),
+                        "--device", "cuda:99"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and "cannot serve a memory pool" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "leto_run.state_manager", "--run-dir", str(tmp_path),
+                        "--tier1", "40"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "tier1=40" in r.stderr

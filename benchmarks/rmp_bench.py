@@ -1,0 +1,253 @@
+"""Resilient Memory Pool benchmark: what recovery costs in the memory pool (docs/BENCHMARKS.md,
+"Resilient Memory Pool").
+
+Measured, with a real state manager and fd keeper (`SlotHarness`) and this process as the
+trainer:
+
+* **state manager GPU memory**: device-wide free memory (this process's context already exists)
+  before and after the state manager starts and allocates, minus what it allocated for the pool;
+  and whether nvidia-smi lists the state manager as a compute process at all.  Goal 0 MiB.
+* **attach/map** of a retained state of `--retained-gib` GiB (default 64, unprotected): from the
+  attach request to a mapped, zero-copy tensor (fds streamed in batches of 253, imported, mapped
+  back to back, closed).  Goal <= 100 ms for 64 GiB.
+* **localization per 1,000 pages**: the client's device probe (cuPointerGetAttribute on every page
+  of the attached state) per 1,000 pages, and the whole `localize()` call (probe + state-manager
+  host scan + marks).  Goal <= 1 ms per 1,000 pages (paper: 36 ms per recovery).
+* **reconstruction** of 16 lost pages (a DRAM row, retired and remapped) in one protection group
+  of `--data-pages` pages (default 1024 x 2 MiB = 2 GiB): `reconstruct()` end to end (parity
+  staged to the GPU, decode in place, parity rows back, marks cleared); checked bit-exact against
+  a copy.  Goal <= 5 ms (paper: 140 ms).
+
+    python benchmarks/rmp_bench.py [--device auto|cpu|cuda:N] [--retained-gib G] [--data-pages D]
+                                   [--page-bytes S] [--repeats N] [--json FILE]
+
+stdout: a Markdown table and one PASS/MISS line per goal; progress on stderr.  Exit 0 when every
+measurement ran, 1 otherwise.  The state manager is torn down in a `finally`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from leto_run.state_manager import Geometry
+from leto_run.state_manager.harness import SlotHarness
+from leto_runtime.rmp.client import RmpClient
+from leto_runtime.rmp.reconstruct import protect, reconstruct
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def log(msg: str) -> None:
+    print(f"[rmp_bench] {msg}", file=sys.stderr, flush=True)
+
+
+def raise_nofile() -> tuple[int, int]:
+    """Every page is one fd (state manager, keeper): 64 GiB of 2 MiB pages is 32,768."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))     # root: raise the hard limit
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def compute_apps() -> dict[int, int] | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    r = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                        "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=30)
+    apps = {}
+    for line in r.stdout.strip().splitlines():
+        try:
+            pid, mib = (x.strip() for x in line.split(","))
+            apps[int(pid)] = int(mib)
+        except ValueError:
+            pass
+    return apps
+
+
+def stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--retained-gib", type=float, default=64.0)
+    ap.add_argument("--data-pages", type=int, default=1024)
+    ap.add_argument("--page-bytes", type=int, default=2 * MiB)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--backend", default="auto", help="parity backend for reconstruction")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+
+    cuda = torch.cuda.is_available() and a.device != "cpu"
+    device = ("cuda:0" if a.device == "auto" else a.device) if cuda else "cpu"
+    nofile = raise_nofile()
+    res: dict = {"machine": {"host": platform.node(), "python": platform.python_version(),
+                             "torch": torch.__version__, "device": device,
+                             "gpu": torch.cuda.get_device_name(0) if cuda else None,
+                             "kernel": platform.release(), "nofile": nofile,
+                             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")},
+                 "args": vars(a)}
+    if cuda:
+        torch.zeros(1, device=device)                 # our context first: the delta is the SM's
+        torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info(0)[0] if cuda else None
+    geom = Geometry(a.data_pages, 16, 1, a.page_bytes)
+    ok = True
+    slot = SlotHarness(device=device, geometry=geom, ready_timeout=120)
+    try:
+        free_started = torch.cuda.mem_get_info(0)[0] if cuda else None
+        c = RmpClient(slot.socket)
+        page = c.info["device_page_bytes"]
+        # ---- state manager GPU memory ---------------------------------------------------
+        nbytes = int(a.retained_gib * GiB) // page * page
+        t0 = time.perf_counter()
+        c.allocate("bench.retained", nbytes, kind="process")
+        alloc_s = time.perf_counter() - t0
+        c.close()
+        log(f"allocated {nbytes / GiB:.1f} GiB in {nbytes // page} pages in {alloc_s:.2f} s")
+        if cuda:
+            free1 = torch.cuda.mem_get_info(0)[0]
+            apps = compute_apps()
+            res["sm_gpu_memory"] = {
+                "start_mib": (free0 - free_started) / MiB,
+                "device_free_drop_mib": (free0 - free1) / MiB, "pool_mib": nbytes / MiB,
+                "sm_overhead_mib": (free0 - free1 - nbytes) / MiB,
+                "sm_listed_by_nvidia_smi": None if apps is None else slot.proc.pid in apps,
+                "sm_mib_by_nvidia_smi": None if apps is None else apps.get(slot.proc.pid, 0)}
+            log(f"state manager GPU memory: {res['sm_gpu_memory']}")
+        res["allocate"] = {"seconds": alloc_s, "pages": nbytes // page, "bytes": nbytes}
+        # ---- attach / map ---------------------------------------------------------------
+        att, unm, loc_probe, loc_total = [], [], [], []
+        for r in range(a.repeats + 1):
+            c = RmpClient(slot.socket)
+            t0 = time.perf_counter()
+            st = c.attach("bench.retained")
+            t = st.tensor(dtype="uint8")
+            t1 = time.perf_counter()
+            if r == 0:
+                t[:page].fill_(1)                    # touch: the mapping works
+                assert int(t[page - 1]) == 1
+            rep = c.localize()
+            assert rep.failed() == 0
+            del t
+            t2 = time.perf_counter()
+            c.close()
+            t3 = time.perf_counter()
+            if r:                                     # repeat 0 is the warm-up
+                att.append(t1 - t0)
+                unm.append(t3 - t2)
+                loc_probe.append(rep.device_probe_s / rep.device_pages_probed * 1000)
+                loc_total.append(rep.total_s)
+        res["attach_map_s"] = stats(att)
+        res["unmap_s"] = stats(unm)
+        res["localize_per_1000_pages_s"] = stats(loc_probe)
+        res["localize_call_s"] = stats(loc_total)
+        res["localize_pages"] = nbytes // page
+        log(f"attach {res['attach_map_s']}, localize/1000 {res['localize_per_1000_pages_s']}")
+        c = RmpClient(slot.socket)
+        c.release("bench.retained")
+        c.close()
+        # ---- reconstruction of 16 pages in one group ------------------------------------
+        D = a.data_pages
+        c = RmpClient(slot.socket)
+        st = c.allocate("bench.group", D * page)
+        gid = st.groups[0].id
+        ref = torch.randint(0, 256, (D, page), dtype=torch.uint8, device=st.device)
+        st.pages().copy_(ref)
+        t0 = time.perf_counter()
+        protect(st, backend=a.backend)
+        res["protect_group_s"] = time.perf_counter() - t0
+        del st
+        c.close()
+        rec, remap_s = [], []
+        for r in range(a.repeats + 1):
+            first = (r * 37) % (D - 16)
+            c = RmpClient(slot.socket)
+            c.inject_pages(tier="device", group=gid, first=first, count=16)
+            c.close()
+            c = RmpClient(slot.socket)
+            st = c.attach("bench.group")
+            loc = c.localize()
+            assert loc.marks["bench.group"].data == list(range(first, first + 16)), loc.marks
+            t0 = time.perf_counter()
+            c.remap()
+            t1 = time.perf_counter()
+            report = reconstruct(c, backend=a.backend)
+            t2 = time.perf_counter()
+            assert report.pages == 16
+            assert torch.equal(st.pages(), ref), "reconstruction is not bit-exact"
+            del st
+            c.close()
+            if r:
+                rec.append(t2 - t1)
+                remap_s.append(t1 - t0)
+        res["reconstruct_16_pages_s"] = stats(rec)
+        res["remap_16_pages_s"] = stats(remap_s)
+        res["group_bytes"] = D * page
+        log(f"reconstruct {res['reconstruct_16_pages_s']}")
+    except Exception as e:
+        ok = False
+        res["error"] = f"{type(e).__name__}: {e}"
+        log(f"FAILED: {res['error']}")
+        import traceback
+        traceback.print_exc()
+    finally:
+        slot.close()
+    report_md(res)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+    return 0 if ok else 1
+
+
+def report_md(res: dict) -> None:
+    ms = lambda s: f"{s * 1e3:.3f}"
+    rows = []
+    if "attach_map_s" in res:
+        gib = res["allocate"]["bytes"] / GiB
+        rows.append((f"attach/map {gib:g} GiB ({res['allocate']['pages']} pages)", res["attach_map_s"], 0.100))
+        rows.append(("unmap (after views dropped)", res["unmap_s"], None))
+        rows.append(("localization, device probe per 1,000 pages", res["localize_per_1000_pages_s"], 0.001))
+        rows.append((f"localize() call, {res['localize_pages']} pages", res["localize_call_s"], None))
+    if "reconstruct_16_pages_s" in res:
+        rows.append((f"reconstruct 16 pages, {res['group_bytes'] / GiB:g} GiB group",
+                     res["reconstruct_16_pages_s"], 0.005))
+        rows.append(("remap 16 pages (fresh memory)", res["remap_16_pages_s"], None))
+    print("| metric (ms) | median | min | max | n | goal |")
+    print("|---|---|---|---|---|---|")
+    for name, s, goal in rows:
+        print(f"| {name} | {ms(s['median'])} | {ms(s['min'])} | {ms(s['max'])} | {s['n']} | "
+              f"{'' if goal is None else '<= ' + ms(goal)} |")
+    for name, s, goal in rows:
+        if goal is not None:
+            print(f"{'PASS' if s['median'] <= goal else 'MISS'} {name}: median {ms(s['median'])} ms "
+                  f"(goal <= {ms(goal)} ms)")
+    if "sm_gpu_memory" in res:
+        g = res["sm_gpu_memory"]
+        print(f"{'PASS' if abs(g['sm_overhead_mib']) < 1 and not g['sm_listed_by_nvidia_smi'] else 'MISS'} "
+              f"state manager GPU memory: {g['start_mib']:.1f} MiB to start, "
+              f"{g['sm_overhead_mib']:.1f} MiB beyond the pool "
+              f"(device free memory dropped {g['device_free_drop_mib']:.0f} MiB for a "
+              f"{g['pool_mib']:.0f} MiB pool; listed by nvidia-smi: {g['sm_listed_by_nvidia_smi']})")
+    if "protect_group_s" in res:
+        print(f"(full encode of the group with the parity codec: {res['protect_group_s'] * 1e3:.1f} ms, "
+              f"first call includes any kernel build)")
+    if "error" in res:
+        print(f"ERROR: {res['error']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
