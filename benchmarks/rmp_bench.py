@@ -162,6 +162,14 @@ def main(argv=None) -> int:
         c.close()
         # ---- reconstruction of 16 pages in one group ------------------------------------
         D = a.data_pages
+        from leto_runtime.parity import ParityCode
+        used = ParityCode(D, 16, page, backend=a.backend).backend_for(torch.device(device)).name
+        res["codec_backend"] = used
+        log(f"parity codec backend for {device} pages: {used}")
+        if used == "reference" and D * page > 256 * MiB:
+            raise RuntimeError(f"the parity codec resolved to the NumPy reference for {device} "
+                               "pages (kernels unavailable): a 2 GiB group would take minutes; "
+                               "not measured")
         c = RmpClient(slot.socket)
         st = c.allocate("bench.group", D * page)
         gid = st.groups[0].id

@@ -154,8 +154,12 @@ class HostMapping:
 
         if not torch.cuda.is_available():
             return False
-        rc = torch.cuda.cudart().cudaHostRegister(self.base, self.size, 0)
-        if int(rc) != 0:
+        try:
+            rc = torch.cuda.cudart().cudaHostRegister(self.base, self.size, 0)
+            rc = int(getattr(rc, "value", rc))
+        except Exception as e:        # a torch without this binding: same as a failed register
+            rc = f"{type(e).__name__}: {e}"
+        if rc != 0:
             # Not fatal: copies still work, only slower and synchronous.  Say it loudly.
             import warnings
             warnings.warn(f"leto rmp: cudaHostRegister of {self.size} bytes of parity failed "
@@ -214,9 +218,13 @@ def ensure_context(device: int) -> None:
 
     torch.cuda.set_device(device)
     torch.empty(1, device=f"cuda:{device}")          # creates torch's primary context
-    ctx = cu_check(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    ctx = cu_check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if ctx is not None and int(ctx) != 0:
+        return                                        # torch made it current on this thread
+    dev = cu.CUdevice(device)
+    ctx = cu_check(cu.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
     cu_check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
-    cu.cuDevicePrimaryCtxRelease(device)              # torch holds its own reference
+    cu.cuDevicePrimaryCtxRelease(dev)                 # torch holds its own reference
 
 
 class CudaMapping:
