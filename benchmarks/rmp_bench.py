@@ -47,6 +47,10 @@ from leto_runtime.rmp.reconstruct import protect, reconstruct
 MiB, GiB = 1 << 20, 1 << 30
 
 
+class _Skip(Exception):
+    pass
+
+
 def log(msg: str) -> None:
     print(f"[rmp_bench] {msg}", file=sys.stderr, flush=True)
 
@@ -88,6 +92,8 @@ def main(argv=None) -> int:
     ap.add_argument("--page-bytes", type=int, default=2 * MiB)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--backend", default="auto", help="parity backend for reconstruction")
+    ap.add_argument("--skip-retained", action="store_true", help="only the reconstruction part")
+    ap.add_argument("--skip-reconstruct", action="store_true", help="only the retained-state part")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
@@ -111,7 +117,10 @@ def main(argv=None) -> int:
         free_started = torch.cuda.mem_get_info(0)[0] if cuda else None
         c = RmpClient(slot.socket)
         page = c.info["device_page_bytes"]
+        res["page_bytes"] = page
         # ---- state manager GPU memory ---------------------------------------------------
+        if a.skip_retained:
+            raise _Skip()
         nbytes = int(a.retained_gib * GiB) // page * page
         t0 = time.perf_counter()
         c.allocate("bench.retained", nbytes, kind="process")
@@ -160,8 +169,20 @@ def main(argv=None) -> int:
         c = RmpClient(slot.socket)
         c.release("bench.retained")
         c.close()
+    except _Skip:
+        pass
+    except Exception as e:
+        ok = False
+        res["error"] = f"{type(e).__name__}: {e}"
+        log(f"FAILED: {res['error']}")
+        import traceback
+        traceback.print_exc()
+    try:
+        if a.skip_reconstruct or not ok:
+            raise _Skip()
         # ---- reconstruction of 16 pages in one group ------------------------------------
         D = a.data_pages
+        page = RmpClient(slot.socket).info["device_page_bytes"]
         from leto_runtime.parity import ParityCode
         used = ParityCode(D, 16, page, backend=a.backend).backend_for(torch.device(device)).name
         res["codec_backend"] = used
@@ -182,7 +203,7 @@ def main(argv=None) -> int:
         c.close()
         rec, remap_s = [], []
         for r in range(a.repeats + 1):
-            first = (r * 37) % (D - 16)
+            first = (r * 37) % max(1, D - 15)
             c = RmpClient(slot.socket)
             c.inject_pages(tier="device", group=gid, first=first, count=16)
             c.close()
@@ -206,6 +227,8 @@ def main(argv=None) -> int:
         res["remap_16_pages_s"] = stats(remap_s)
         res["group_bytes"] = D * page
         log(f"reconstruct {res['reconstruct_16_pages_s']}")
+    except _Skip:
+        pass
     except Exception as e:
         ok = False
         res["error"] = f"{type(e).__name__}: {e}"

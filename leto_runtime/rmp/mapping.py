@@ -209,6 +209,7 @@ def cu_check(r, what: str):
 def ensure_context(device: int) -> None:
     """Make `device`'s primary context (torch's) current on this thread."""
     cu = cuda_driver()
+    cu_check(cu.cuInit(0), "cuInit")                 # idempotent; the driver API needs it first
     ctx = cu_check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
     if ctx is not None and int(ctx) != 0:
         dev = cu_check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
