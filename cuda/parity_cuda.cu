@@ -50,7 +50,8 @@ void syndrome_mix(const SyndromeArgs& args_in, const uint16_t* coef, int variant
   const bool baked = coef_is_baked(coef, a.m_out);
   switch (variant) {
     case kVariantSimple:
-    case kVariantNB2: return launch_variant(variant, baked, a, masks, stream);
+    case kVariantNB2:
+    case kVariantRolled: return launch_variant(variant, baked, a, masks, stream);
     case kVariantNoBake: return launch_sm<4, false, true>(a, masks, stream);
     default: return baked ? launch_sm<4, true, true>(a, masks, stream) : launch_sm<4, false, true>(a, masks, stream);
   }

