@@ -39,6 +39,14 @@ struct Cfg {
   static constexpr int kSmem = kPipeBytes > kSynBytes ? kPipeBytes : kSynBytes;
 };
 
+// Thread roles.  Warp w belongs to thread group w % 4 and covers columns 32*(w / 4) .. +31.
+// Warps are dealt to the 4 SM sub-partitions round-robin (w % 4), so every sub-partition runs
+// the code of one group only: the unrolled page loop of one group (~30 KB) instead of two.
+template <int NB>
+__device__ __forceinline__ int thread_group() { return (threadIdx.x / 32) % 4; }
+template <int NB>
+__device__ __forceinline__ int thread_col() { return (threadIdx.x / 128) * 32 + threadIdx.x % 32; }
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
@@ -65,7 +73,7 @@ __device__ __forceinline__ void page_loop(const SyndromeArgs& a, uint8_t* smem,
                                           uint32_t (&acc)[4][16]) {
   using C = Cfg<NB>;
   const int tid = threadIdx.x;
-  const int col = tid % C::kCols;
+  const int col = thread_col<NB>();
   const int bl = col / 16, q = col % 16;
   const size_t tile_off = static_cast<size_t>(blockIdx.x) * NB * 1024;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
@@ -177,7 +185,7 @@ template <int NB, int GI, bool kBaked, bool kPipe, bool kRolled>
 __device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks& masks,
                                           uint8_t* smem) {
   using C = Cfg<NB>;
-  const int col = threadIdx.x % C::kCols;
+  const int col = thread_col<NB>();
   const int bl = col / 16, q = col % 16;
   uint32_t acc[4][16];
   static_for<4>([&](auto k) { static_for<16>([&](auto r) { acc[LETO_CV(k)][LETO_CV(r)] = 0u; }); });
@@ -235,9 +243,9 @@ template <int NB, bool kBaked, bool kPipe, bool kRolled>
 __global__ void __launch_bounds__(Cfg<NB>::kThreads, 2)
     syndrome_mix_kernel(const SyndromeArgs a, const __grid_constant__ MixMasks masks) {
   extern __shared__ __align__(16) uint8_t smem[];
-  // The group index is warp-uniform (16*NB >= 32 columns per group), so each warp runs one
-  // compile-time specialisation: its exponents are constants and the rotation can be renamed.
-  switch (threadIdx.x / Cfg<NB>::kCols) {
+  // The group index is warp-uniform, so each warp runs one compile-time specialisation: its
+  // exponents are constants and the rotation can be renamed.
+  switch (thread_group<NB>()) {
     case 0: run_group<NB, 0, kBaked, kPipe, kRolled>(a, masks, smem); break;
     case 1: run_group<NB, 1, kBaked, kPipe, kRolled>(a, masks, smem); break;
     case 2: run_group<NB, 2, kBaked, kPipe, kRolled>(a, masks, smem); break;
