@@ -153,3 +153,17 @@ def test_marks_survive_a_state_manager_crash(slot):
     assert loc.marks["d"].p1 == {0: [7]} and loc.marks["d"].data == [2, 3, 4, 5]
     check_exact(st, data, parity)
     c2.release("d")
+
+
+def test_inject_spec_fired_like_the_agent_does(slot):
+    from leto_run.inject import parse_inject
+    from leto_run.state_manager.faults import fire_pages_spec
+    write_state(slot, "e", 5, n_pages=40)
+    spec = parse_inject(f"pages:rank=0:group={gid(slot, 'e', 1)}:count=2:tier=device:after=1s")
+    rep = fire_pages_spec(slot.socket, spec.to_json()["params"])
+    assert rep["emulation"] == "truncated" and [p["index"] for p in rep["pages"]] == [32, 33]
+    c = RmpClient(slot.socket)
+    c.attach("e")
+    loc, rec = recover(c, backend=REF)
+    assert loc.marks["e"].data == [32, 33] and rec.pages == 2
+    c.release("e")
