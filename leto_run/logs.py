@@ -91,7 +91,7 @@ class OutputPump:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending: list[tuple] = []
         self._pending_lock = threading.Lock()
-        self._open = 0
+        self._open: set[int] = set()
         self._idle = threading.Condition()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="leto-output-pump", daemon=True)
@@ -105,13 +105,15 @@ class OutputPump:
         with self._pending_lock:
             self._pending.append((pipe_fd, f, out, prefix.encode()))
         with self._idle:
-            self._open += 1
+            self._open.add(pipe_fd)
         os.write(self._wake_w, b"x")
 
-    def wait_drained(self, timeout: float) -> bool:
-        """Block until every pipe added so far reached EOF (its writers are gone)."""
+    def wait_drained(self, timeout: float, fds: set[int] | None = None) -> bool:
+        """Block until the given pipes (default: all added so far) reached EOF, i.e. every
+        writer is gone and its last line has been written out."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._open == 0, timeout=timeout)
+            return self._idle.wait_for(
+                lambda: not (self._open if fds is None else self._open & fds), timeout=timeout)
 
     def close(self) -> None:
         self._stop = True
@@ -158,7 +160,7 @@ class OutputPump:
                 if f:
                     f.close()
                 with self._idle:
-                    self._open -= 1
+                    self._open.discard(fd)
                     self._idle.notify_all()
 
     def _emit(self, out, prefix: bytes, lines: list[bytes]) -> None:

@@ -32,7 +32,10 @@ def _alive(pid: int) -> bool:
 
 def stop_processes(procs: list[Proc], *, grace: float, first_signal: int = signal.SIGTERM,
                    token_kv: str | None = None, escalate_fd: int | None = None,
-                   log: Callable[[str], None] | None = None, kill_wait: float = 10.0) -> None:
+                   log: Callable[[str], None] | None = None, kill_wait: float = 10.0,
+                   spare: frozenset[int] = frozenset()) -> None:
+    """`spare`: pids that carry the job token but are not part of this stop (the slots'
+    state managers, which outlive restarts)."""
     # Signal first, look second: every millisecond before the SIGTERM is a millisecond the
     # survivors spend blocked on a dead peer.  The descendant snapshot right after still sees
     # the tree (a worker needs far longer than that to handle SIGTERM and exit), and anything
@@ -46,7 +49,8 @@ def stop_processes(procs: list[Proc], *, grace: float, first_signal: int = signa
         descendants |= p.snapshot_descendants()
     if token_kv:
         descendants |= set(pids_with_token(token_kv))
-    known = {p.pid for p in procs}
+    descendants -= spare
+    known = {p.pid for p in procs} | set(spare)   # never reap a managed child here
 
     def pending() -> list[Proc]:
         return [p for p in procs if p.poll_exit() is None]
@@ -80,7 +84,8 @@ def stop_processes(procs: list[Proc], *, grace: float, first_signal: int = signa
     live = pending()
     stragglers = [d for d in descendants if _alive(d)]
     if token_kv:
-        stragglers += [d for d in pids_with_token(token_kv) if d not in stragglers]
+        stragglers += [d for d in pids_with_token(token_kv)
+                       if d not in stragglers and d not in spare]
     if (live or stragglers) and log:
         log(f"grace period over: SIGKILL to {len(live)} worker(s) and "
             f"{len(stragglers)} descendant(s)")

@@ -53,6 +53,7 @@ class WorkerEnvSpec:
     job_token: str
     dump_signal: int
     inject_plan: tuple[dict, ...] = ()
+    sm_socket: str | None = None          # the slot's state manager (in-place mode only)
 
 
 def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, str]:
@@ -96,6 +97,8 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
         C.LETO_DUMP_SIGNAL: str(spec.dump_signal),
         C.LETO_INJECT_PLAN: json.dumps(list(spec.inject_plan), separators=(",", ":")),
     })
+    if spec.sm_socket:
+        env[C.LETO_SM_SOCKET] = spec.sm_socket
     return env
 
 

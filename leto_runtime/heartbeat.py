@@ -72,6 +72,11 @@ def _fire_step_injections(step: int) -> None:
         _state["plan"].remove(inj)
         _send("inject", step, inj.get("text") or inj.get("kind"))
         kind = inj.get("kind")
+        if kind == "pages":
+            # Synchronous: the pages are gone before this step touches them.
+            from leto_runtime.rmp.faults import fire_pages_spec
+            fire_pages_spec(_state["ctx"].sm_socket, inj.get("params") or {})
+            continue
         if kind == "hang":
             _block_forever(f"injected hang at step {step} ({inj.get('text')})")
         sig = int(inj.get("signal") or signal.SIGKILL)

@@ -1,24 +1,5 @@
-"""Fire an `--inject pages:...` spec at a slot's state manager (for the agent's timers).
+"""Compatibility home of `fire_pages_spec`; it lives in `leto_runtime.rmp.faults` so the runtime
+(which never imports `leto_run`) can fire step-triggered page faults too."""
+from leto_runtime.rmp.faults import PAGE_KEYS, fire_pages_spec
 
-    report = fire_pages_spec(keeper.sm_socket, spec.to_json()["params"])
-    events.emit("inject_pages", gen, rank=..., **report)      # what was destroyed, how emulated
-
-The agent is the state manager's parent, so it is always allowed to connect.  Raises the typed
-`leto_runtime.rmp.protocol` errors (BadArgument for a group or page range that does not exist,
-Disconnected if the state manager is gone); every call has `timeout`.
-"""
-from __future__ import annotations
-
-from leto_runtime.rmp.client import RmpClient
-
-PAGE_KEYS = ("tier", "count", "first", "part", "group")
-
-
-def fire_pages_spec(sm_socket: str, params: dict, timeout: float = 10.0) -> dict:
-    c = RmpClient(sm_socket, timeout=timeout, connect_timeout=timeout)
-    try:
-        rep = c.inject_pages(**{k: params[k] for k in PAGE_KEYS if k in params})
-    finally:
-        c.close(unmap=False)
-    return {"pages": rep["pages"], "emulation": rep["emulation"], "tier": rep["tier"],
-            "part": rep["part"]}
+__all__ = ["PAGE_KEYS", "fire_pages_spec"]
