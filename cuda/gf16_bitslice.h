@@ -71,16 +71,33 @@ LETO_HD void static_for(F&& f) {
   static_for_impl(f, std::make_integer_sequence<int, N>{});
 }
 
-// acc = acc * x^T  (+ d when HasData).  new[r] = d[r] ^ XOR_{c : bit(T,r,c)} acc[c].
+// The columns c with bit (r, c) set in the matrix of x^T, in order (a compile-time list).
+struct RowCols {
+  int n;
+  int c[16];
+};
+LETO_HD constexpr RowCols row_cols(int T, int r) {
+  RowCols rc{0, {}};
+  for (int c = 0; c < 16; ++c)
+    if (mulx_bit(T, r, c)) rc.c[rc.n++] = c;
+  return rc;
+}
+
+// acc = acc * x^T  (+ d when HasData).  new[r] = d[r] ^ XOR_{c : bit(T,r,c)} acc[c], the inputs
+// taken two at a time (v ^ (a ^ b)) so that each pair is one 3-input op (LOP3 / vpternlogq).
 template <int T, bool HasData, class W>
 LETO_HD void horner_step(W (&acc)[16], const W (&d)[16]) {
   W n[16];
   static_for<16>([&](auto r) LETO_INL {
+    constexpr RowCols rc = row_cols(T, LETO_CV(r));
     W v;
     if constexpr (HasData) v = d[LETO_CV(r)];
-    else v = W{};
-    static_for<16>([&](auto c) LETO_INL {
-      if constexpr (mulx_bit(T, LETO_CV(r), LETO_CV(c))) v ^= acc[LETO_CV(c)];
+    else v = acc[rc.c[0]];
+    constexpr int first = HasData ? 0 : 1;
+    static_for<8>([&](auto i) LETO_INL {
+      constexpr int a = first + 2 * LETO_CV(i);
+      if constexpr (a + 1 < rc.n) v ^= acc[rc.c[a]] ^ acc[rc.c[a + 1]];
+      else if constexpr (a < rc.n) v ^= acc[rc.c[a]];
     });
     n[LETO_CV(r)] = v;
   });

@@ -49,11 +49,9 @@ void syndrome_mix(const SyndromeArgs& args_in, const uint16_t* coef, int variant
       if ((a.col_mask >> (group_t(g, k) - leto_gf::kTLo)) & 1u) a.group_mask |= 1u << g;
   const bool baked = coef_is_baked(coef, a.m_out);
   switch (variant) {
-    case kVariantSimple:
-    case kVariantNB2:
-    case kVariantRolled: return launch_variant(variant, baked, a, masks, stream);
-    case kVariantNoBake: return launch_sm<4, false, true>(a, masks, stream);
-    default: return baked ? launch_sm<4, true, true>(a, masks, stream) : launch_sm<4, false, true>(a, masks, stream);
+    case kVariantAuto: return baked ? launch_sm<CfgAuto<true>>(a, masks, stream) : launch_sm<CfgAuto<false>>(a, masks, stream);
+    case kVariantNoBake: return launch_sm<CfgAuto<false>>(a, masks, stream);
+    default: return launch_variant(variant, baked, a, masks, stream);
   }
 }
 
@@ -61,7 +59,7 @@ void delta_update(const DeltaArgs& a, cudaStream_t stream) {
   constexpr int NB = 4;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
   const dim3 grid((blocks + NB - 1) / NB, (a.m_out + 15) / 16);
-  delta_kernel<NB><<<grid, Cfg<NB>::kThreads, 0, stream>>>(a);
+  delta_kernel<NB><<<grid, 64 * NB, 0, stream>>>(a);
   check(cudaGetLastError(), "delta_update kernel launch");
 }
 

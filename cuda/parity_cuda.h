@@ -33,7 +33,12 @@ struct DeltaArgs {
 
 namespace leto_cuda {
 
-enum Variant { kVariantAuto = 0, kVariantSimple = 1, kVariantNB2 = 2, kVariantNoBake = 3, kVariantRolled = 4 };
+// auto: the default (CfgAuto); nobake: the default with run-time mix coefficients even when
+// baked ones exist; the others are benchmark / cross-check variants (parity_cuda_kernels.cuh).
+enum Variant {
+  kVariantAuto = 0, kVariantSimple = 1, kVariantNB2 = 2, kVariantNoBake = 3, kVariantRolled2 = 4,
+  kVariantUnrolled = 5
+};
 
 // out_i = sum_t coef[i*16 + t] * sum_j x^(j (t-7)) page_j  (coef on the host).  Throws on error.
 void syndrome_mix(const SyndromeArgs& args, const uint16_t* coef, int variant, cudaStream_t stream);

@@ -25,14 +25,22 @@ __host__ __device__ constexpr int group_t(int g, int k) {
   return kT[g][k];
 }
 
-template <int NB>
+// One kernel variant.  NB: 1024-byte blocks per tile (16*NB columns, 64*NB threads); KP: pages
+// per pipeline stage; NS: stages in the ring; ROLLED: loop over stages (small code, the plane
+// rotation costs register moves once per stage) or unroll a whole rotation period of 16 pages
+// (no moves, ~8x the code: instruction-cache misses); PIPE: cp.async through shared memory or
+// plain global loads; BAKED: compiled-in mix matrix (the default code's encode).
+template <int NB_, int KP_, int NS_, bool ROLLED_, bool PIPE_, bool BAKED_>
 struct Cfg {
+  static constexpr int NB = NB_, kP = KP_, kNS = NS_;
+  static constexpr bool kRolled = ROLLED_, kPipe = PIPE_, kBaked = BAKED_;
+  static_assert(kRolled || kP * kNS == 16, "the unrolled loop covers one rotation period");
+  static_assert(NB == 2 || NB == 4, "a warp must hold 32 columns of one group");
   static constexpr int kCols = 16 * NB;            // 32-bit columns per tile
   static constexpr int kThreads = 4 * kCols;       // 4 groups per column
+  static constexpr int kMinBlocks = 8 / NB;        // 16 warps per SM at 128 registers
   static constexpr int kBlockStride = 1024 + 64;   // smem stride of a block: +16 banks per block
   static constexpr int kPageSmem = NB * kBlockStride;
-  static constexpr int kP = 2;                     // pages per stage
-  static constexpr int kNS = 16 / kP;              // stages; 16 pages = one rotation period
   static constexpr int kStageBytes = kP * kPageSmem;
   static constexpr int kPipeBytes = kNS * kStageBytes;
   static constexpr int kSynBytes = 256 * kCols * 4;  // [t*16 + plane][column]
@@ -42,9 +50,7 @@ struct Cfg {
 // Thread roles.  Warp w belongs to thread group w % 4 and covers columns 32*(w / 4) .. +31.
 // Warps are dealt to the 4 SM sub-partitions round-robin (w % 4), so every sub-partition runs
 // the code of one group only: the unrolled page loop of one group (~30 KB) instead of two.
-template <int NB>
 __device__ __forceinline__ int thread_group() { return (threadIdx.x / 32) % 4; }
-template <int NB>
 __device__ __forceinline__ int thread_col() { return (threadIdx.x / 128) * 32 + threadIdx.x % 32; }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -68,12 +74,13 @@ __device__ __forceinline__ void group_step(uint32_t (&acc)[4][16], const uint32_
 // Main loop of one thread group.  kPipe=false reads page words straight from global memory
 // (simple variant, kept as a cross-check of the pipeline); kCompute=false only keeps the
 // pipeline going (a group whose syndromes no output needs).
-template <int NB, int GI, bool kPipe, bool kCompute, bool kRolled>
+template <class C, int GI, bool kCompute>
 __device__ __forceinline__ void page_loop(const SyndromeArgs& a, uint8_t* smem,
                                           uint32_t (&acc)[4][16]) {
-  using C = Cfg<NB>;
+  constexpr int NB = C::NB;
+  constexpr bool kPipe = C::kPipe;
   const int tid = threadIdx.x;
-  const int col = thread_col<NB>();
+  const int col = thread_col();
   const int bl = col / 16, q = col % 16;
   const size_t tile_off = static_cast<size_t>(blockIdx.x) * NB * 1024;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
@@ -104,7 +111,7 @@ __device__ __forceinline__ void page_loop(const SyndromeArgs& a, uint8_t* smem,
 
 #pragma unroll
   for (int s = 0; s < C::kNS - 1; ++s) issue(s, s);
-  if constexpr (kRolled) {
+  if constexpr (C::kRolled) {
     // One stage per iteration: ~8x less code (instruction-cache friendly); the plane rotation
     // then costs register moves at the loop edge, which the compiler can put on the FMA pipe.
 #pragma unroll 1
@@ -181,17 +188,17 @@ __device__ __forceinline__ void baked_mac(uint32_t (&out)[4][16], uint32_t (&z)[
   }
 }
 
-template <int NB, int GI, bool kBaked, bool kPipe, bool kRolled>
+template <class C, int GI>
 __device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks& masks,
                                           uint8_t* smem) {
-  using C = Cfg<NB>;
-  const int col = thread_col<NB>();
+  constexpr int NB = C::NB;
+  const int col = thread_col();
   const int bl = col / 16, q = col % 16;
   uint32_t acc[4][16];
   static_for<4>([&](auto k) { static_for<16>([&](auto r) { acc[LETO_CV(k)][LETO_CV(r)] = 0u; }); });
 
-  if ((a.group_mask >> GI) & 1u) page_loop<NB, GI, kPipe, true, kRolled>(a, smem, acc);
-  else page_loop<NB, GI, kPipe, false, kRolled>(a, smem, acc);
+  if ((a.group_mask >> GI) & 1u) page_loop<C, GI, true>(a, smem, acc);
+  else page_loop<C, GI, false>(a, smem, acc);
 
   // Exchange: syn[(t*16 + r) * kCols + col]; consecutive columns -> consecutive banks.
   uint32_t* syn = reinterpret_cast<uint32_t*>(smem);
@@ -206,7 +213,7 @@ __device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks&
   if (i0 >= a.m_out) return;
   uint32_t out[4][16];
   static_for<4>([&](auto o) { static_for<16>([&](auto r) { out[LETO_CV(o)][LETO_CV(r)] = 0u; }); });
-  if constexpr (kBaked) {
+  if constexpr (C::kBaked) {
     // ti is a run-time loop (so the scheduler cannot hoist all 256 syndrome loads and spill);
     // each iteration branches to a copy specialised for its compile-time ti.
 #pragma unroll 1
@@ -239,24 +246,24 @@ __device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks&
   });
 }
 
-template <int NB, bool kBaked, bool kPipe, bool kRolled>
-__global__ void __launch_bounds__(Cfg<NB>::kThreads, 2)
+template <class C>
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     syndrome_mix_kernel(const SyndromeArgs a, const __grid_constant__ MixMasks masks) {
   extern __shared__ __align__(16) uint8_t smem[];
   // The group index is warp-uniform, so each warp runs one compile-time specialisation: its
   // exponents are constants and the rotation can be renamed.
-  switch (thread_group<NB>()) {
-    case 0: run_group<NB, 0, kBaked, kPipe, kRolled>(a, masks, smem); break;
-    case 1: run_group<NB, 1, kBaked, kPipe, kRolled>(a, masks, smem); break;
-    case 2: run_group<NB, 2, kBaked, kPipe, kRolled>(a, masks, smem); break;
-    default: run_group<NB, 3, kBaked, kPipe, kRolled>(a, masks, smem); break;
+  switch (thread_group()) {
+    case 0: run_group<C, 0>(a, masks, smem); break;
+    case 1: run_group<C, 1>(a, masks, smem); break;
+    case 2: run_group<C, 2>(a, masks, smem); break;
+    default: run_group<C, 3>(a, masks, smem); break;
   }
 }
 
 template <int NB>
-__global__ void __launch_bounds__(Cfg<NB>::kThreads)
+__global__ void __launch_bounds__(64 * NB)
     delta_kernel(const DeltaArgs a) {
-  using C = Cfg<NB>;
+  using C = Cfg<NB, 1, 1, true, true, false>;
   const int g = threadIdx.x / C::kCols;
   const int col = threadIdx.x % C::kCols;
   const int bl = col / 16, q = col % 16;
@@ -299,10 +306,9 @@ inline void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-template <int NB, bool kBaked, bool kPipe, bool kRolled = false>
+template <class C>
 inline void launch_sm(const SyndromeArgs& a, const MixMasks& masks, cudaStream_t stream) {
-  using C = Cfg<NB>;
-  auto kern = syndrome_mix_kernel<NB, kBaked, kPipe, kRolled>;
+  auto kern = syndrome_mix_kernel<C>;
   static bool attr = [&] {  // > 48 KB of dynamic shared memory needs an explicit opt-in
     check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem),
           "cudaFuncSetAttribute");
@@ -310,9 +316,16 @@ inline void launch_sm(const SyndromeArgs& a, const MixMasks& masks, cudaStream_t
   }();
   (void)attr;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
-  const dim3 grid((blocks + NB - 1) / NB);
+  const dim3 grid((blocks + C::NB - 1) / C::NB);
   kern<<<grid, C::kThreads, C::kSmem, stream>>>(a, masks);
   check(cudaGetLastError(), "syndrome_mix kernel launch");
 }
+
+// The variants (see Cfg).  The default is the fastest measured on the H200 (docs/BENCHMARKS.md).
+template <bool B> using CfgAuto = Cfg<4, 4, 4, true, true, B>;
+template <bool B> using CfgRolled2 = Cfg<4, 2, 8, true, true, B>;
+template <bool B> using CfgUnrolled = Cfg<4, 2, 8, false, true, B>;
+template <bool B> using CfgNB2 = Cfg<2, 4, 4, true, true, B>;
+using CfgSimple = Cfg<4, 2, 8, false, false, false>;
 
 }  // namespace

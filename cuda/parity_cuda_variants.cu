@@ -1,19 +1,20 @@
-// Extra launch variants of the syndrome_mix kernel (see parity_cuda.cu): "simple" reads pages
-// straight from global memory (a cross-check of the cp.async pipeline), "nb2" uses 2-block tiles
-// (128 threads), "rolled" does not unroll the page loop.  Benchmarks and tests select them.
+// Extra launch variants of the syndrome_mix kernel (Cfg* in parity_cuda_kernels.cuh): "simple"
+// reads pages straight from global memory (a cross-check of the cp.async pipeline), "nb2" uses
+// 2-block tiles (128 threads, 4 CTAs per SM), "rolled2" 2-page stages, "unrolled" a page loop
+// unrolled over a whole rotation period.  Benchmarks and tests select them explicitly.
 #include "parity_cuda_kernels.cuh"
 
 namespace leto_cuda {
 
 void launch_variant(int variant, bool baked, const SyndromeArgs& a, const MixMasks& masks,
                     cudaStream_t stream) {
-  if (variant == kVariantSimple) return launch_sm<4, false, false>(a, masks, stream);
-  if (variant == kVariantRolled) {
-    if (baked) return launch_sm<4, true, true, true>(a, masks, stream);
-    return launch_sm<4, false, true, true>(a, masks, stream);
+  switch (variant) {
+    case kVariantSimple: return launch_sm<CfgSimple>(a, masks, stream);
+    case kVariantNB2: return baked ? launch_sm<CfgNB2<true>>(a, masks, stream) : launch_sm<CfgNB2<false>>(a, masks, stream);
+    case kVariantRolled2: return baked ? launch_sm<CfgRolled2<true>>(a, masks, stream) : launch_sm<CfgRolled2<false>>(a, masks, stream);
+    case kVariantUnrolled: return baked ? launch_sm<CfgUnrolled<true>>(a, masks, stream) : launch_sm<CfgUnrolled<false>>(a, masks, stream);
+    default: throw std::runtime_error("unknown kernel variant " + std::to_string(variant));
   }
-  if (baked) return launch_sm<2, true, true>(a, masks, stream);
-  return launch_sm<2, false, true>(a, masks, stream);
 }
 
 }  // namespace leto_cuda
