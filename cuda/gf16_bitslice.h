@@ -89,13 +89,13 @@ template <int T, bool HasData, class W>
 LETO_HD void horner_step(W (&acc)[16], const W (&d)[16]) {
   W n[16];
   static_for<16>([&](auto r) LETO_INL {
-    constexpr RowCols rc = row_cols(T, LETO_CV(r));
     W v;
     if constexpr (HasData) v = d[LETO_CV(r)];
-    else v = acc[rc.c[0]];
-    constexpr int first = HasData ? 0 : 1;
+    else v = acc[row_cols(T, LETO_CV(r)).c[0]];
     static_for<8>([&](auto i) LETO_INL {
-      constexpr int a = first + 2 * LETO_CV(i);
+      // (Re)computed here: nvcc does not see a constexpr local of the enclosing lambda as constant.
+      constexpr RowCols rc = row_cols(T, LETO_CV(r));
+      constexpr int a = (HasData ? 0 : 1) + 2 * LETO_CV(i);
       if constexpr (a + 1 < rc.n) v ^= acc[rc.c[a]] ^ acc[rc.c[a + 1]];
       else if constexpr (a < rc.n) v ^= acc[rc.c[a]];
     });
