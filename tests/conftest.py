@@ -1,59 +1,9 @@
-"""Shared test helpers: run real `leto-run` / `torchrun` processes with timeouts."""
+"""Fixtures shared by every test tier; helpers live in tests/leto_testing.py."""
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "tests" / "integration" / "scripts"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def base_env(out_dir: Path | None = None, **extra) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PET_", "LETO_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE")}
-    env["PYTHONUNBUFFERED"] = "1"
-    if out_dir is not None:
-        env["OUT_DIR"] = str(out_dir)
-    env.update(extra)
-    return env
-
-
-def leto_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "leto_run", *args]
-
-
-def torchrun_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *args]
-
-
-def run(cmd: list[str], env: dict[str, str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=str(ROOT), **kw)
-
-
-def events(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
 
 
 @pytest.fixture

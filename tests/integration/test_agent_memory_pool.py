@@ -6,7 +6,7 @@ import signal
 import subprocess
 import time
 
-from conftest import ROOT, SCRIPTS, base_env, events, leto_cmd, pid_alive, run
+from leto_testing import ROOT, SCRIPTS, base_env, events, leto_cmd, pid_alive, run
 
 
 def sm_spawns(ev):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS, base_env, leto_cmd, run, torchrun_cmd
+from leto_testing import SCRIPTS, base_env, leto_cmd, run, torchrun_cmd
 
 # Values that are per-run by nature (ids, free ports, temp paths) — DESIGN/README documented.
 VALUE_MAY_DIFFER = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE",

@@ -2,7 +2,7 @@
 stacks are dumped into its log, it is killed, and the job fails with it as the root cause."""
 import time
 
-from conftest import SCRIPTS, base_env, events, leto_cmd, run
+from leto_testing import SCRIPTS, base_env, events, leto_cmd, run
 
 
 def test_hang_detected_with_stack_dump(tmp_path, out_dir):

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from conftest import SCRIPTS, base_env, leto_cmd, run, torchrun_cmd
+from leto_testing import SCRIPTS, base_env, leto_cmd, run, torchrun_cmd
 
 
 def tree(root):

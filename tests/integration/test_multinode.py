@@ -3,7 +3,7 @@ run a gloo all-reduce job to completion, and a rank failure on one node restarts
 both nodes (restart mode)."""
 import subprocess
 
-from conftest import ROOT, SCRIPTS, base_env, events, free_port, leto_cmd
+from leto_testing import ROOT, SCRIPTS, base_env, events, free_port, leto_cmd
 
 
 def start_agents(tmp_path, out_dir, *extra):

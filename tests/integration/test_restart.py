@@ -2,7 +2,7 @@
 TORCHELASTIC_RESTART_COUNT incremented; the exit code says how it ended."""
 import pytest
 
-from conftest import SCRIPTS, base_env, events, leto_cmd, run, torchrun_cmd
+from leto_testing import SCRIPTS, base_env, events, leto_cmd, run, torchrun_cmd
 
 
 def attempts_seen(out_dir):
@@ -58,7 +58,7 @@ def test_restart_with_gloo_reforms_the_group(out_dir):
 
 def test_restart_with_static_rendezvous(out_dir):
     """Static backend (--master-port given): same restart semantics on the fixed store."""
-    from conftest import free_port
+    from leto_testing import free_port
     r = run(leto_cmd("--no-status", "--master-port", str(free_port()), "--nproc-per-node", "2",
                      "--max-restarts", "1", "--inject", "kill:rank=0:step=3",
                      str(SCRIPTS / "allreduce.py")), base_env(out_dir), timeout=120)

@@ -2,7 +2,7 @@
 (from the @record error file) or its signal."""
 import re
 
-from conftest import SCRIPTS, base_env, events, leto_cmd, run
+from leto_testing import SCRIPTS, base_env, events, leto_cmd, run
 
 
 def root_section(stderr: str) -> str:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, SCRIPTS, base_env, events, leto_cmd, pid_alive
+from leto_testing import ROOT, SCRIPTS, base_env, events, leto_cmd, pid_alive
 
 
 def start(out_dir, *args, ev=None):
