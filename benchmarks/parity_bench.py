@@ -96,7 +96,7 @@ def bench_gpu(reps: int) -> None:
     ptrs = torch.tensor([d.data_ptr() for d in data], dtype=torch.int64, device=dev)
     optrs = torch.tensor([p.data_ptr() for p in p1], dtype=torch.int64, device=dev)
     coef = torch.from_numpy(gf16.kernel_mix(gf16.encode_matrix(D, H1), code.exponents).astype(np.int32))
-    for variant in ("auto", "nobake", "nb2", "rolled2", "unrolled", "simple"):
+    for variant in ("auto", "nobake", "plain", "nb2", "unrolled", "simple"):
         vid = cuda_ops.ext.VARIANTS[variant]
         t = gpu_time(lambda: cuda_ops.ext.syndrome_mix(ptrs, optrs, coef, S, vid), reps)
         bw = D * S / t
@@ -212,13 +212,13 @@ def dump_sass(out_dir: str) -> None:
 
 
 def ncu_driver() -> None:
-    """One encode per variant of interest, for `ncu --launch-count 2` (the default and 'nb2')."""
+    """One encode per variant of interest, for `ncu --launch-count 2` (the default and "plain")."""
     dev = torch.device("cuda")
     D, H1, S = 1024, 16, 2 * MiB
     data = [torch.empty(S, dtype=torch.uint8, device=dev).random_(0, 256) for _ in range(D)]
     code = ParityCode(D, H1, S, backend="cuda")
     ops = backends.cuda_backend()
-    for v in ("auto", "nb2"):
+    for v in ("auto", "plain"):
         ops.variant = v
         code.encode(data)
     torch.cuda.synchronize()

@@ -36,7 +36,7 @@ namespace leto_cuda {
 // auto: the default (CfgAuto); nobake: the default with run-time mix coefficients even when
 // baked ones exist; the others are benchmark / cross-check variants (parity_cuda_kernels.cuh).
 enum Variant {
-  kVariantAuto = 0, kVariantSimple = 1, kVariantNB2 = 2, kVariantNoBake = 3, kVariantRolled2 = 4,
+  kVariantAuto = 0, kVariantSimple = 1, kVariantNB2 = 2, kVariantNoBake = 3, kVariantPlain = 4,
   kVariantUnrolled = 5
 };
 

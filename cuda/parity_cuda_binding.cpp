@@ -89,6 +89,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("delta_update", &delta_update, "outs[i] ^= sum_l coef[i][l] * (a[l] ^ b[l])");
   m.def("coef_is_baked", &coef_is_baked, "whether these mix coefficients take the compiled-in path");
   m.attr("VARIANTS") = py::dict(py::arg("auto") = 0, py::arg("simple") = 1, py::arg("nb2") = 2,
-                                py::arg("nobake") = 3, py::arg("rolled2") = 4,
+                                py::arg("nobake") = 3, py::arg("plain") = 4,
                                 py::arg("unrolled") = 5);
 }

@@ -29,11 +29,14 @@ __host__ __device__ constexpr int group_t(int g, int k) {
 // per pipeline stage; NS: stages in the ring; ROLLED: loop over stages (small code, the plane
 // rotation costs register moves once per stage) or unroll a whole rotation period of 16 pages
 // (no moves, ~8x the code: instruction-cache misses); PIPE: cp.async through shared memory or
-// plain global loads; BAKED: compiled-in mix matrix (the default code's encode).
-template <int NB_, int KP_, int NS_, bool ROLLED_, bool PIPE_, bool BAKED_>
+// plain global loads; BAKED: compiled-in mix matrix (the default code's encode); ZFILL: branch-free
+// copies (a missing page is a zero-byte cp.async, which zero-fills) with the page addresses of
+// the next stage loaded one stage ahead.
+template <int NB_, int KP_, int NS_, bool ROLLED_, bool PIPE_, bool BAKED_, bool ZFILL_ = false>
 struct Cfg {
   static constexpr int NB = NB_, kP = KP_, kNS = NS_;
-  static constexpr bool kRolled = ROLLED_, kPipe = PIPE_, kBaked = BAKED_;
+  static constexpr bool kRolled = ROLLED_, kPipe = PIPE_, kBaked = BAKED_, kZfill = ZFILL_;
+  static_assert(!kZfill || (kRolled && kPipe), "ZFILL is a refinement of the rolled pipeline");
   static_assert(kRolled || kP * kNS == 16, "the unrolled loop covers one rotation period");
   static_assert(NB == 2 || NB == 4, "a warp must hold 32 columns of one group");
   static constexpr int kCols = 16 * NB;            // 32-bit columns per tile
@@ -56,6 +59,12 @@ __device__ __forceinline__ int thread_col() { return (threadIdx.x / 128) * 32 + 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+// Copies src_bytes (16 or 0) and zero-fills the rest of the 16 bytes: no branch for a missing page.
+__device__ __forceinline__ void cp_async16_z(void* smem, const void* gmem, unsigned src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes)
+               : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -109,6 +118,56 @@ __device__ __forceinline__ void page_loop(const SyndromeArgs& a, uint8_t* smem,
   const bool mine_valid = static_cast<int>(blockIdx.x) * NB + bl < blocks;
   const size_t gword = tile_off + static_cast<size_t>(bl) * 1024 + q * 4;
 
+  if constexpr (C::kZfill) {
+    // As the rolled loop below, with branch-free copies and page addresses fetched a stage early
+    // (their load latency no longer stalls the copy issue right after the barrier).
+    const uint8_t* nxt[C::kP];
+    auto fetch = [&](int s) {
+#pragma unroll
+      for (int p = 0; p < C::kP; ++p) {
+        const int j = n_pad - 1 - (s * C::kP + p);
+        nxt[p] = (s < n_stages && j < a.n && cvalid) ? a.pages[j] : nullptr;
+      }
+    };
+    auto issue_z = [&](int s, int buf) {
+      if (s < n_stages) {
+        uint8_t* st = smem + buf * C::kStageBytes + cdst;
+#pragma unroll
+        for (int p = 0; p < C::kP; ++p) {
+          const uint8_t* src = nxt[p];
+          cp_async16_z(st + p * C::kPageSmem, src ? static_cast<const void*>(src + csrc) : a.pages, src ? 16u : 0u);
+        }
+      }
+      cp_async_commit();
+    };
+#pragma unroll
+    for (int s = 0; s < C::kNS - 1; ++s) {
+      fetch(s);
+      issue_z(s, s);
+    }
+    fetch(C::kNS - 1);
+#pragma unroll 1
+    for (int s = 0; s < n_stages; ++s) {
+      cp_async_wait<C::kNS - 2>();
+      __syncthreads();
+      issue_z(s + C::kNS - 1, (s + C::kNS - 1) % C::kNS);
+      fetch(s + C::kNS);
+      if constexpr (kCompute) {
+        const uint8_t* st = smem + (s % C::kNS) * C::kStageBytes + bl * C::kBlockStride + q * 4;
+#pragma unroll
+        for (int p = 0; p < C::kP; ++p) {
+          uint32_t d[16];
+#pragma unroll
+          for (int r = 0; r < 16; ++r)
+            d[r] = *reinterpret_cast<const uint32_t*>(st + p * C::kPageSmem + r * 64);
+          group_step<GI>(acc, d);
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    return;
+  }
 #pragma unroll
   for (int s = 0; s < C::kNS - 1; ++s) issue(s, s);
   if constexpr (C::kRolled) {
@@ -322,10 +381,10 @@ inline void launch_sm(const SyndromeArgs& a, const MixMasks& masks, cudaStream_t
 }
 
 // The variants (see Cfg).  The default is the fastest measured on the H200 (docs/BENCHMARKS.md).
-template <bool B> using CfgAuto = Cfg<4, 4, 4, true, true, B>;
-template <bool B> using CfgRolled2 = Cfg<4, 2, 8, true, true, B>;
+template <bool B> using CfgAuto = Cfg<4, 4, 4, true, true, B, true>;
+template <bool B> using CfgPlain = Cfg<4, 4, 4, true, true, B, false>;
 template <bool B> using CfgUnrolled = Cfg<4, 2, 8, false, true, B>;
-template <bool B> using CfgNB2 = Cfg<2, 4, 4, true, true, B>;
+template <bool B> using CfgNB2 = Cfg<2, 4, 4, true, true, B, true>;
 using CfgSimple = Cfg<4, 2, 8, false, false, false>;
 
 }  // namespace

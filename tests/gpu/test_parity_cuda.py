@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from leto_runtime.parity import ParityCode, ProtectionGroup, TooManyErasures, backends, gf16
 
 KiB, MiB = 1 << 10, 1 << 20
-VARIANTS = ("auto", "nobake", "nb2", "rolled2", "unrolled", "simple")
+VARIANTS = ("auto", "nobake", "plain", "nb2", "unrolled", "simple")
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 
 
