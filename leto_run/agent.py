@@ -284,10 +284,10 @@ class Agent:
         lr = slot.local_rank
         sp = self.sms.get(lr)
         if sp is None or sp.done:
-            sp = self._spawn_state_manager(lr)
+            sp = self._spawn_state_manager(lr, slot.rank)
         slot.procs[SlotRole.STATE_MANAGER] = sp
 
-    def _spawn_state_manager(self, lr: int) -> SlotProcess:
+    def _spawn_state_manager(self, lr: int, rank: int) -> SlotProcess:
         keeper = self.keepers.get(lr)
         if keeper is None:
             keeper = self.keepers[lr] = FdKeeper(
@@ -308,8 +308,9 @@ class Agent:
                          attempt=self.restart_count, proc=proc, error_file="")
         self.sms[lr] = sp
         self.sel.register(proc.pidfd, selectors.EVENT_READ, ("sm", lr, sp))
-        self.events.emit("spawn", sp.generation, local_rank=lr, role=sp.role.value,
-                         pid=proc.pid, mono=proc.started_mono, restores=keeper.restores)
+        self.events.emit("spawn", sp.generation, rank=rank, local_rank=lr, role=sp.role.value,
+                         pid=proc.pid, mono=proc.started_mono, restores=keeper.restores,
+                         restart_count=self.restart_count)
         return sp
 
     def _on_sm_exit(self, lr: int, sp: SlotProcess) -> None:
@@ -332,7 +333,8 @@ class Agent:
             return
         self.log(f"state manager of slot {lr} (pid {sp.proc.pid}) exited: {status.describe()}; "
                  "restarting it from the fds and metadata the agent kept")
-        new = self._spawn_state_manager(lr)
+        rank = next((s.rank for s in self.slots if s.local_rank == lr), lr)
+        new = self._spawn_state_manager(lr, rank)
         self.events.emit("sm_restart", new.generation, local_rank=lr, pid=new.proc.pid,
                          old_pid=sp.proc.pid, how=status.describe())
         for slot in self.slots:

@@ -8,9 +8,11 @@ from leto_testing import SCRIPTS, base_env, leto_cmd, run, torchrun_cmd
 
 
 def tree(root):
-    """Relative files below <log_dir>/<run_id>_*/ (the per-run folder name is random)."""
+    """Relative files of torchrun's layout below <log_dir>/<run_id>_*/attempt_*/ (the per-run
+    folder name is random).  Leto adds files next to the attempt folders (events.jsonl,
+    state_manager_<local_rank>.log), a documented addition outside torchrun's layout."""
     (run_dir,) = [d for d in root.iterdir() if d.is_dir()]
-    return sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.log"))
+    return sorted(str(p.relative_to(run_dir)) for p in run_dir.glob("attempt_*/**/*.log"))
 
 
 @pytest.mark.parametrize("flags", [["-t", "3"], ["-r", "1"], ["-r", "0:3,1:2"]])

@@ -38,7 +38,7 @@ def test_two_agents_complete_allreduce(tmp_path, out_dir):
     assert (world, attempt) == ("4", "0")
     assert float(total) == expected_total(4)
     ranks = sorted(e["rank"] for n in (0, 1) for e in events(tmp_path / f"ev{n}.jsonl")
-                   if e["event"] == "spawn")
+                   if e["event"] == "spawn" and e["role"] == "active")
     assert ranks == [0, 1, 2, 3]
 
 
@@ -57,4 +57,5 @@ def test_failure_on_one_node_restarts_both(tmp_path, out_dir):
     for n in (0, 1):
         evs = events(tmp_path / f"ev{n}.jsonl")
         assert sum(e["event"] == "rendezvous" for e in evs) == 2, n
-        assert {e["generation"] for e in evs if e["event"] == "spawn"} == {0, 1}
+        assert {e["generation"] for e in evs
+                if e["event"] == "spawn" and e["role"] == "active"} == {0, 1}

@@ -27,7 +27,7 @@ def test_restart_counting(tmp_path, out_dir, max_restarts, fails, expect_code, e
         assert p.read_text() == str(max_restarts)     # TORCHELASTIC_MAX_RESTARTS
     evs = events(ev)
     assert sum(e["event"] == "restart" for e in evs) == expect_attempts - 1
-    spawns = [e for e in evs if e["event"] == "spawn"]
+    spawns = [e for e in evs if e["event"] == "spawn" and e["role"] == "active"]
     assert sorted({e["restart_count"] for e in spawns}) == list(range(expect_attempts))
 
 

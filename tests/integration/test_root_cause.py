@@ -43,7 +43,8 @@ def test_time_triggered_signal_injection(tmp_path, out_dir):
     evs = events(ev)
     inj = [e for e in evs if e["event"] == "inject"][0]
     det = [e for e in evs if e["event"] == "failure_detected"][0]
-    spawn0 = [e for e in evs if e["event"] == "spawn" and e["rank"] == 0][0]
+    spawn0 = [e for e in evs
+              if e["event"] == "spawn" and e["role"] == "active" and e["rank"] == 0][0]
     assert inj["by"] == "agent" and det["rank"] == 0
     assert 1.0 <= inj["mono"] - spawn0["mono"] < 3.0
     assert 0 <= det["mono"] - inj["mono"] < 0.5
