@@ -37,8 +37,14 @@ def main():
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     a = p.parse_args()
 
-    cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    # One GPU per rank with NCCL; NCCL refuses two ranks of one communicator on one GPU, so
+    # with fewer GPUs than local ranks the demo trains on the CPU with gloo (and says so).
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    if torch.cuda.is_available() and not cuda and local_rank == 0:
+        print(f"{torch.cuda.device_count()} GPU(s) for {local_world} local ranks: "
+              "training on the CPU with gloo", flush=True)
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -19,6 +19,14 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=list(H
 
 @pytest.fixture(scope="module")
 def ext():
+    # Only a missing toolchain skips (with the reason); a compile error fails the tests.
+    if _ext._compiler() is None:
+        pytest.skip("no C++ compiler: the C++ kernels cannot be built here (reference tests still run)")
+    try:
+        import torch.utils.cpp_extension as cpp
+        cpp.verify_ninja_availability()
+    except RuntimeError:
+        pytest.skip("ninja is not installed: pip install ninja")
     mod = _ext.load_cpu()
     yield mod
     mod.set_isa("auto")
