@@ -5,8 +5,9 @@
 // The same kernels are compiled for three vector widths (16-byte baseline, AVX2, AVX-512F) and
 // picked at run time with cpuid, so one build runs on any x86-64 host; XOR and AND are exact,
 // so every width produces the same bytes.  On other architectures only the baseline exists
-// (GCC vector extensions lower it to whatever the target has).  Threads: at::parallel_for, so
-// torch.set_num_threads(1) gives the single-core figure.
+// (GCC vector extensions lower it to whatever the target has).  Threads: parallel_blocks below
+// splits the blocks over at::get_num_threads() threads, so torch.set_num_threads(1) gives the
+// single-core figure.
 //
 // Pages are passed as arrays of raw addresses (int64 tensors): pages of one group need not be
 // contiguous.  A zero address stands for an all-zero page.  The caller (Python) has checked
@@ -18,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gf16_bitslice.h"
@@ -27,6 +29,21 @@
 #endif
 
 namespace {
+
+// Runs fn(b0, b1) over [0, n) split into contiguous ranges on at::get_num_threads() threads
+// (std::thread: at::parallel_for is an OpenMP pragma in a header, which this extension is not
+// compiled with, so it would run serially).  Small jobs (< ~4 MB touched) run inline.
+template <class F>
+void parallel_blocks(int64_t n, int64_t bytes_per_item, F&& fn) {
+  const int64_t want = std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t threads = std::min<int64_t>(want, std::max<int64_t>(1, n * bytes_per_item >> 22));
+  if (threads <= 1) return fn(int64_t(0), n);
+  std::vector<std::thread> pool;
+  const int64_t per = (n + threads - 1) / threads;
+  for (int64_t b = per; b < n; b += per) pool.emplace_back([&, b] { fn(b, std::min(n, b + per)); });
+  fn(int64_t(0), std::min(n, per));
+  for (auto& t : pool) t.join();
+}
 
 // For each output i and plane r: the (t, c) syndrome planes whose XOR gives plane r of
 // sum_t coef[i][t] * S_t.  Bit r of coef*x^c is the (r, c) entry of coef's bit matrix.
