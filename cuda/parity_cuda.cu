@@ -7,15 +7,17 @@
 // syndrome_mix: out_i = sum_t coef[i][t] * S_t,  S_t = sum_j x^(j t) page_j,  t = -7..8.
 //   A CTA owns a tile of NB 1024-byte blocks (16*NB columns of 32 symbols) of every page and
 //   walks all pages once, top page first (Horner).  4 thread groups share each column, each
-//   group keeping 4 of the 16 syndromes in registers (64 words).  Pages stream through shared
-//   memory with cp.async (8 stages of 2 pages, ~60 KB in flight per CTA) from an array of page
-//   addresses, so pages need not be contiguous; a zero address (or a position past n) reads as
-//   an all-zero page.  The page loop is unrolled by 16 pages: multiplying by x^t rotates the
-//   planes by t, and after 16 pages every rotation is back at the start, so the rotation is pure
-//   register renaming.  At the end the 16 syndromes of a column are exchanged through shared
-//   memory and each group computes 4 outputs with the shift-xor multiply (mac_shift_xor).  The
-//   default code's encode matrix is compiled in (parity_baked.h) - zero bits cost nothing -
-//   otherwise the coefficient bit masks come from a 16 KB __grid_constant__ parameter.
+//   keeping 4 of the 16 syndromes in registers (64 words); warp w is group w % 4, so each SM
+//   sub-partition runs one group's code.  Pages stream through shared memory with cp.async
+//   (a ring of 4 stages of 4 pages) from an array of page addresses, so pages need not be
+//   contiguous; a zero address (or a position past n) reads as an all-zero page (zero-byte
+//   copy).  The page loop is "rolled" (one stage per iteration): unrolling a whole rotation
+//   period of 16 pages makes the plane rotation free register renaming but costs ~8x the code,
+//   and instruction-cache misses then cost more than the moves saved (docs/BENCHMARKS.md).
+//   At the end the 16 syndromes of a column are exchanged through shared memory and each group
+//   computes 4 outputs with the shift-xor multiply (mac_shift_xor).  The default code's encode
+//   matrix is compiled in (parity_baked.h) - zero bits cost nothing - otherwise the coefficient
+//   bit masks come from a 16 KB __grid_constant__ parameter.
 // delta_update: out_i ^= sum_l coef[i][l] * (a_l ^ b_l); one thread per (column, 4 outputs),
 //   page words loaded straight from global memory (the 4 groups share them through L1).
 //
