@@ -154,7 +154,6 @@ def locate(synd: Sequence[int], ts: Sequence[int], n_positions: int) -> Optional
     Works for up to floor(len(ts)/2) corrupted positions; returns None when the syndromes are
     not explained by that many (more corruption than the code can locate).
     """
-    lo = ts[0]
     # S_{lo+u} = sum_j (x^(j lo) e_j) (x^j)^u: a standard BCH syndrome sequence in X_j = x^j.
     lam = berlekamp_massey(list(synd))
     deg = len(lam) - 1
@@ -176,5 +175,4 @@ def locate(synd: Sequence[int], ts: Sequence[int], n_positions: int) -> Optional
         return None
     if not np.array_equal(gf16.mat_mul(A, e)[:, 0], np.asarray(synd, dtype=np.uint16)):
         return None
-    del lo
     return roots
