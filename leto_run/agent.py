@@ -36,18 +36,14 @@ from leto_run.procs import become_subreaper, reap_orphans, spawn
 from leto_run.rendezvous import RoundResult, make_handler, next_round
 from leto_run.report import format_report
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
-from leto_run.state_manager.keeper import FdKeeper
+from leto_run.state_managers import StateManagers
 from leto_run.status import StatusView
 from leto_run.stopper import stop_processes
 from leto_run.worker_env import (WorkerEnvSpec, build_worker_env, default_omp_threads,
                                  job_token_kv)
 from leto_runtime import contract as C
-from leto_runtime.rmp.faults import fire_pages_spec
 
 _SHUTDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
-# A state manager that dies this many times within _SM_CRASH_WINDOW seconds is not restarted
-# again: something is wrong with the slot, not with one process.
-_SM_MAX_CRASHES, _SM_CRASH_WINDOW = 5, 60.0
 
 
 def run_job(cfg: JobConfig) -> int:
@@ -120,10 +116,12 @@ class Agent:
         self.next_peer_check = 0.0
         self.catch_up_step: int | None = None     # the step a failed generation had reached
         # In-place mode: one state manager per local rank, outliving restarts (DESIGN.md §2).
-        self.inplace = cfg.recovery.mode == "inplace"
-        self.keepers: dict[int, FdKeeper] = {}
-        self.sms: dict[int, SlotProcess] = {}
-        self.sm_crashes: dict[int, list[float]] = {}
+        self.sms = (StateManagers(run_dir=self.run_dir, token=self.token,
+                                  log_root=self.layout.root, guardian=self.guardian,
+                                  pump=self.pump, events=self.events, sel=self.sel,
+                                  log=self.log, shutdown_timeout=cfg.launch.shutdown_timeout,
+                                  escalate_fd=self._sig_r)
+                    if cfg.recovery.mode == "inplace" else None)
         self.worker_pipes: set[int] = set()
         self.resumed_gens: set[int] = set()
         self._closed = False
@@ -152,7 +150,8 @@ class Agent:
         try:
             return self._run()
         finally:
-            self._stop_state_managers()
+            if self.sms:
+                self.sms.stop()
             report = format_report(self.events.records)
             if report:
                 with self.console_lock:
@@ -220,8 +219,9 @@ class Agent:
                          master_addr=r.master_addr, master_port=r.master_port,
                          restart_count=self.restart_count)
         self.slots = [RankSlot(identity=ident) for ident in r.identities]
-        for slot in self.slots:
-            self._ensure_state_manager(slot)
+        if self.sms:
+            for slot in self.slots:
+                self.sms.ensure(slot, self.generation, self.restart_count)
         for slot in self.slots:
             self._spawn(slot, SlotRole.ACTIVE)
         self.group_started = time.monotonic()
@@ -248,7 +248,7 @@ class Agent:
             heartbeat_socket=self.hb.path, hang_timeout=cfg.recovery.hang_timeout,
             recovery=cfg.recovery.mode, node=self.node, job_token=self.token,
             dump_signal=C.DUMP_SIGNAL, inject_plan=plan,
-            sm_socket=self.keepers[ident.local_rank].sm_socket if self.inplace else None)
+            sm_socket=self.sms.socket(ident.local_rank) if self.sms else None)
         env = build_worker_env(os.environ, spec)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -258,8 +258,8 @@ class Agent:
             os.close(out_w)
             os.close(err_w)
         self.guardian.announce(proc.pid)
-        if self.inplace:
-            self.keepers[ident.local_rank].allow_pid(proc.pid)
+        if self.sms:
+            self.sms.allow(ident.local_rank, proc.pid)
         prefix = f"[r{ident.global_rank} {role.value} g{self.generation}]: "
         self.worker_pipes.update((out_r, err_r))
         for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
@@ -274,90 +274,6 @@ class Agent:
                          mono=proc.started_mono, restart_count=self.restart_count)
         return sp
 
-    # ---- state managers (in-place mode) ---------------------------------------------------
-    def _ensure_state_manager(self, slot: RankSlot) -> None:
-        """Start the slot's state manager unless one is running.  It is spawned before the
-        trainers but not waited for: trainers' clients retry their connect, so the start-up of
-        the job does not pay for it."""
-        if not self.inplace:
-            return
-        lr = slot.local_rank
-        sp = self.sms.get(lr)
-        if sp is None or sp.done:
-            sp = self._spawn_state_manager(lr, slot.rank)
-        slot.procs[SlotRole.STATE_MANAGER] = sp
-
-    def _spawn_state_manager(self, lr: int, rank: int) -> SlotProcess:
-        keeper = self.keepers.get(lr)
-        if keeper is None:
-            keeper = self.keepers[lr] = FdKeeper(
-                self.run_dir, lr, log=lambda m, lr=lr: self.log(f"fd keeper slot {lr}: {m}"))
-        env = dict(os.environ)
-        env[C.LETO_JOB_TOKEN] = self.token          # the guardian's cleanup finds it too
-        err_r, err_w = os.pipe()
-        try:
-            proc = spawn(keeper.state_manager_argv(device="auto"), env, stdout=err_w,
-                         stderr=err_w)
-        finally:
-            os.close(err_w)
-        self.guardian.announce(proc.pid)
-        sm_log = os.path.join(self.layout.root, f"state_manager_{lr}.log")
-        from leto_run.logs import StreamPlan
-        self.pump.add(err_r, StreamPlan(sm_log, True), f"[sm{lr} state_manager]: ", "stderr")
-        sp = SlotProcess(role=SlotRole.STATE_MANAGER, generation=max(self.generation, 0),
-                         attempt=self.restart_count, proc=proc, error_file="")
-        self.sms[lr] = sp
-        self.sel.register(proc.pidfd, selectors.EVENT_READ, ("sm", lr, sp))
-        self.events.emit("spawn", sp.generation, rank=rank, local_rank=lr, role=sp.role.value,
-                         pid=proc.pid, mono=proc.started_mono, restores=keeper.restores,
-                         restart_count=self.restart_count)
-        return sp
-
-    def _on_sm_exit(self, lr: int, sp: SlotProcess) -> None:
-        fd = sp.proc.pidfd
-        status = sp.proc.poll_exit()
-        if status is None:
-            return
-        self.sel.unregister(fd)
-        if not sp.done:
-            sp.move(ProcState.SUCCEEDED if status.ok else ProcState.FAILED)
-        self.events.emit("exit", sp.generation, local_rank=lr, role=sp.role.value,
-                         pid=sp.proc.pid, exitcode=status.exitcode, how=status.describe(),
-                         mono=status.mono)
-        now = time.monotonic()
-        crashes = [t for t in self.sm_crashes.get(lr, []) if now - t < _SM_CRASH_WINDOW] + [now]
-        self.sm_crashes[lr] = crashes
-        if len(crashes) > _SM_MAX_CRASHES:
-            self.log(f"state manager of slot {lr} died {len(crashes)} times in "
-                     f"{_SM_CRASH_WINDOW:g} s ({status.describe()}); not restarting it again")
-            return
-        self.log(f"state manager of slot {lr} (pid {sp.proc.pid}) exited: {status.describe()}; "
-                 "restarting it from the fds and metadata the agent kept")
-        rank = next((s.rank for s in self.slots if s.local_rank == lr), lr)
-        new = self._spawn_state_manager(lr, rank)
-        self.events.emit("sm_restart", new.generation, local_rank=lr, pid=new.proc.pid,
-                         old_pid=sp.proc.pid, how=status.describe())
-        for slot in self.slots:
-            if slot.local_rank == lr:
-                slot.procs[SlotRole.STATE_MANAGER] = new
-        self.status.changed()
-
-    def _stop_state_managers(self) -> None:
-        live = [sp for sp in self.sms.values() if sp.proc.alive]
-        for sp in live:
-            try:
-                self.sel.unregister(sp.proc.pidfd)
-            except (KeyError, ValueError):
-                pass
-            if not sp.done:
-                sp.move(ProcState.STOPPING)
-        if live:
-            stop_processes([sp.proc for sp in live], grace=self.cfg.launch.shutdown_timeout,
-                           token_kv=None, escalate_fd=self._sig_r, log=self.log)
-        for keeper in self.keepers.values():
-            keeper.close()
-        self.keepers.clear()
-
     def _supervise(self) -> Decision:
         la = self.cfg.launch
         multi_node = self.round.group_world_size > 1 or la.max_nodes > 1
@@ -370,7 +286,9 @@ class Agent:
                 elif key.data == "sig":
                     self._on_signals()
                 elif key.data[0] == "sm":
-                    self._on_sm_exit(key.data[1], key.data[2])
+                    if self.sms.on_exit(key.data[1], key.data[2], self.slots,
+                                        self.generation, self.restart_count):
+                        self.status.changed()
                 else:
                     slot, sp = key.data
                     self._on_exit(slot, sp)
@@ -404,7 +322,7 @@ class Agent:
 
     def _known_pids(self) -> set[int]:
         return ({sp.proc.pid for s in self.slots for sp in s.all() if sp.proc.status is None}
-                | {sp.proc.pid for sp in self.sms.values() if sp.proc.status is None})
+                | (self.sms.pids() if self.sms else set()))
 
     # ---- event handlers ------------------------------------------------------------------
     def _on_exit(self, slot: RankSlot, sp: SlotProcess) -> None:
@@ -414,8 +332,8 @@ class Agent:
             return
         self.sel.unregister(fd)
         ident = slot.identity
-        if self.inplace:
-            self.keepers[ident.local_rank].revoke_pid(sp.proc.pid)
+        if self.sms:
+            self.sms.revoke(ident.local_rank, sp.proc.pid)
         self.events.emit("exit", sp.generation, rank=ident.global_rank,
                          local_rank=ident.local_rank, role=sp.role.value, pid=sp.proc.pid,
                          exitcode=status.exitcode, how=status.describe(), mono=status.mono,
@@ -531,7 +449,11 @@ class Agent:
                 continue
             slot = next(s for s in self.slots if s.rank == spec.rank)
             if spec.kind == InjectKind.PAGES:
-                self._fire_pages(slot, spec)
+                if self.sms:
+                    self.sms.fire_pages(slot, spec, self.generation)
+                else:
+                    self.log(f"cannot inject '{spec.text}': page faults need the memory pool "
+                             "(--recovery inplace)")
                 continue
             sp = slot.procs.get(SlotRole(spec.role))
             if sp is None or sp.done:
@@ -546,24 +468,6 @@ class Agent:
                              after_s=spec.after_s)
             self.log(f"injecting '{spec.text}' into rank {slot.rank} (pid {sp.proc.pid})")
             sp.proc.send(sig)
-
-    def _fire_pages(self, slot: RankSlot, spec) -> None:
-        keeper = self.keepers.get(slot.local_rank)
-        if keeper is None:
-            self.log(f"cannot inject '{spec.text}': page faults need the memory pool "
-                     "(--recovery inplace)")
-            return
-        try:
-            report = fire_pages_spec(keeper.sm_socket, spec.to_json().get("params", {}))
-        except Exception as e:   # a bad group/range is the user's spec, not a crash of ours
-            self.log(f"injecting '{spec.text}' failed: {type(e).__name__}: {e}")
-            self.events.emit("inject", self.generation, rank=slot.rank, spec=spec.text,
-                             by="agent", error=f"{type(e).__name__}: {e}")
-            return
-        self.log(f"injected '{spec.text}' into rank {slot.rank}'s memory pool: "
-                 f"{len(report.get('pages', []))} page(s), {report.get('emulation')}")
-        self.events.emit("inject", self.generation, rank=slot.rank, spec=spec.text, by="agent",
-                         after_s=spec.after_s, **report)
 
     # ---- stopping and finishing ----------------------------------------------------------
     def _stop_group(self, reason: str, first_signal: int = signal.SIGTERM) -> None:
@@ -583,7 +487,7 @@ class Agent:
         stop_processes([sp.proc for _, sp in live], grace=self.cfg.launch.shutdown_timeout,
                        first_signal=first_signal, token_kv=job_token_kv(self.token),
                        escalate_fd=self._sig_r, log=self.log,
-                       spare=frozenset(sp.proc.pid for sp in self.sms.values()))
+                       spare=frozenset(self.sms.pids() if self.sms else ()))
         for slot, sp in live:
             self._on_exit_after_stop(slot, sp)
         self._drain_output()
