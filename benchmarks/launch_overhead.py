@@ -130,11 +130,14 @@ def launcher_cmd(name: str) -> list[str]:
     return [found] if found else [sys.executable, "-m", MODULES[name]]
 
 
+LETO_EXTRA: list[str] = []      # --leto-args: options for leto-run only (e.g. --recovery restart)
+
+
 def trial_argv(name: str, common: list[str], trial_dir: str, worker: str,
                lifetime_s: float) -> list[str]:
     argv = launcher_cmd(name) + common + ["--log-dir", os.path.join(trial_dir, "logs")]
     if name == LETO:
-        argv += ["--events", os.path.join(trial_dir, "events.jsonl")]
+        argv += ["--events", os.path.join(trial_dir, "events.jsonl")] + LETO_EXTRA
     return argv + [worker, trial_dir, f"{lifetime_s:g}"]
 
 
@@ -403,10 +406,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="options given to both launchers besides --nproc-per-node 2 "
                         "--max-restarts 0 (default: %(default)s, i.e. c10d on a free port, "
                         "so concurrent runs do not fight over 29500)")
+    p.add_argument("--leto-args", default="",
+                   help="extra options for leto-run only, e.g. '--recovery restart' (the mode "
+                        "without state managers, torchrun's functionality) -- default: none, "
+                        "i.e. in-place mode with one state manager per slot")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="seconds a launch may take to start all ranks, and to exit after "
                         "the kill (default %(default)s)")
     args = p.parse_args(argv)
+    LETO_EXTRA[:] = shlex.split(args.leto_args)
     if args.repeats is None:
         args.repeats = 2 if args.quick else 10
     if args.repeats < 1:

@@ -123,6 +123,7 @@ class Agent:
                                   escalate_fd=self._sig_r)
                     if cfg.recovery.mode == "inplace" else None)
         self.worker_pipes: set[int] = set()
+        self.pending_revokes: list[tuple[int, int]] = []
         self.resumed_gens: set[int] = set()
         self._closed = False
         if omp_warning:
@@ -310,6 +311,7 @@ class Agent:
                                     la.max_restarts, nodes_waiting)
             if decision.action != Action.CONTINUE:
                 return decision
+            self._flush_revokes()
 
     def _next_deadline(self, now: float, multi_node: bool) -> float:
         cands = [now + 1.0, self.status.next_refresh(now)]
@@ -333,7 +335,9 @@ class Agent:
         self.sel.unregister(fd)
         ident = slot.identity
         if self.sms:
-            self.sms.revoke(ident.local_rank, sp.proc.pid)
+            # Revoked after the decision (`_flush_revokes`): a dead pid cannot connect, and the
+            # file write has no place between a death and the survivors' SIGTERM.
+            self.pending_revokes.append((ident.local_rank, sp.proc.pid))
         self.events.emit("exit", sp.generation, rank=ident.global_rank,
                          local_rank=ident.local_rank, role=sp.role.value, pid=sp.proc.pid,
                          exitcode=status.exitcode, how=status.describe(), mono=status.mono,
@@ -491,6 +495,7 @@ class Agent:
         for slot, sp in live:
             self._on_exit_after_stop(slot, sp)
         self._drain_output()
+        self._flush_revokes()
         self.status.changed()
         self.status.refresh(force=True)
 
@@ -503,6 +508,10 @@ class Agent:
                          mono=None if st is None else st.mono, stopped=True)
         if sp.state == ProcState.STOPPING:
             sp.move(ProcState.SUCCEEDED if st is not None and st.ok else ProcState.STOPPED)
+
+    def _flush_revokes(self) -> None:
+        while self.pending_revokes and self.sms:
+            self.sms.revoke(*self.pending_revokes.pop())
 
     def _drain_output(self) -> None:
         """Wait (bounded) until the stopped workers' last output is written out, so the
