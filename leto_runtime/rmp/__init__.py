@@ -9,10 +9,22 @@
 Modules: `protocol` (wire format, typed errors), `client`, `mapping` (VA ranges on GPU/host),
 `tensors` (views and their liveness), `reconstruct` (two-tier parity repair).
 """
-from leto_runtime.rmp.client import FRESH_FILL, LocalizeReport, Marks, RetainedState, RmpClient
-from leto_runtime.rmp.protocol import RmpError
-from leto_runtime.rmp.reconstruct import (NotRemapped, ReconstructReport, Unrecoverable, protect,
-                                          reconstruct, recover)
+import importlib
 
-__all__ = ["RmpClient", "RetainedState", "Marks", "LocalizeReport", "FRESH_FILL", "RmpError",
-           "reconstruct", "recover", "protect", "ReconstructReport", "Unrecoverable", "NotRemapped"]
+# Lazy (PEP 562): `from leto_runtime.rmp import protocol` -- what the launcher's fd keeper needs --
+# must not pay for the client, mapping and reconstruction modules at every `leto-run` start.
+_EXPORTS = {
+    "RmpClient": "client", "RetainedState": "client", "Marks": "client",
+    "LocalizeReport": "client", "FRESH_FILL": "client", "RmpError": "protocol",
+    "reconstruct": "reconstruct", "recover": "reconstruct", "protect": "reconstruct",
+    "ReconstructReport": "reconstruct", "Unrecoverable": "reconstruct",
+    "NotRemapped": "reconstruct",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'leto_runtime.rmp' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"leto_runtime.rmp.{mod}"), name)

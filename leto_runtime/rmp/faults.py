@@ -12,12 +12,12 @@ Disconnected if the state manager is gone); every call has `timeout`.
 """
 from __future__ import annotations
 
-from leto_runtime.rmp.client import RmpClient
 
 PAGE_KEYS = ("tier", "count", "first", "part", "group")
 
 
 def fire_pages_spec(sm_socket: str, params: dict, timeout: float = 10.0) -> dict:
+    from leto_runtime.rmp.client import RmpClient   # lazy: the agent imports this module at start
     c = RmpClient(sm_socket, timeout=timeout, connect_timeout=timeout)
     try:
         rep = c.inject_pages(**{k: params[k] for k in PAGE_KEYS if k in params})
