@@ -38,6 +38,11 @@ class Context:
     dump_signal: int
     inject_plan: tuple[dict, ...]
     sm_socket: str | None = None    # the state manager's socket (None: no memory pool)
+    shadow_epoch: int = 0           # shadows of a generation restarted together get epoch + 1
+    pg_timeout: float = 600.0       # seconds for process-group formation and store waits
+    chunk_pages: int = 0            # RMU transaction size in pages (0: the runtime picks)
+    master_addr: str | None = None
+    master_port: int | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Context":
@@ -65,4 +70,9 @@ class Context:
             dump_signal=i(C.LETO_DUMP_SIGNAL, C.DUMP_SIGNAL),
             inject_plan=tuple(json.loads(plan_text)),
             sm_socket=(env.get(C.LETO_SM_SOCKET) or None) if under else None,
+            shadow_epoch=i(C.LETO_SHADOW_EPOCH),
+            pg_timeout=float(env.get(C.LETO_PG_TIMEOUT, 600) or 600),
+            chunk_pages=i(C.LETO_CHUNK_PAGES),
+            master_addr=env.get(C.MASTER_ADDR),
+            master_port=int(env[C.MASTER_PORT]) if env.get(C.MASTER_PORT) else None,
         )

@@ -52,6 +52,9 @@ LETO_NODE = "LETO_NODE"                           # host name the agent reports 
 LETO_JOB_TOKEN = "LETO_JOB_TOKEN"                 # random per leto-run; marks every descendant for cleanup
 LETO_DUMP_SIGNAL = "LETO_DUMP_SIGNAL"             # signal number that makes the runtime dump Python stacks
 LETO_SM_SOCKET = "LETO_SM_SOCKET"                 # this rank slot's state-manager socket (Resilient Memory Pool)
+LETO_SHADOW_EPOCH = "LETO_SHADOW_EPOCH"           # shadows of one generation restarted together get a new epoch
+LETO_PG_TIMEOUT = "LETO_PG_TIMEOUT"               # seconds: process-group / store waits of the runtime
+LETO_CHUNK_PAGES = "LETO_CHUNK_PAGES"             # RMU transaction size in pages (0: the runtime picks)
 
 CONTRACT_VERSION = 1
 
@@ -63,8 +66,53 @@ import signal as _signal  # noqa: E402
 DUMP_SIGNAL = int(_signal.SIGRTMIN) + 2   # faulthandler dumps every thread's Python stack
 HANG_SIGNAL = int(_signal.SIGRTMIN) + 3   # injected hang: the runtime blocks the main thread
 
+# ---- In-place recovery protocol (DESIGN.md §3) ----------------------------------------------
+# Keys live in the job's worker store (MASTER_ADDR/MASTER_PORT, a TCPStore the agents host).
+# Every key carries the generation, so a process of an old generation can never act in a new one.
+#
+#   leto/g{G}/e{E}/pg/...     process group of the trainers of generation G (shadow epoch E):
+#                             shadows of G form it at preinit level L3, while generation G-1 trains
+#   leto/hof/{g}              set (first writer wins) by the agent that declares a HOF of
+#                             generation g; value JSON {"rank", "how", "node", "mono"}.  Agents of
+#                             other nodes wait on it.
+#   leto/go/{G}/{rank}        set by the agent that owns `rank` once every process of an older
+#                             generation of that rank is gone (it never writes retained memory
+#                             again); the shadow of generation G waits for it, then takes over.
+def pg_prefix(generation: int, epoch: int = 0) -> str:
+    return f"leto/g{generation}/e{epoch}/pg"
+
+
+def hof_key(generation: int) -> str:
+    return f"leto/hof/{generation}"
+
+
+def go_key(generation: int, rank: int) -> str:
+    return f"leto/go/{generation}/{rank}"
+
+
+# Named points inside the runtime where step-triggered injections can fire (`at=POINT`).
+# "step" is the start of the step (leto_runtime.heartbeat); the rmu.* points are the operations of
+# Pseudocode 1 (before the operation runs); recovery.* are phases of a promoted trainer.
+INJECT_POINTS = (
+    "step", "forward", "backward", "grads.allreduce", "grads.protect", "sync", "sync.after",
+    "rmu.load", "rmu.undo", "rmu.update", "rmu.delta", "rmu.commit", "rmu.writeback",
+    "rmu.tier2", "rmu.done", "recovery.localize", "recovery.reconstruct", "recovery.finish",
+)
+
+# A trainer whose retained state cannot be recovered in place (more page losses than the parity
+# tolerates, state manager and kept fds lost) exits with this code after writing its error file;
+# the agent then ends the job with `leto_run.errors.EXIT_UNRECOVERABLE` (checkpoint fallback
+# comes later).
+UNRECOVERABLE_EXIT = 86
+
 # ---- Heartbeat datagram (JSON, one object per datagram) ------------------------------------
-# {"v": 1, "kind": "beat" | "register" | "inject" | "bye", "rank": int, "role": str,
-#  "gen": int, "pid": int, "step": int | null, "detail": str | null}
+# {"v": 1, "kind": KIND, "rank": int, "role": str, "gen": int, "pid": int,
+#  "step": int | null, "detail": str | null}
+# KIND: beat | register | inject | bye, and for in-place recovery:
+#   inplace   the trainer called leto_runtime.init(): in-place mode for its slot (detail: JSON
+#             {"level": "L3", "seconds": preinit seconds} from a shadow that is ready)
+#   promoted  a shadow woke up as the active of its generation (detail JSON {"mono": wake time})
+#   phase     one recovery phase finished (detail JSON {"phase": NAME, "seconds": s, ...});
+#             NAME in attach | localize | reconstruct | agree | finish | resume
 HEARTBEAT_VERSION = 1
 HEARTBEAT_MAX_BYTES = 4096
