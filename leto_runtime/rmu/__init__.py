@@ -1,0 +1,1 @@
+"""Resumable Model Updater (DESIGN.md §6): transactional, chunked optimizer updates."""
