@@ -354,10 +354,22 @@ class LogsConfig:
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """Leto's failure handling."""
+    """Leto's failure handling, and the geometry of the retained memory (DESIGN.md §5, §6).
+
+    The geometry (page_bytes, data_pages, tier1, tier2) goes to the state managers; chunk_pages
+    and pg_timeout go to the trainers (LETO_CHUNK_PAGES, LETO_PG_TIMEOUT).  `demote` says what
+    happens to the surviving actives of a HOF: `replace` kills them and starts fresh shadows
+    (in-process demotion is not implemented yet)."""
 
     mode: str = "inplace"                    # inplace | restart (inplace needs leto_runtime.init())
     hang_timeout: float = 60.0               # seconds without a heartbeat => hang; 0 disables
+    page_bytes: int = 2 << 20                # RMP page size (the CUDA VMM granularity)
+    data_pages: int = 1024                   # D: data pages per protection group
+    tier1: int = 16                          # H1: tier-1 parity pages per group (<= 16)
+    tier2: int = 1                           # H2: tier-2 parity pages per group
+    chunk_pages: int = 0                     # RMU transaction size in pages (0: the runtime picks)
+    pg_timeout: float = 600.0                # seconds: trainers' process-group and store waits
+    demote: str = "replace"                  # replace (in-process demotion comes later)
 
     def __post_init__(self) -> None:
         if self.mode not in RECOVERY_MODES:
@@ -365,6 +377,41 @@ class RecoveryConfig:
                        f"use one of {', '.join(RECOVERY_MODES)}")
         _check_number("recovery.hang_timeout", self.hang_timeout, minimum=0,
                       example="60 (0 disables hang detection)")
+        _check_number("recovery.page_bytes", self.page_bytes, minimum=4096, integer=True,
+                      example="2097152 (2 MiB)")
+        if self.page_bytes % 4096:
+            # The codec needs multiples of 1024; the pool maps whole memory pages (4 KiB).
+            raise _err("recovery.page_bytes", f"{self.page_bytes} is not a multiple of 4096",
+                       "use a multiple of 4096 (and so of 1024), e.g. 2097152 (2 MiB)")
+        _check_number("recovery.data_pages", self.data_pages, minimum=1, integer=True,
+                      example="1024")
+        _check_number("recovery.tier1", self.tier1, minimum=1, integer=True, example="16")
+        if self.tier1 > 16:
+            raise _err("recovery.tier1", f"{self.tier1} is above 16",
+                       "use 1..16 tier-1 parity pages (the codec's exponent window)")
+        _check_number("recovery.tier2", self.tier2, minimum=0, integer=True, example="1")
+        if self.tier2 > self.tier1:
+            raise _err("recovery.tier2", f"{self.tier2} is above tier1={self.tier1}",
+                       f"use 0..{self.tier1} tier-2 parity pages (at most tier1)")
+        if self.data_pages + self.tier1 > 65535:
+            raise _err("recovery.data_pages", f"data_pages + tier1 = "
+                       f"{self.data_pages + self.tier1} is above 65535 (GF(2^16) code length)",
+                       f"use data_pages <= {65535 - self.tier1}")
+        _check_number("recovery.chunk_pages", self.chunk_pages, minimum=0, integer=True,
+                      example="0 (the runtime picks) or 64")
+        _check_number("recovery.pg_timeout", self.pg_timeout, minimum=0, strict=True,
+                      example="600")
+        if self.demote != "replace":
+            raise _err("recovery.demote", f"{self.demote!r}: in-process demotion is not "
+                       "implemented yet", "use demote=replace (survivors are killed and fresh "
+                       "shadows started)")
+
+    @property
+    def geometry(self):
+        """The state managers' `Geometry` (imported lazily: config stays import-light)."""
+        from leto_run.state_manager.metadata import Geometry
+        return Geometry(data_pages=self.data_pages, tier1=self.tier1, tier2=self.tier2,
+                        page_bytes=self.page_bytes)
 
 
 @dataclass(frozen=True)
