@@ -10,8 +10,31 @@ Grammar (one spec)::
 
 Keys: `rank` (required, global rank), exactly one trigger -- `after` (seconds: `5s`, `500ms`,
 `2.5`, `1m`) or `step` (fired by `leto_runtime` inside the trainer) -- plus optional `attempt`
-(restart attempt / recovery generation it applies to; default 0, so an injection fires once and
-not again after the restart it causes) and `role` (`active` only for now).
+(restart attempt it applies to; default 0, so an injection fires once and not again after the
+restart it causes), `gen` (in-place recovery generation it fires in; default 0: a spec fires in
+the generation it names, so a HOF does not re-fire it in the promoted trainer) and `role`
+(`active` only for now).
+
+In-place recovery keys (DESIGN.md §3, §6):
+
+    kill:rank=1:step=5:gen=1                  kill rank 1 at step 5 of generation 1 (after a HOF)
+    kill:rank=0:step=3:at=rmu.update:group=0:chunk=2:garbage=1
+                                              inside the RMU update of group 0, chunk 2 of step 3,
+                                              after writing garbage into the chunk
+    hang:rank=0:step=4:at=sync                block at the global synchronization of step 4
+
+`at=POINT` (kill, signal, hang, pages; one of `leto_runtime.contract.INJECT_POINTS`, default
+`step`) names where inside a step a step-triggered spec fires; it needs `step=`.  `group=G`,
+`chunk=C` and `garbage=1` (kill, signal) narrow an `rmu.*` point to one protection group / chunk
+and make the runtime overwrite the chunk with garbage before the signal; they need an `rmu.*`
+point.  A time-triggered spec with `gen=N` fires `after` seconds after generation N started (its
+promotion time for N > 0).
+
+Who fires what: time-triggered specs are fired by the agent; step-triggered ones are shipped in
+`LETO_INJECT_PLAN` (JSON list of `to_json()`) to every trainer of the rank -- active *and*
+shadow -- of the matching `attempt`, and the runtime fires those whose `gen` equals its
+generation, at the point `at`.  The runtime reads the top-level JSON fields `kind`, `step`,
+`gen`, `at`, `group`, `chunk`, `garbage`, `signal` and `text`.
 
 Kinds live in a registry (`KINDS`): each names its argument, its default signal and any extra
 keys it accepts.  A later kind (e.g. `pages:rank=0:group=3:count=16:tier=device`) is one more
@@ -34,8 +57,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from leto_run.errors import ConfigError
+from leto_runtime.contract import INJECT_POINTS
 
-GRAMMAR = "KIND[=ARG]:rank=R:(after=T|step=N)[:attempt=A][:role=active]"
+GRAMMAR = ("KIND[=ARG]:rank=R:(after=T|step=N)[:attempt=A][:gen=G][:at=POINT][:role=active]"
+           "[:group=G:chunk=C:garbage=1]")
 EXAMPLE = "kill:rank=1:after=5s"
 ROLES = ("active",)          # `shadow` arrives with shadow trainers
 # Signals whose default action is to do nothing: injecting one would not fail the process.
@@ -144,6 +169,20 @@ def _positive_int(v: str) -> int:
     return n
 
 
+def _point(v: str) -> str:
+    if v not in INJECT_POINTS:
+        close = difflib.get_close_matches(v, INJECT_POINTS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{v!r} is not an injection point{hint}")
+    return v
+
+
+def _flag01(v: str) -> int:
+    if v not in ("0", "1"):
+        raise ValueError(f"{v!r} is not 0 or 1")
+    return int(v)
+
+
 def _choice(*allowed: str) -> Callable[[str], str]:
     def parse(v: str) -> str:
         if v.lower() not in allowed:
@@ -165,13 +204,22 @@ PAGES_KEYS: dict[str, KeyRule] = {
     "part": KeyRule(_choice("data", "p1", "p2"), "part=data, p1 (tier-1 parity) or p2 (tier-2)"),
 }
 
+# kill / signal at an RMU point: which protection group and chunk, and whether the runtime
+# writes garbage into the chunk before the signal (a torn in-place update).
+RMU_KEYS: dict[str, KeyRule] = {
+    "group": KeyRule(_nonneg_int, "group=G with G a protection group number >= 0"),
+    "chunk": KeyRule(_nonneg_int, "chunk=C with C a chunk index >= 0 within the group"),
+    "garbage": KeyRule(_flag01, "garbage=1 (overwrite the chunk before the signal) or 0"),
+}
+
 KINDS: dict[str, KindRule] = {
     r.kind.value: r
     for r in (
-        KindRule(InjectKind.KILL, "SIGKILL the rank's process", int(_signal.SIGKILL)),
+        KindRule(InjectKind.KILL, "SIGKILL the rank's process", int(_signal.SIGKILL),
+                 extra_keys=RMU_KEYS),
         KindRule(InjectKind.HANG, "the rank blocks (stops heartbeating) without exiting", 0),
         KindRule(InjectKind.SIGNAL, "deliver a signal (name or number) to the rank's process", 0,
-                 arg="signal", parse_arg=_inject_signal),
+                 arg="signal", parse_arg=_inject_signal, extra_keys=RMU_KEYS),
         KindRule(InjectKind.PAGES, "destroy retained memory pages and make them unavailable", 0,
                  extra_keys=PAGES_KEYS, required_extra=frozenset({"tier"})),
     )
@@ -182,6 +230,8 @@ COMMON_KEYS: dict[str, KeyRule] = {
     "after": KeyRule(parse_duration, "after=5s, after=500ms or after=2.5 (seconds)"),
     "step": KeyRule(_nonneg_int, "step=N with N an integer >= 0"),
     "attempt": KeyRule(_nonneg_int, "attempt=N with N >= 0 (0 = the first launch)"),
+    "gen": KeyRule(_nonneg_int, "gen=N with N >= 0 (the in-place recovery generation)"),
+    "at": KeyRule(_point, f"at=POINT with POINT one of {', '.join(INJECT_POINTS)}"),
     "role": KeyRule(_role, "role=active (shadow roles come with shadow trainers)"),
 }
 TRIGGERS = ("after", "step")
@@ -199,7 +249,9 @@ class InjectSpec:
     attempt: int = 0
     role: str = "active"
     text: str = ""                    # canonical spec text, for messages and the event log
-    params: tuple[tuple[str, Any], ...] = ()   # kind-specific extra keys (sorted); none yet
+    params: tuple[tuple[str, Any], ...] = ()   # kind-specific extra keys (sorted)
+    gen: int = 0                      # in-place recovery generation it fires in
+    at: str = "step"                  # where inside a step it fires (contract.INJECT_POINTS)
 
     def __post_init__(self) -> None:
         try:
@@ -209,7 +261,7 @@ class InjectSpec:
                             f"use one of {', '.join(KINDS)}") from None
         object.__setattr__(self, "kind", kind)
         rule = KINDS[kind.value]
-        for name in ("rank", "attempt"):
+        for name in ("rank", "attempt", "gen"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise self._err(f"{name}={v!r} must be an integer >= 0", f"e.g. {name}=0")
@@ -245,7 +297,22 @@ class InjectSpec:
             raise self._err(f"parameters {sorted(unknown)} not accepted / {sorted(missing)} missing "
                             f"for kind {kind.value}", f"see {GRAMMAR}")
         object.__setattr__(self, "params", tuple(sorted(self.params)))
+        self._check_point()
         object.__setattr__(self, "text", self._canonical())
+
+    def _check_point(self) -> None:
+        if self.at not in INJECT_POINTS:
+            raise self._err(f"at={self.at!r} is not an injection point",
+                            f"use one of {', '.join(INJECT_POINTS)}")
+        if self.at != "step" and self.step is None:
+            raise self._err(f"at={self.at} needs a step trigger (the runtime fires it)",
+                            f"use step=N with at={self.at}, or drop at=")
+        rmu = ({k for k, _ in self.params if k in RMU_KEYS}
+               if self.kind in (InjectKind.KILL, InjectKind.SIGNAL) else set())
+        if rmu and not self.at.startswith("rmu."):
+            raise self._err(f"{', '.join(sorted(rmu))} only mean something at an rmu.* point "
+                            f"(got at={self.at})",
+                            "add at=rmu.update (or another rmu.* point), or drop them")
 
     def _err(self, problem: str, fix: str) -> ConfigError:
         return ConfigError("inject", problem, fix)
@@ -259,6 +326,10 @@ class InjectSpec:
                      else f"step={self.step}")
         if self.attempt:
             parts.append(f"attempt={self.attempt}")
+        if self.gen:
+            parts.append(f"gen={self.gen}")
+        if self.at != "step":
+            parts.append(f"at={self.at}")
         if self.role != "active":
             parts.append(f"role={self.role}")
         parts += [f"{k}={v}" for k, v in self.params]
@@ -270,11 +341,20 @@ class InjectSpec:
         return "after" if self.after_s is not None else "step"
 
     def to_json(self) -> dict:
-        """Plain JSON-able dict, self-describing (field names, kind as its string value)."""
+        """Plain JSON-able dict, self-describing (field names, kind as its string value).
+
+        `group`, `chunk`, `garbage` repeat the RMU coordinates of kill/signal at top level (None
+        when absent or for other kinds: a `pages` spec's `group` is the faulted protection
+        group and stays in `params`)."""
+        params = {k: v for k, v in self.params}
+        rmu = self.kind in (InjectKind.KILL, InjectKind.SIGNAL)
         return {"kind": self.kind.value, "rank": self.rank, "after_s": self.after_s,
                 "step": self.step, "signal": self.signal, "signal_name": signal_name(self.signal),
                 "attempt": self.attempt, "role": self.role, "text": self.text,
-                "params": {k: v for k, v in self.params}}
+                "params": params, "gen": self.gen, "at": self.at,
+                "group": params.get("group") if rmu else None,
+                "chunk": params.get("chunk") if rmu else None,
+                "garbage": params.get("garbage", 0) if rmu else 0}
 
     @classmethod
     def from_json(cls, d: dict) -> "InjectSpec":
@@ -283,7 +363,7 @@ class InjectSpec:
             raise ConfigError("inject", f"expected a JSON object, got {type(d).__name__}",
                               "pass InjectSpec.to_json() output")
         allowed = {"kind", "rank", "after_s", "step", "signal", "signal_name", "attempt", "role",
-                   "text", "params"}
+                   "text", "params", "gen", "at", "group", "chunk", "garbage"}
         extra = set(d) - allowed
         if extra:
             raise ConfigError("inject", f"unknown JSON fields {sorted(extra)}",
@@ -291,7 +371,8 @@ class InjectSpec:
         if "kind" not in d or "rank" not in d:
             raise ConfigError("inject", f"JSON needs 'kind' and 'rank', got {sorted(d)}",
                               "pass InjectSpec.to_json() output")
-        kw = {k: d[k] for k in ("after_s", "step", "signal", "attempt", "role") if k in d}
+        kw = {k: d[k] for k in ("after_s", "step", "signal", "attempt", "role", "gen", "at")
+              if k in d}
         return cls(kind=d["kind"], rank=d["rank"], params=tuple((d.get("params") or {}).items()),
                    **kw)
 
@@ -361,7 +442,8 @@ def parse_inject(text: str, source: str | None = None, *, key: str = "inject") -
         return InjectSpec(
             kind=rule.kind, rank=values["rank"], after_s=values.get("after"),
             step=values.get("step"), signal=signal_num, attempt=values.get("attempt", 0),
-            role=values.get("role", "active"),
+            role=values.get("role", "active"), gen=values.get("gen", 0),
+            at=values.get("at", "step"),
             params=tuple((k, values[k]) for k in rule.extra_keys if k in values))
     except ConfigError as e:  # defensive: the spec re-validates; keep text and source
         raise err(e.problem, e.fix) from None
@@ -392,5 +474,17 @@ def parse_inject_mapping(d: Mapping[str, Any], source: str | None = None, *,
 
 
 def for_rank(specs, rank: int, attempt: int) -> tuple[InjectSpec, ...]:
-    """The injections that apply to global `rank` in restart attempt / generation `attempt`."""
+    """The injections that apply to global `rank` in restart attempt `attempt`."""
     return tuple(s for s in specs if s.rank == rank and s.attempt == attempt)
+
+
+def trainer_plan(specs, rank: int, attempt: int) -> tuple[dict, ...]:
+    """`LETO_INJECT_PLAN` of every trainer (active and shadow) of `rank` in restart attempt
+    `attempt`: its step-triggered specs of every generation (the runtime filters by `gen`)."""
+    return tuple(s.to_json() for s in for_rank(specs, rank, attempt) if s.step is not None)
+
+
+def timed_for_generation(specs, ranks, attempt: int, generation: int) -> tuple[InjectSpec, ...]:
+    """Time-triggered specs the agent arms when `generation` starts (launch or promotion)."""
+    return tuple(s for s in specs if s.after_s is not None and s.attempt == attempt
+                 and s.gen == generation and s.rank in ranks)

@@ -135,14 +135,14 @@ def test_registry_grows_without_changing_the_spec_shape(monkeypatch):
     """A later kind (e.g. pages) is one registry entry; its extra keys land in params."""
     monkeypatch.setattr(I, "KINDS", {**I.KINDS, "kill": I.KindRule(
         InjectKind.KILL, "test kind with extras", 9,
-        extra_keys={"group": I.KeyRule(I._nonneg_int, "group=G"),
+        extra_keys={"lane": I.KeyRule(I._nonneg_int, "lane=L"),
                     "tier": I.KeyRule(str, "tier=device|host")},
-        required_extra=frozenset({"group"}))})
-    s = parse_inject("kill:rank=0:step=1:tier=device:group=3")
-    assert s.params == (("group", 3), ("tier", "device"))
-    assert s.text == "kill:rank=0:step=1:group=3:tier=device"
+        required_extra=frozenset({"lane"}))})
+    s = parse_inject("kill:rank=0:step=1:tier=device:lane=3")
+    assert s.params == (("lane", 3), ("tier", "device"))
+    assert s.text == "kill:rank=0:step=1:lane=3:tier=device"
     assert InjectSpec.from_json(s.to_json()) == s
-    with pytest.raises(ConfigError, match="needs group"):
+    with pytest.raises(ConfigError, match="needs lane"):
         parse_inject("kill:rank=0:step=1")
 
 
