@@ -10,6 +10,14 @@ On the first call it also arms the stack dump (faulthandler on the agent's dump 
 hung rank's Python stacks reach its stderr log before the agent kills it) and the handler for
 injected hangs; and at each call it fires this rank's step-triggered injections, which are
 real signals sent to itself (SIGKILL, SIGSEGV, ...) or a real block of the main thread.
+
+Injections fire only in the generation they name (`gen`, default 0) and at the point they name
+(`at`, default "step": the start of a step, i.e. inside `heartbeat`).  Code that reaches another
+point of `contract.INJECT_POINTS` (the RMU operations, recovery phases) calls
+`inject_point(point, step, group=..., chunk=..., garbage=...)` there.
+
+`send(kind, step, detail)` is the raw datagram API that `leto_runtime.promotion` builds on
+(kinds: `contract` "Heartbeat datagram").  Nothing here blocks.
 """
 from __future__ import annotations
 
@@ -65,9 +73,20 @@ def _hang_handler(signum, frame) -> None:
     _block_forever("injected hang (signal from the agent)")
 
 
-def _fire_step_injections(step: int) -> None:
+def _matches(inj: dict, point: str, step: int, group: int | None, chunk: int | None) -> bool:
+    if inj.get("step") is None or step < inj["step"]:
+        return False
+    if int(inj.get("gen") or 0) != _state["ctx"].generation or (inj.get("at") or "step") != point:
+        return False
+    # group/chunk narrow an rmu.* point; a spec without them fires at the first one reached.
+    return all(inj.get(k) is None or inj.get(k) == v for k, v in (("group", group),
+                                                                    ("chunk", chunk)))
+
+
+def _fire_step_injections(step: int, point: str = "step", group: int | None = None,
+                          chunk: int | None = None, garbage=None) -> None:
     for inj in list(_state["plan"]):
-        if inj.get("step") is None or step < inj["step"]:
+        if not _matches(inj, point, step, group, chunk):
             continue
         _state["plan"].remove(inj)
         _send("inject", step, inj.get("text") or inj.get("kind"))
@@ -79,11 +98,32 @@ def _fire_step_injections(step: int) -> None:
             continue
         if kind == "hang":
             _block_forever(f"injected hang at step {step} ({inj.get('text')})")
+        if inj.get("garbage") and garbage is not None:
+            garbage()        # the caller tears its chunk before the signal
         sig = int(inj.get("signal") or signal.SIGKILL)
         sys.stderr.flush()
         sys.stdout.flush()
         os.kill(os.getpid(), sig)
         time.sleep(1.0)     # a catchable signal with a handler may return; the kill still stands
+
+
+def send(kind: str, step: int | None = None, detail: str | None = None) -> None:
+    """Send one datagram of `kind` (see contract) to the agent; never blocks, never raises."""
+    if not _state:
+        _setup()
+    _send(kind, step, detail)
+
+
+def inject_point(point: str, step: int, *, group: int | None = None, chunk: int | None = None,
+                 garbage=None) -> None:
+    """Fire this generation's injections planned at `point` (a name in contract.INJECT_POINTS)
+    of `step`, narrowed to protection `group` / `chunk` where the spec names them.  `garbage`:
+    a callable that overwrites the current chunk, called before the signal of a `garbage=1`
+    spec.  A kill does not return; a `pages` spec returns after the pages are gone."""
+    if not _state:
+        _setup()
+    if _state["plan"]:
+        _fire_step_injections(step, point, group, chunk, garbage)
 
 
 def heartbeat(step: int | None = None) -> None:
