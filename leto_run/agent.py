@@ -1,7 +1,8 @@
 """The agent: one per node, parent and child-subreaper of every process of the job.
 
 One control loop (`Agent.run`): rendezvous -> start the group -> supervise -> decide -> stop /
-restart / finish.  Supervision is event driven: the loop sleeps in one selector on the pidfds of
+restart / finish.  In in-place mode a HOF is recovered inside `_supervise` without leaving it
+(`leto_run.inplace`: shadows, promotion, demotion); only the fallback restarts the group.  Supervision is event driven: the loop sleeps in one selector on the pidfds of
 its children (exit seen within ~1 ms), the heartbeat socket, and the signal wakeup fd; the
 selector's timeout is the next deadline (hang, injection, status refresh, peer check).
 
@@ -30,7 +31,8 @@ from leto_run.events import EventLog
 from leto_run.failures import FailureRecord, failure_from_exit, format_root_cause
 from leto_run.guardian import start_guardian
 from leto_run.heartbeat import HeartbeatServer
-from leto_run.inject import InjectKind
+from leto_run.inject import InjectKind, timed_for_generation, trainer_plan
+from leto_run.inplace import InplaceRecovery
 from leto_run.logs import LogLayout, OutputPump
 from leto_run.procs import become_subreaper, reap_orphans, spawn
 from leto_run.rendezvous import RoundResult, make_handler, next_round
@@ -39,6 +41,7 @@ from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_run.state_managers import StateManagers
 from leto_run.status import StatusView
 from leto_run.stopper import stop_processes
+from leto_run.worker_cmd import resolve_nproc, worker_argv
 from leto_run.worker_env import (WorkerEnvSpec, build_worker_env, default_omp_threads,
                                  job_token_kv)
 from leto_runtime import contract as C
@@ -52,27 +55,6 @@ def run_job(cfg: JobConfig) -> int:
         return agent.run()
     finally:
         agent.close()
-
-
-def resolve_nproc(value: str) -> int:
-    from torch.distributed.run import determine_local_world_size
-    return int(determine_local_world_size(value))
-
-
-def worker_argv(cfg: JobConfig) -> list[str]:
-    """torchrun's command line for one worker (run.py: config_from_args)."""
-    la = cfg.launch
-    if la.run_path:
-        code = ("import runpy, sys; sys.argv = sys.argv[1:]; "
-                "runpy.run_path(sys.argv[0], run_name='__main__')")
-        return [os.getenv("PYTHON_EXEC", sys.executable), "-u", "-c", code,
-                la.training_script, *la.script_args]
-    if la.no_python:
-        return [la.training_script, *la.script_args]
-    argv = [os.getenv("PYTHON_EXEC", sys.executable), "-u"]
-    if la.module:
-        argv.append("-m")
-    return argv + [la.training_script, *la.script_args]
 
 
 class Agent:
@@ -120,11 +102,14 @@ class Agent:
                                   log_root=self.layout.root, guardian=self.guardian,
                                   pump=self.pump, events=self.events, sel=self.sel,
                                   log=self.log, shutdown_timeout=cfg.launch.shutdown_timeout,
-                                  escalate_fd=self._sig_r)
+                                  escalate_fd=self._sig_r, geometry=cfg.recovery.geometry)
                     if cfg.recovery.mode == "inplace" else None)
         self.worker_pipes: set[int] = set()
         self.pending_revokes: list[tuple[int, int]] = []
         self.resumed_gens: set[int] = set()
+        self.leftovers: list = []             # Procs that outlived a bounded wait: stopped at the end
+        self.attempt_base_gen = 0             # generation at which the current attempt started
+        self.inplace = InplaceRecovery(self) if cfg.recovery.mode == "inplace" else None
         self._closed = False
         if omp_warning:
             self.log("\n*****************************************\n" + omp_warning +
@@ -174,6 +159,8 @@ class Agent:
                 self.log(f"decision: {decision.action.value}: {decision.reason}")
                 self.events.emit("decision", self.generation, action=decision.action.value,
                                  reason=decision.reason)
+                if decision.action == Action.UNRECOVERABLE:
+                    return self._unrecoverable(decision)
                 if decision.action == Action.SUCCEED:
                     self._stop_group("success")
                     self._exit_barrier()
@@ -206,9 +193,21 @@ class Agent:
             self.events.emit("job_end", self.generation, exit_code=e.exit_code, reason=str(e))
             return e.exit_code
 
+    def _unrecoverable(self, decision: Decision) -> int:
+        self._stop_group(decision.reason)
+        self._print_root_cause()
+        self.log("error: the retained state cannot be recovered in place; the job ends "
+                 f"(checkpoint fallback is not implemented yet): {decision.reason}")
+        self.events.emit("job_end", self.generation, exit_code=E.EXIT_UNRECOVERABLE,
+                         reason=decision.reason)
+        return E.EXIT_UNRECOVERABLE
+
     def _start_group(self) -> None:
         self.generation += 1
+        self.attempt_base_gen = self.generation
         self.failures.clear()
+        if self.inplace:
+            self.inplace.new_round()
         t0 = time.monotonic()
         self.round = None          # drops the previous round's worker store server
         self.round = next_round(self.handler, round_no=self.generation,
@@ -226,30 +225,34 @@ class Agent:
         for slot in self.slots:
             self._spawn(slot, SlotRole.ACTIVE)
         self.group_started = time.monotonic()
-        self.timers = []
-        for spec in self.cfg.inject:
-            if spec.after_s is not None and spec.attempt == self.restart_count and \
-                    any(s.rank == spec.rank for s in self.slots):
-                self.timers.append((self.group_started + spec.after_s, "inject", spec))
+        self.timers = [(self.group_started + spec.after_s, "inject", spec) for spec in
+                       timed_for_generation(self.cfg.inject, {s.rank for s in self.slots},
+                                            self.restart_count, 0)]
         self.status.set_group(self.slots, self.generation, self.restart_count)
 
-    def _spawn(self, slot: RankSlot, role: SlotRole) -> SlotProcess:
+    def _spawn(self, slot: RankSlot, role: SlotRole, generation: int | None = None,
+               epoch: int = 0) -> SlotProcess:
+        """Start the slot's trainer in `role` (a shadow: of `generation`, shadow `epoch`)."""
         cfg, r = self.cfg, self.round
         ident = slot.identity
-        err_file = self.layout.error_file(self.restart_count, ident.local_rank)
-        plan = tuple(s.to_json() for s in cfg.inject
-                     if s.rank == ident.global_rank and s.step is not None
-                     and s.attempt == self.restart_count and s.role == role.value)
+        gen = self.generation if generation is None else generation
+        err_file = self.layout.error_file(self.restart_count, ident.local_rank,
+                                          gen - self.attempt_base_gen)
+        # Absolute generations: the runtime fires a spec when its `gen` equals its own.
+        plan = tuple({**p, "gen": p["gen"] + self.attempt_base_gen} for p in
+                     trainer_plan(cfg.inject, ident.global_rank, self.restart_count))
         spec = WorkerEnvSpec(
             identity=ident, master_addr=r.master_addr, master_port=r.master_port,
             restart_count=self.restart_count, max_restarts=cfg.launch.max_restarts,
             run_id=self.run_id, use_agent_store=r.use_agent_store, error_file=err_file,
             signals_to_handle=",".join(cfg.launch.signals_to_handle),
-            slot_role=role.value, generation=self.generation, run_dir=self.run_dir,
+            slot_role=role.value, generation=gen, run_dir=self.run_dir,
             heartbeat_socket=self.hb.path, hang_timeout=cfg.recovery.hang_timeout,
             recovery=cfg.recovery.mode, node=self.node, job_token=self.token,
             dump_signal=C.DUMP_SIGNAL, inject_plan=plan,
-            sm_socket=self.sms.socket(ident.local_rank) if self.sms else None)
+            sm_socket=self.sms.socket(ident.local_rank) if self.sms else None,
+            shadow_epoch=epoch, pg_timeout=cfg.recovery.pg_timeout,
+            chunk_pages=cfg.recovery.chunk_pages)
         env = build_worker_env(os.environ, spec)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -261,18 +264,18 @@ class Agent:
         self.guardian.announce(proc.pid)
         if self.sms:
             self.sms.allow(ident.local_rank, proc.pid)
-        prefix = f"[r{ident.global_rank} {role.value} g{self.generation}]: "
+        prefix = f"[r{ident.global_rank} {role.value} g{gen}]: "
         self.worker_pipes.update((out_r, err_r))
         for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
             self.pump.add(fd, self.layout.plan(self.restart_count, ident.local_rank, stream),
-                          prefix, stream)
-        sp = SlotProcess(role=role, generation=self.generation, attempt=self.restart_count,
-                         proc=proc, error_file=err_file)
+                          prefix, stream, prefix_file=role == SlotRole.SHADOW)
+        sp = SlotProcess(role=role, generation=gen, attempt=self.restart_count,
+                         proc=proc, error_file=err_file, epoch=epoch)
         slot.procs[role] = sp
         self.sel.register(proc.pidfd, selectors.EVENT_READ, (slot, sp))
-        self.events.emit("spawn", self.generation, rank=ident.global_rank,
+        self.events.emit("spawn", gen, rank=ident.global_rank,
                          local_rank=ident.local_rank, role=role.value, pid=proc.pid,
-                         mono=proc.started_mono, restart_count=self.restart_count)
+                         mono=proc.started_mono, restart_count=self.restart_count, epoch=epoch)
         return sp
 
     def _supervise(self) -> Decision:
@@ -286,6 +289,8 @@ class Agent:
                     self._on_beats()
                 elif key.data == "sig":
                     self._on_signals()
+                elif key.data == "hof":
+                    self.inplace.on_wake()
                 elif key.data[0] == "sm":
                     if self.sms.on_exit(key.data[1], key.data[2], self.slots,
                                         self.generation, self.restart_count):
@@ -305,11 +310,22 @@ class Agent:
                 except Exception as e:  # store gone: a peer agent ended; its workers fail us
                     self.log(f"rendezvous store unreachable ({type(e).__name__}: {e})")
             self.status.refresh()
+            failed = [f.rank for f in self.failures]
+            inplace = self.inplace.recover(self.failures) if self.inplace else None
+            if inplace and inplace.action == Action.UNRECOVERABLE:
+                return inplace
+            if inplace and inplace.action == Action.INPLACE:
+                self._flush_revokes()
+                continue                           # recovered: the next generation trains
+            if inplace and self.inplace.remote is not None and not failed:
+                failed = [self.inplace.remote_rank()]   # another node's HOF, no shadows here
             actives = [s.active for s in self.slots]
-            decision = decide_group([a.state for a in actives],
-                                    [f.rank for f in self.failures], self.remaining,
+            decision = decide_group([a.state for a in actives], failed, self.remaining,
                                     la.max_restarts, nodes_waiting)
             if decision.action != Action.CONTINUE:
+                if inplace and inplace.action == Action.FALL_BACK:
+                    self.events.emit("inplace_fallback", self.generation, reason=inplace.reason)
+                    self.log(f"no in-place recovery: {inplace.reason}")
                 return decision
             self._flush_revokes()
 
@@ -324,6 +340,7 @@ class Agent:
 
     def _known_pids(self) -> set[int]:
         return ({sp.proc.pid for s in self.slots for sp in s.all() if sp.proc.status is None}
+                | {p.pid for p in self.leftovers if p.status is None}
                 | (self.sms.pids() if self.sms else set()))
 
     # ---- event handlers ------------------------------------------------------------------
@@ -344,7 +361,12 @@ class Agent:
                          step=sp.step)
         if sp.done:              # already judged (e.g. a hang we killed)
             return
-        if sp.state == ProcState.STOPPING:
+        if sp.role == SlotRole.SHADOW and sp.state != ProcState.STOPPING:
+            self.inplace.on_shadow_exit(slot, sp, status)
+        elif not status.ok and self.inplace and self.inplace.collateral(sp):
+            sp.move(ProcState.STOPPING)      # a survivor of a HOF recovered in place
+            sp.move(ProcState.STOPPED)
+        elif sp.state == ProcState.STOPPING:
             sp.move(ProcState.SUCCEEDED if status.ok else ProcState.STOPPED)
         elif status.ok:
             sp.move(ProcState.SUCCEEDED)
@@ -376,7 +398,14 @@ class Agent:
                   if not sp.done}
         for beat in self.hb.drain(set(by_pid)):
             slot, sp = by_pid[beat.pid]
+            if beat.kind in ("inplace", "promoted", "phase"):
+                if self.inplace:
+                    self.inplace.on_datagram(slot, sp, beat)
+                continue
+            if sp.role == SlotRole.SHADOW and beat.kind != "inject":
+                continue        # a waiting shadow is not supervised for hangs until promoted
             if beat.kind == "inject":
+                sp.step = beat.step if beat.step is not None else sp.step   # it is in that step
                 self.events.emit("inject", sp.generation, rank=slot.rank, role=sp.role.value,
                                  pid=beat.pid, spec=beat.detail, step=beat.step, by="runtime")
                 self.log(f"injecting '{beat.detail}' into rank {slot.rank} at step {beat.step}")
@@ -423,7 +452,7 @@ class Agent:
         timeout = self.cfg.recovery.hang_timeout
         for slot in self.slots:
             for sp in slot.all():
-                if sp.done:
+                if sp.done or (self.inplace and self.inplace.collateral(sp)):
                     continue
                 hung, why = hang_verdict(now, sp.hang_deadline, sp.last_beat, timeout)
                 if not hung:
@@ -477,7 +506,9 @@ class Agent:
     def _stop_group(self, reason: str, first_signal: int = signal.SIGTERM) -> None:
         live = [(slot, sp) for slot in self.slots for sp in slot.all()
                 if sp.proc.alive and sp.role != SlotRole.STATE_MANAGER]
-        if not live:
+        extra = [p for p in self.leftovers if p.alive]    # outlived a bounded wait earlier
+        self.leftovers.clear()
+        if not live and not extra:
             self._drain_output()
             return
         self.events.emit("stop", self.generation, reason=reason, pids=[sp.proc.pid for _, sp in live])
@@ -488,7 +519,7 @@ class Agent:
                 self.sel.unregister(sp.proc.pidfd)   # stop_processes reaps and closes it
             except (KeyError, ValueError):
                 pass
-        stop_processes([sp.proc for _, sp in live], grace=self.cfg.launch.shutdown_timeout,
+        stop_processes([sp.proc for _, sp in live] + extra, grace=self.cfg.launch.shutdown_timeout,
                        first_signal=first_signal, token_kv=job_token_kv(self.token),
                        escalate_fd=self._sig_r, log=self.log,
                        spare=frozenset(self.sms.pids() if self.sms else ()))
@@ -553,6 +584,8 @@ class Agent:
         except Exception:
             pass
         signal.set_wakeup_fd(-1)
+        if self.inplace:
+            self.inplace.close()
         self.guardian.release()
         self.events.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass
 
 from leto_run.slot import ProcState, TERMINAL
+from leto_runtime.contract import UNRECOVERABLE_EXIT
 
 
 class Action(str, enum.Enum):
@@ -16,6 +17,9 @@ class Action(str, enum.Enum):
     SUCCEED = "succeed"          # every worker finished with exit code 0
     RESTART = "restart"          # stop the group, new rendezvous round, respawn
     GIVE_UP = "give_up"          # stop the group and end the job with the failure
+    INPLACE = "inplace"          # HOF: promote the shadows of the next generation in place
+    FALL_BACK = "fall_back"      # no in-place recovery possible: `decide_group` decides
+    UNRECOVERABLE = "unrecoverable"   # retained state lost: end the job (checkpoint fallback later)
 
 
 @dataclass(frozen=True)
@@ -58,3 +62,58 @@ def hang_verdict(now: float, deadline: float | None, last_beat: float | None,
     if now < deadline:
         return False, f"last heartbeat {now - last_beat:.3f} s ago"
     return True, f"no heartbeat for {now - last_beat:.1f} s (--hang-timeout {timeout:g} s)"
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """What `decide_inplace` needs to know about one local slot."""
+
+    rank: int
+    inplace: bool                    # its active announced in-place mode (called init())
+    shadow_generation: int | None    # generation of its live shadow; None: no live shadow
+
+
+@dataclass(frozen=True)
+class Failure:
+    rank: int
+    exitcode: int
+    how: str
+
+
+def decide_inplace(mode: str, generation: int, failures: list[Failure], slots: list[SlotView],
+                   remote_hof: str | None = None, shadows_unusable: str | None = None) -> Decision:
+    """A HOF of `generation` happened (local `failures`, or `remote_hof` declared by another
+    node): recover in place, end the job, or fall back to the restart path.
+
+    In place needs in-place mode, every local slot in place with a live shadow of generation
+    + 1, and no trainer that said its retained state is lost (UNRECOVERABLE_EXIT).
+    `shadows_unusable` (why the shadows cannot be trusted, e.g. a shadow died on a multi-node
+    job) forces the fallback."""
+    lost = next((f for f in failures if f.exitcode == UNRECOVERABLE_EXIT), None)
+    if mode == "inplace" and lost is not None:
+        return Decision(Action.UNRECOVERABLE,
+                        f"rank {lost.rank} exited with {UNRECOVERABLE_EXIT}: its retained state "
+                        "cannot be recovered in place (checkpoint fallback is not implemented "
+                        "yet)")
+    if not failures and remote_hof is None:
+        return Decision(Action.CONTINUE, "no failure")
+    cause = (f"rank {failures[0].rank} failed ({failures[0].how})" if failures
+             else f"HOF declared by {remote_hof}")
+    if mode != "inplace":
+        return Decision(Action.FALL_BACK, f"{cause}; recovery mode is restart")
+    want = generation + 1
+    for s in slots:
+        if not s.inplace:
+            return Decision(Action.FALL_BACK, f"{cause}; rank {s.rank} does not run in place "
+                            "(its trainer did not call leto_runtime.init())")
+        if s.shadow_generation != want:
+            have = ("no live shadow" if s.shadow_generation is None
+                    else f"a shadow of generation {s.shadow_generation}")
+            return Decision(Action.FALL_BACK, f"{cause}; rank {s.rank} has {have}, not one of "
+                            f"generation {want}")
+    if shadows_unusable:
+        return Decision(Action.FALL_BACK, f"{cause}; {shadows_unusable}")
+    if not slots:
+        return Decision(Action.FALL_BACK, f"{cause}; no local slots")
+    return Decision(Action.INPLACE, f"{cause} in generation {generation}; promoting the shadows "
+                    f"of generation {want} in place")

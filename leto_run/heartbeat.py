@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from leto_runtime import contract as C
 
 _UCRED = struct.Struct("3i")
+# Datagram kinds (leto_runtime.contract, "Heartbeat datagram"); anything else is dropped.
+KINDS = frozenset({"beat", "register", "inject", "bye", "inplace", "promoted", "phase"})
 
 
 @dataclass(frozen=True)
 class Beat:
-    kind: str            # beat | register | inject | bye
+    kind: str            # one of KINDS
     pid: int             # from the kernel, not from the payload
     rank: int
     role: str
@@ -81,14 +83,14 @@ class HeartbeatServer:
             if not isinstance(msg, dict) or msg.get("v") != C.HEARTBEAT_VERSION:
                 return None
             kind = msg.get("kind", "beat")
-            if kind not in ("beat", "register", "inject", "bye"):
+            if kind not in KINDS:
                 return None
             step = msg.get("step")
             detail = msg.get("detail")
             return Beat(kind=kind, pid=pid, rank=int(msg.get("rank", -1)),
                         role=str(msg.get("role", "")), generation=int(msg.get("gen", -1)),
                         step=None if step is None else int(step),
-                        detail=None if detail is None else str(detail)[:512], mono=now)
+                        detail=None if detail is None else str(detail)[:2048], mono=now)
         except (ValueError, TypeError):
             return None
 

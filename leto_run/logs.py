@@ -63,8 +63,11 @@ class LogLayout:
         os.makedirs(d, exist_ok=True)
         return d
 
-    def error_file(self, attempt: int, local_rank: int) -> str:
-        path = os.path.join(self.rank_dir(attempt, local_rank), "error.json")
+    def error_file(self, attempt: int, local_rank: int, generation: int = 0) -> str:
+        """torchrun's error.json; trainers of in-place generation G > 0 (shadows) get
+        error_gG.json in the same directory, so a waiting shadow never shares its active's."""
+        name = "error.json" if generation == 0 else f"error_g{generation}.json"
+        path = os.path.join(self.rank_dir(attempt, local_rank), name)
         # A stale error file from an earlier process in the same attempt dir would be read as
         # this process's root cause.
         if os.path.exists(path):
@@ -97,13 +100,15 @@ class OutputPump:
         self._thread = threading.Thread(target=self._run, name="leto-output-pump", daemon=True)
         self._thread.start()
 
-    def add(self, pipe_fd: int, plan: StreamPlan, prefix: str, stream: str) -> None:
-        """Take ownership of `pipe_fd` (the read end of a worker's stdout or stderr)."""
+    def add(self, pipe_fd: int, plan: StreamPlan, prefix: str, stream: str,
+            prefix_file: bool = False) -> None:
+        """Take ownership of `pipe_fd` (the read end of a worker's stdout or stderr).
+        `prefix_file`: prefix the file's lines too (a shadow sharing its rank's log file)."""
         os.set_blocking(pipe_fd, False)
         f = open(plan.to_file, "ab", buffering=0) if plan.to_file else None
         out = (sys.stdout if stream == "stdout" else sys.stderr) if plan.to_console else None
         with self._pending_lock:
-            self._pending.append((pipe_fd, f, out, prefix.encode()))
+            self._pending.append((pipe_fd, f, out, prefix.encode(), prefix_file))
         with self._idle:
             self._open.add(pipe_fd)
         os.write(self._wake_w, b"x")
@@ -122,6 +127,7 @@ class OutputPump:
 
     def _run(self) -> None:
         partial: dict[int, bytes] = {}
+        fpartial: dict[int, bytes] = {}      # prefixed files: the unfinished last line
         while not self._stop:
             for key, _ in self._sel.select():
                 if key.data is None:
@@ -130,12 +136,12 @@ class OutputPump:
                     except BlockingIOError:
                         pass
                     with self._pending_lock:
-                        for fd, f, out, prefix in self._pending:
-                            self._sel.register(fd, selectors.EVENT_READ, (f, out, prefix))
+                        for fd, f, out, prefix, pf in self._pending:
+                            self._sel.register(fd, selectors.EVENT_READ, (f, out, prefix, pf))
                         self._pending.clear()
                     continue
                 fd = key.fd
-                f, out, prefix = key.data
+                f, out, prefix, pf = key.data
                 try:
                     chunk = os.read(fd, 65536)
                 except BlockingIOError:
@@ -143,7 +149,13 @@ class OutputPump:
                 except OSError:
                     chunk = b""
                 if chunk:
-                    if f:
+                    if f and pf:
+                        *flines, frest = (fpartial.pop(fd, b"") + chunk).split(b"\n")
+                        if frest:
+                            fpartial[fd] = frest
+                        if flines:
+                            f.write(b"".join(prefix + ln + b"\n" for ln in flines))
+                    elif f:
                         f.write(chunk)
                     if out:
                         data = partial.pop(fd, b"") + chunk
@@ -155,6 +167,8 @@ class OutputPump:
                 # EOF: the process (and any grandchild holding the pipe) is gone.
                 if out and fd in partial:
                     self._emit(out, prefix, [partial.pop(fd)])
+                if f and fd in fpartial:
+                    f.write(prefix + fpartial.pop(fd) + b"\n")
                 self._sel.unregister(fd)
                 os.close(fd)
                 if f:

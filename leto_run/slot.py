@@ -2,7 +2,9 @@
 
 A slot serves one local rank on one GPU with up to three sibling processes, each in a
 `SlotRole`: the state manager, the active trainer and the shadow trainer.  In restart mode only
-the active role is filled; the in-place issues add the other two without changing the loop.
+the active role is filled; in in-place mode the state manager runs from the start and a shadow
+joins once the active announced in-place mode (`leto_run.inplace`).  Promotion moves the shadow's
+`SlotProcess` into the active role (same object, `role` rewritten).
 
 Each process runs through `ProcState`; moves follow `_TRANSITIONS` and an illegal move raises
 `IllegalTransition` (a bug in the agent, never a user error).
@@ -63,6 +65,8 @@ class SlotProcess:
     beats: int = 0
     hang_deadline: float | None = None
     fired_injections: set[str] = field(default_factory=set)
+    epoch: int = 0                          # shadows: LETO_SHADOW_EPOCH it was started with
+    ready: bool = False                     # shadows: reached its preinit level
 
     def move(self, new: ProcState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -90,6 +94,7 @@ class RankSlot:
     identity: WorkerIdentity
     procs: dict[SlotRole, SlotProcess] = field(default_factory=dict)
     created_mono: float = field(default_factory=time.monotonic)
+    inplace: bool = False                   # the active announced in-place mode (init())
 
     @property
     def rank(self) -> int:
@@ -102,6 +107,10 @@ class RankSlot:
     @property
     def active(self) -> SlotProcess | None:
         return self.procs.get(SlotRole.ACTIVE)
+
+    @property
+    def shadow(self) -> SlotProcess | None:
+        return self.procs.get(SlotRole.SHADOW)
 
     def all(self) -> list[SlotProcess]:
         return list(self.procs.values())

@@ -23,6 +23,7 @@ from leto_run.logs import OutputPump, StreamPlan
 from leto_run.procs import spawn
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_run.state_manager.keeper import FdKeeper
+from leto_run.state_manager.metadata import Geometry
 from leto_run.stopper import stop_processes
 from leto_runtime import contract as C
 from leto_runtime.rmp.faults import fire_pages_spec
@@ -35,10 +36,12 @@ MAX_CRASHES, CRASH_WINDOW = 5, 60.0
 class StateManagers:
     def __init__(self, *, run_dir: str, token: str, log_root: str, guardian: Guardian,
                  pump: OutputPump, events: EventLog, sel: selectors.BaseSelector,
-                 log: Callable[[str], None], shutdown_timeout: float, escalate_fd: int):
+                 log: Callable[[str], None], shutdown_timeout: float, escalate_fd: int,
+                 geometry: Geometry | None = None):
         self.run_dir, self.token, self.log_root = run_dir, token, log_root
         self.guardian, self.pump, self.events, self.sel = guardian, pump, events, sel
         self.log, self.shutdown_timeout, self.escalate_fd = log, shutdown_timeout, escalate_fd
+        self.geometry = geometry or Geometry()     # recovery.page_bytes/data_pages/tier1/tier2
         self.keepers: dict[int, FdKeeper] = {}
         self.procs: dict[int, SlotProcess] = {}
         self.crashes: dict[int, list[float]] = {}
@@ -75,8 +78,8 @@ class StateManagers:
         env[C.LETO_JOB_TOKEN] = self.token          # the guardian's cleanup finds it too
         out_r, out_w = os.pipe()
         try:
-            proc = spawn(keeper.state_manager_argv(device="auto"), env, stdout=out_w,
-                         stderr=out_w)
+            proc = spawn(keeper.state_manager_argv(device="auto", geometry=self.geometry), env,
+                         stdout=out_w, stderr=out_w)
         finally:
             os.close(out_w)
         self.guardian.announce(proc.pid)

@@ -54,6 +54,9 @@ class WorkerEnvSpec:
     dump_signal: int
     inject_plan: tuple[dict, ...] = ()
     sm_socket: str | None = None          # the slot's state manager (in-place mode only)
+    shadow_epoch: int = 0                 # shadows of a generation restarted together: epoch + 1
+    pg_timeout: float = 600.0             # trainers' process-group / store waits, seconds
+    chunk_pages: int = 0                  # RMU transaction size in pages (0: the runtime picks)
 
 
 def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, str]:
@@ -96,6 +99,9 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
         C.LETO_JOB_TOKEN: spec.job_token,
         C.LETO_DUMP_SIGNAL: str(spec.dump_signal),
         C.LETO_INJECT_PLAN: json.dumps(list(spec.inject_plan), separators=(",", ":")),
+        C.LETO_SHADOW_EPOCH: str(spec.shadow_epoch),
+        C.LETO_PG_TIMEOUT: repr(float(spec.pg_timeout)),
+        C.LETO_CHUNK_PAGES: str(spec.chunk_pages),
     })
     if spec.sm_socket:
         env[C.LETO_SM_SOCKET] = spec.sm_socket

@@ -1,0 +1,409 @@
+"""The agent's half of in-place HOF recovery: shadows, promotion, demotion (DESIGN.md §2, §3).
+
+Role: everything the agent does for in-place mode that is not the control loop itself.
+`InplaceRecovery` owns the shadows' life cycle and the HOF procedure; the agent calls it from its
+loop (one thread: the agent's main thread, which spawn's parent-death rule requires):
+
+- `on_datagram(slot, sp, beat)` for the datagram kinds `inplace`, `promoted`, `phase`:
+  an active's `inplace` marks its slot in place and starts its shadow (generation + 1);
+  a shadow's `inplace` says it is ready (event `shadow_ready`);
+- `on_shadow_exit(slot, sp, status)` when a shadow dies before its promotion: the node's other
+  shadows of that generation are killed and all are started again with LETO_SHADOW_EPOCH + 1
+  (their process group included the dead one); several nodes cannot do that alone, so there the
+  next HOF falls back to a restart;
+- `recover(failures)` once per loop turn: `decisions.decide_inplace` on the local failures of
+  the current generation g (or a HOF another node declared in the worker store, seen by
+  `HofWatcher`); for INPLACE it runs the procedure:
+    a. declare: set `hof_key(g)` (first writer wins) with {rank, how, node, mono};
+    b. demote (`replace`): SIGKILL the process group of every local active of g, wait for their
+       pidfds (bounded), record them STOPPED (collateral, never new failures);
+    c. promote: set `go_key(g + 1, rank)` for every local rank; each shadow becomes its slot's
+       active; the agent's generation becomes g + 1 (not a restart: `--max-restarts` unused);
+    d. start fresh shadows of generation g + 2.
+- `collateral(sp)`: a death of an active that belongs to a HOF being recovered in place.
+
+Events (all with generation, rank, pid, mono): shadow_ready, hof, demote, promote, promoted (the
+runtime's wake time), phase, shadow_exit, shadow_respawn, inplace_fallback.
+Every blocking call is bounded: store operations (client timeout), pidfd waits (DEMOTE_WAIT_S).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import select
+import signal
+import threading
+import time
+
+import torch.distributed as dist
+
+from leto_run.decisions import Action, Decision, Failure, SlotView, decide_inplace
+from leto_run.inject import timed_for_generation
+from leto_run.procs import ExitStatus, kill_pids
+from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
+from leto_runtime import contract as C
+
+DEMOTE_WAIT_S = 10.0        # SIGKILLed trainers are gone in ms; D-state stragglers are reported
+STORE_TIMEOUT_S = 30.0      # agent's worker-store client: connect and each operation
+WATCH_SLICE_S = 60.0        # watcher's store.wait slice (a timed-out wait prints c10d warnings)
+MAX_SHADOW_RESPAWNS = 3     # per generation: a shadow that keeps dying is a script bug
+
+
+def wait_exits(procs, timeout: float) -> list:
+    """Block (bounded) until every proc's pidfd is readable; reap them.  Returns the stragglers."""
+    left = [p for p in procs if p.status is None and p.pidfd >= 0]
+    deadline = time.monotonic() + timeout
+    while left:
+        ms = (deadline - time.monotonic()) * 1000
+        if ms <= 0:
+            break
+        poller = select.poll()
+        for p in left:
+            poller.register(p.pidfd, select.POLLIN)
+        poller.poll(ms)
+        left = [p for p in left if p.poll_exit() is None]
+    return left
+
+
+class HofWatcher:
+    """Thread: bounded blocking waits on `hof_key(generation)` in the worker store; writes one
+    byte to `wake_fd` when it appears (another node declared a HOF).  Ends when the store goes
+    away (restart, end of job) or `stop()`."""
+
+    def __init__(self, addr: str, port: int, generation, wake_fd: int, slice_s: float = WATCH_SLICE_S):
+        self.addr, self.port, self.generation, self.wake_fd = addr, port, generation, wake_fd
+        self.slice = datetime.timedelta(seconds=slice_s)
+        self.advanced = threading.Event()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="leto-hof-watcher", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            store = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
+                                  timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        except Exception:
+            return
+        while not self._stop:
+            g = self.generation()
+            try:
+                store.wait([C.hof_key(g)], self.slice)
+            except dist.DistNetworkError:
+                return                      # the store is gone
+            except dist.DistStoreError:
+                continue                    # a slice timed out
+            except Exception:
+                return
+            try:
+                os.write(self.wake_fd, b"h")
+            except OSError:
+                return
+            while not self._stop and self.generation() == g:
+                self.advanced.wait(1.0)     # until the agent handled generation g
+                self.advanced.clear()
+
+    def stop(self) -> None:
+        self._stop = True
+        self.advanced.set()
+
+
+class InplaceRecovery:
+    """See the module docstring.  `agent` is the `leto_run.agent.Agent` that owns the loop; this
+    class reads its cfg/slots/generation/round and uses its spawn, events, log and selector."""
+
+    def __init__(self, agent):
+        self.a = agent
+        self.epoch = 0                       # LETO_SHADOW_EPOCH of the shadows being started
+        self.respawns = 0                    # shadow respawns in this generation
+        self.unusable: str | None = None     # why the current shadows cannot take over
+        self.store = None                    # worker-store client of the current round
+        self.watcher: HofWatcher | None = None
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        agent.sel.register(self.wake_r, 1, "hof")   # selectors.EVENT_READ == 1
+        self.remote: dict | None = None      # a HOF of the current generation another node declared
+        self.declared: set[int] = set()      # generations whose HOF this node recovered
+
+    # ---- round lifecycle -----------------------------------------------------------------
+    def new_round(self) -> None:
+        """A (re)started group: old shadows were stopped with it; old store and watcher go."""
+        if self.watcher:
+            self.watcher.stop()
+        self.watcher, self.store, self.remote = None, None, None
+        self.epoch, self.respawns, self.unusable = 0, 0, None
+
+    def close(self) -> None:
+        if self.watcher:
+            self.watcher.stop()
+        for fd in (self.wake_r, self.wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _client(self):
+        if self.store is None:
+            r = self.a.round
+            self.store = dist.TCPStore(r.master_addr, r.master_port, is_master=False,
+                                       wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        return self.store
+
+    # ---- datagrams -----------------------------------------------------------------------
+    def on_datagram(self, slot: RankSlot, sp: SlotProcess, beat) -> None:
+        a = self.a
+        detail = _json(beat.detail)
+        if beat.kind == "inplace" and sp.role == SlotRole.ACTIVE:
+            if not slot.inplace:
+                slot.inplace = True
+                a.events.emit("inplace", sp.generation, rank=slot.rank, pid=beat.pid,
+                              mono=beat.mono)
+                self._ensure_watcher()
+            if slot.shadow is None and not self.unusable:
+                self._spawn_shadow(slot)
+        elif beat.kind == "inplace":
+            sp.ready = True
+            a.events.emit("shadow_ready", sp.generation, rank=slot.rank, pid=beat.pid,
+                          role=sp.role.value, epoch=sp.epoch, level=detail.get("level"),
+                          seconds=detail.get("seconds"), mono=beat.mono)
+        elif beat.kind == "promoted":
+            a.events.emit("promoted", sp.generation, rank=slot.rank, pid=beat.pid,
+                          mono=float(detail.get("mono", beat.mono)), agent_mono=beat.mono)
+        elif beat.kind == "phase":
+            reserved = {"event", "mono", "wall", "node", "generation", "rank", "local_rank",
+                        "role", "pid"}
+            fields = {(f"detail_{k}" if k in reserved else k): v for k, v in detail.items()}
+            a.events.emit("phase", sp.generation, rank=slot.rank, pid=beat.pid,
+                          mono=beat.mono, **fields)
+
+    def _spawn_shadow(self, slot: RankSlot) -> None:
+        a = self.a
+        sp = a._spawn(slot, SlotRole.SHADOW, generation=a.generation + 1, epoch=self.epoch)
+        a.log(f"rank {slot.rank}: shadow of generation {a.generation + 1} started (pid "
+              f"{sp.proc.pid}, epoch {self.epoch})")
+
+    def _ensure_watcher(self) -> None:
+        # One node needs no watcher: every HOF is its own (and a timed-out wait prints c10d
+        # warnings on the agent's console).
+        r = self.a.round
+        if self.watcher is None and r is not None and r.group_world_size > 1:
+            self.watcher = HofWatcher(r.master_addr, r.master_port, lambda: self.a.generation,
+                                      self.wake_w)
+
+    def on_wake(self) -> None:
+        """The watcher saw `hof_key(generation)`: remember who declared it (unless we did)."""
+        try:
+            os.read(self.wake_r, 64)
+        except BlockingIOError:
+            pass
+        g = self.a.generation
+        if g in self.declared:
+            return
+        try:
+            self.remote = json.loads(self._client().get(C.hof_key(g)))
+        except Exception as e:
+            self.a.log(f"HOF of generation {g} seen but unreadable ({type(e).__name__}: {e})")
+
+    # ---- the decision ----------------------------------------------------------------------
+    def views(self) -> list[SlotView]:
+        out = []
+        for s in self.a.slots:
+            sh = s.shadow
+            live = sh is not None and not sh.done and sh.proc.alive
+            out.append(SlotView(s.rank, s.inplace, sh.generation if live else None))
+        return out
+
+    def decide(self, failures) -> Decision:
+        a = self.a
+        fs = [Failure(f.rank, f.exitcode, f.how) for f in failures
+              if f.generation == a.generation]
+        remote = (f"node {self.remote.get('node')} (rank {self.remote.get('rank')}, "
+                  f"{self.remote.get('how')})" if self.remote else None)
+        return decide_inplace(a.cfg.recovery.mode, a.generation, fs, self.views(), remote,
+                              self.unusable)
+
+    def collateral(self, sp: SlotProcess) -> bool:
+        """Is the death of active `sp` part of a HOF that is (being) recovered in place?"""
+        a = self.a
+        if sp.role != SlotRole.ACTIVE:
+            return False
+        if sp.generation < a.generation:
+            return True
+        return (sp.generation == a.generation and any(f.generation == sp.generation
+                                                      for f in a.failures)
+                and self.decide(a.failures).action == Action.INPLACE)
+
+    def remote_rank(self) -> int | None:
+        return None if self.remote is None else int(self.remote.get("rank", -1))
+
+    # ---- the procedure ---------------------------------------------------------------------
+    def recover(self, failures) -> Decision:
+        """Run the HOF procedure when the decision says INPLACE; return the decision."""
+        d = self.decide(failures)
+        if d.action != Action.INPLACE:
+            return d
+        a = self.a
+        g = a.generation
+        t0 = time.monotonic()
+        a.log(f"in-place recovery: {d.reason}")
+        a.events.emit("decision", g, action=d.action.value, reason=d.reason)
+        self._declare(g, failures)
+        self._demote(g)
+        self._promote(g + 1)
+        self._spawn_next_shadows()
+        a.events.emit("inplace_done", g + 1, seconds=time.monotonic() - t0)
+        return d
+
+    def _declare(self, g: int, failures) -> None:
+        a = self.a
+        self.declared.add(g)
+        first = next((f for f in failures if f.generation == g), None)
+        if first is None:            # another node's HOF: it declared it
+            a.events.emit("hof", g, by="remote", **(self.remote or {}))
+            return
+        value = json.dumps({"rank": first.rank, "how": first.how, "node": a.node,
+                            "mono": first.mono})
+        try:
+            won = self._client().compare_set(C.hof_key(g), "", value).decode() == value
+        except Exception as e:       # the store is ours (or the rank-0 node's): log, go on
+            a.log(f"cannot publish the HOF of generation {g}: {type(e).__name__}: {e}")
+            won = False
+        a.events.emit("hof", g, rank=first.rank, how=first.how, by="local", first_writer=won,
+                      failure_mono=first.mono)
+
+    def _demote(self, g: int) -> None:
+        """`replace`: SIGKILL every local active of generation g, wait (bounded), STOPPED."""
+        a = self.a
+        victims = [(s, s.active) for s in a.slots
+                   if s.active is not None and s.active.generation == g and s.active.proc.alive]
+        for slot, sp in victims:
+            kids = sp.proc.snapshot_descendants()
+            sp.proc.send_group(signal.SIGKILL)
+            kill_pids(kids)
+            a.events.emit("demote", g, rank=slot.rank, role=sp.role.value, pid=sp.proc.pid,
+                          mode=a.cfg.recovery.demote)
+        for _, sp in victims:
+            try:
+                a.sel.unregister(sp.proc.pidfd)
+            except (KeyError, ValueError):
+                pass
+        stragglers = wait_exits([sp.proc for _, sp in victims], DEMOTE_WAIT_S)
+        for slot, sp in victims:
+            st: ExitStatus | None = sp.proc.status
+            a.events.emit("exit", g, rank=slot.rank, local_rank=slot.local_rank,
+                          role=sp.role.value, pid=sp.proc.pid,
+                          exitcode=None if st is None else st.exitcode,
+                          how="unknown" if st is None else st.describe(),
+                          mono=None if st is None else st.mono, collateral=True)
+            if not sp.done:
+                sp.move(ProcState.STOPPING)
+                sp.move(ProcState.STOPPED)
+            if a.sms:
+                a.pending_revokes.append((slot.local_rank, sp.proc.pid))
+        for p in stragglers:
+            a.log(f"pid {p.pid} did not exit within {DEMOTE_WAIT_S:g} s of SIGKILL; "
+                  "the end of the job stops it")
+            a.leftovers.append(p)
+
+    def _promote(self, gen: int) -> None:
+        a = self.a
+        woke = time.monotonic()
+        for slot in a.slots:
+            try:
+                self._client().set(C.go_key(gen, slot.rank), json.dumps({"mono": woke}))
+            except Exception as e:
+                a.log(f"cannot set the go key of rank {slot.rank}: {type(e).__name__}: {e}")
+        for slot in a.slots:
+            sp = slot.procs.pop(SlotRole.SHADOW)
+            sp.role = SlotRole.ACTIVE
+            slot.procs[SlotRole.ACTIVE] = sp
+            a.events.emit("promote", gen, rank=slot.rank, local_rank=slot.local_rank,
+                          pid=sp.proc.pid, epoch=sp.epoch, ready=sp.ready, mono=woke)
+        a.generation = gen
+        a.failures.clear()
+        self.remote, self.epoch, self.respawns = None, 0, 0
+        if self.watcher:
+            self.watcher.advanced.set()
+        ranks = {s.rank for s in a.slots}
+        for spec in timed_for_generation(a.cfg.inject, ranks, a.restart_count,
+                                         gen - a.attempt_base_gen):
+            a.timers.append((woke + spec.after_s, "inject", spec))
+        a.status.set_group(a.slots, a.generation, a.restart_count)
+        a.log(f"generation {gen}: shadows promoted on ranks "
+              f"{', '.join(str(s.rank) for s in a.slots)}")
+
+    def _spawn_next_shadows(self) -> None:
+        for slot in self.a.slots:
+            self._spawn_shadow(slot)
+
+    # ---- shadows that die ------------------------------------------------------------------
+    def on_shadow_exit(self, slot: RankSlot, sp: SlotProcess, status: ExitStatus) -> None:
+        a = self.a
+        if not sp.done:
+            sp.move(ProcState.FAILED)
+        a.events.emit("shadow_exit", sp.generation, rank=slot.rank, pid=sp.proc.pid,
+                      epoch=sp.epoch, how=status.describe(), mono=status.mono)
+        if sp.generation != a.generation + 1:
+            return                       # an older shadow; nothing depends on it
+        if a.round is not None and a.round.group_world_size > 1:
+            self.unusable = (f"a shadow of generation {sp.generation} died on node {a.node} "
+                             "and shadows of several nodes cannot be restarted together")
+            a.log(f"warning: rank {slot.rank}'s shadow died ({status.describe()}); the next "
+                  "HOF falls back to a restart")
+            return
+        self.respawns += 1
+        if self.respawns > MAX_SHADOW_RESPAWNS:
+            self.unusable = (f"shadows of generation {sp.generation} died "
+                             f"{self.respawns} times")
+            a.log(f"warning: {self.unusable}; not restarting them again (the next HOF falls "
+                  "back to a restart)")
+            self._kill_shadows(sp.generation)
+            return
+        a.log(f"rank {slot.rank}'s shadow (pid {sp.proc.pid}) died before its promotion "
+              f"({status.describe()}); restarting every shadow of generation {sp.generation} "
+              f"with epoch {self.epoch + 1}")
+        self._kill_shadows(sp.generation)
+        self.epoch += 1
+        a.events.emit("shadow_respawn", sp.generation, rank=slot.rank, epoch=self.epoch,
+                      reason=status.describe())
+        for s in a.slots:
+            if s.inplace:
+                self._spawn_shadow(s)
+
+    def _kill_shadows(self, gen: int) -> None:
+        a = self.a
+        victims = [(s, s.shadow) for s in a.slots if s.shadow is not None]
+        for slot, sp in victims:
+            if sp.proc.alive:
+                kids = sp.proc.snapshot_descendants()
+                sp.proc.send_group(signal.SIGKILL)
+                kill_pids(kids)
+                try:
+                    a.sel.unregister(sp.proc.pidfd)
+                except (KeyError, ValueError):
+                    pass
+        left = wait_exits([sp.proc for _, sp in victims], DEMOTE_WAIT_S)
+        a.leftovers.extend(left)
+        for slot, sp in victims:
+            st = sp.proc.status
+            if sp.state not in (ProcState.FAILED, ProcState.STOPPED):
+                if not sp.done:
+                    sp.move(ProcState.STOPPING)
+                    sp.move(ProcState.STOPPED)
+                a.events.emit("exit", sp.generation, rank=slot.rank, role=sp.role.value,
+                              pid=sp.proc.pid, how="unknown" if st is None else st.describe(),
+                              mono=None if st is None else st.mono, stopped=True)
+            del slot.procs[SlotRole.SHADOW]
+            if a.sms:
+                a.pending_revokes.append((slot.local_rank, sp.proc.pid))
+
+
+def _json(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        v = json.loads(text)
+        return v if isinstance(v, dict) else {}
+    except ValueError:
+        return {}

@@ -1,0 +1,128 @@
+"""In-place HOF recovery with shadows (real processes, real signals, gloo): a failed active's
+generation is replaced by the pre-started shadows of the next one, the survivors are killed as
+collateral, fresh shadows follow, and nothing is left behind.  The trainer script speaks the
+protocol directly (tests/integration/scripts/inplace.py)."""
+from leto_testing import SCRIPTS, base_env, events, leto_cmd, pid_alive, run
+
+SCRIPT = str(SCRIPTS / "inplace.py")
+
+
+def leto(ev, *args):
+    return leto_cmd("--no-status", "--standalone", "--nproc-per-node", "2",
+                    "--events", str(ev), *args)
+
+
+def of(evs, name, **match):
+    return [e for e in evs if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+
+def assert_nothing_left(evs):
+    pids = [e["pid"] for e in evs if e["event"] == "spawn"]
+    assert pids and not [p for p in pids if pid_alive(p)]
+
+
+def test_kill_of_one_active_promotes_every_shadow(tmp_path, out_dir):
+    ev, logs = tmp_path / "ev.jsonl", tmp_path / "logs"
+    r = run(leto(ev, "--log-dir", str(logs), "--tee", "3", "--inject", "kill:rank=1:step=5",
+                 SCRIPT, "ok", "10", "0.1"), base_env(out_dir), timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in (0, 1):
+        assert (out_dir / f"result_{rank}").read_text() == "gen 1 last 9"
+    evs = events(ev)
+    [fail] = of(evs, "failure_detected")
+    assert (fail["rank"], fail["generation"], fail["step"]) == (1, 0, 5)
+    [hof] = of(evs, "hof")
+    assert hof["generation"] == 0 and hof["rank"] == 1 and hof["first_writer"]
+    [demote] = of(evs, "demote")
+    assert demote["rank"] == 0 and demote["mode"] == "replace" and demote["generation"] == 0
+    collateral = of(evs, "exit", collateral=True)
+    assert [e["rank"] for e in collateral] == [0]
+    promotes = of(evs, "promote", generation=1)
+    assert sorted(e["rank"] for e in promotes) == [0, 1]
+    shadows1 = {e["pid"] for e in of(evs, "spawn", role="shadow", generation=1)}
+    assert {e["pid"] for e in promotes} == shadows1
+    assert sorted(e["rank"] for e in of(evs, "spawn", role="shadow", generation=2)) == [0, 1]
+    assert sorted(e["rank"] for e in of(evs, "promoted", generation=1)) == [0, 1]
+    assert of(evs, "phase", generation=1, phase="agree")
+    assert not of(evs, "restart") and of(evs, "job_end")[-1]["exit_code"] == 0
+    assert len(of(evs, "failure_detected")) == 1          # the survivor's death is collateral
+    # Shadows share their rank's log file, each line prefixed with role and generation.
+    out1 = next(logs.glob("*/attempt_0/1/stdout.log")).read_text()
+    assert "[r1 shadow g1]: rank=1 gen=1 step=9" in out1 and "rank=1 gen=0 step=0" in out1
+    assert "in place: rank 1 Signal 9 (SIGKILL) at step 5" in r.stderr
+    assert_nothing_left(evs)
+
+
+def test_two_failures_in_successive_generations(tmp_path, out_dir):
+    ev = tmp_path / "ev.jsonl"
+    r = run(leto(ev, "--inject", "kill:rank=1:step=3", "--inject", "kill:rank=0:step=6:gen=1",
+                 SCRIPT, "ok", "9", "0.1"), base_env(out_dir), timeout=150)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in (0, 1):
+        assert (out_dir / f"result_{rank}").read_text() == "gen 2 last 8"
+    evs = events(ev)
+    fails = of(evs, "failure_detected")
+    assert [(f["generation"], f["rank"]) for f in fails] == [(0, 1), (1, 0)]
+    assert sorted(e["rank"] for e in of(evs, "promote", generation=2)) == [0, 1]
+    assert [e["rank"] for e in of(evs, "demote", generation=1)] == [1]
+    assert sorted(e["rank"] for e in of(evs, "spawn", role="shadow", generation=3)) == [0, 1]
+    assert "#2 generation 1->2 in place" in r.stderr
+    assert_nothing_left(evs)
+
+
+def test_hang_is_recovered_in_place(tmp_path, out_dir):
+    ev = tmp_path / "ev.jsonl"
+    r = run(leto(ev, "--hang-timeout", "2", "--inject", "hang:rank=0:step=4",
+                 SCRIPT, "ok", "8", "0.1"), base_env(out_dir), timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    evs = events(ev)
+    hangs = of(evs, "hang_detected")
+    assert hangs and hangs[0]["rank"] == 0 and len(hangs) == 1   # rank 1 is collateral
+    assert sorted(e["rank"] for e in of(evs, "promote", generation=1)) == [0, 1]
+    for rank in (0, 1):
+        assert (out_dir / f"result_{rank}").read_text() == "gen 1 last 7"
+    assert_nothing_left(evs)
+
+
+def test_unrecoverable_exit_ends_the_job(tmp_path, out_dir):
+    ev = tmp_path / "ev.jsonl"
+    r = run(leto(ev, "--max-restarts", "3", SCRIPT, "unrecoverable", "10", "0.1"),
+            base_env(out_dir), timeout=120)
+    assert r.returncode == 4, r.stderr[-4000:]
+    assert "cannot be recovered in place" in r.stderr and "checkpoint fallback" in r.stderr
+    evs = events(ev)
+    assert not of(evs, "promote") and not of(evs, "restart")
+    assert of(evs, "job_end")[-1]["exit_code"] == 4
+    assert_nothing_left(evs)
+
+
+def test_script_without_init_keeps_restart_semantics(tmp_path, out_dir):
+    ev = tmp_path / "ev.jsonl"
+    r = run(leto(ev, "--max-restarts", "1", str(SCRIPTS / "allreduce.py"), "--fail-rank", "1",
+                 "--fail-step", "2"), base_env(out_dir), timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert (out_dir / "result").read_text().split()[2] == "1"      # attempt 1 finished
+    evs = events(ev)
+    assert not of(evs, "spawn", role="shadow") and not of(evs, "promote")
+    assert len(of(evs, "restart")) == 1 and of(evs, "inplace_fallback")
+    assert_nothing_left(evs)
+
+
+def test_shadow_death_before_promotion_respawns_with_a_new_epoch(tmp_path, out_dir):
+    ev = tmp_path / "ev.jsonl"
+    r = run(leto(ev, "--inject", "kill:rank=1:step=5", SCRIPT, "shadowdie", "9", "0.1"),
+            base_env(out_dir), timeout=150)
+    assert r.returncode == 0, r.stderr[-4000:]
+    evs = events(ev)
+    died = of(evs, "shadow_exit", generation=1)
+    assert died and died[0]["rank"] == 1 and died[0]["epoch"] == 0
+    [respawn] = of(evs, "shadow_respawn")
+    assert respawn["epoch"] == 1 and respawn["generation"] == 1
+    epoch1 = of(evs, "spawn", role="shadow", generation=1, epoch=1)
+    assert sorted(e["rank"] for e in epoch1) == [0, 1]
+    promotes = of(evs, "promote", generation=1)
+    assert {e["pid"] for e in promotes} == {e["pid"] for e in epoch1}
+    assert all(e["epoch"] == 1 for e in promotes)
+    for rank in (0, 1):
+        assert (out_dir / f"result_{rank}").read_text() == "gen 1 last 8"
+    assert_nothing_left(evs)
