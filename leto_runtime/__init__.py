@@ -1,7 +1,9 @@
 """leto_runtime: what runs inside trainers started by `leto-run`.
 
-Import it from ``train.py``.  Today's public surface:
+Import it from ``train.py``.  Public surface:
 
+- `init()` -> `Job`: in-place recovery for a training script (module `job`; README "Runtime
+  API"): retained parameters, RMU-backed AdamW (`AdamWConfig`), the step loop;
 - `heartbeat(step)` — one call per training step: hang detection with stack dumps, live step
   in the status view, and step-triggered failure injection;
 - `done()` — the loop finished (what follows is not a hang);
@@ -12,4 +14,15 @@ Import it from ``train.py``.  Today's public surface:
 from leto_runtime.context import Context, ContractError
 from leto_runtime.heartbeat import done, heartbeat
 
-__all__ = ["Context", "ContractError", "heartbeat", "done"]
+__all__ = ["Context", "ContractError", "heartbeat", "done", "init", "Job", "AdamWConfig"]
+
+
+def __getattr__(name: str):
+    # Lazy: scripts that only heartbeat must not pay for torch.distributed and the RMU.
+    if name in ("init", "Job"):
+        from leto_runtime import job
+        return getattr(job, name)
+    if name == "AdamWConfig":
+        from leto_runtime.rmu.adamw import AdamWConfig
+        return AdamWConfig
+    raise AttributeError(f"module 'leto_runtime' has no attribute {name!r}")

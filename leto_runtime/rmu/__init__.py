@@ -1,1 +1,8 @@
-"""Resumable Model Updater (DESIGN.md §6): transactional, chunked optimizer updates."""
+"""The Resumable Model Updater (paper §5, DESIGN.md §6): crash-consistent AdamW on retained state.
+
+Modules: `adamw` (the arithmetic, bitwise equal to torch.optim.AdamW), `states` (which retained
+states exist and how they are laid out), `marker` (the crash-safe progress record), `updater`
+(Pseudocode 1: gradient protection, global synchronization, chunk transactions), `recovery`
+(resume point across ranks, page repair from a consistent boundary).  `leto_runtime.job` puts
+them together for training scripts.
+"""

@@ -1,0 +1,91 @@
+"""Step-triggered failure injection inside a trainer that uses the runtime API (`job.py`).
+
+The agent hands every trainer its rank's injections (`LETO_INJECT_PLAN`, the JSON of
+`leto_run.inject.InjectSpec.to_json()`).  Under the runtime API this module owns them: it fires
+each one when the trainer reaches its point (`at=`, one of `contract.INJECT_POINTS`; default
+`step`, the start of the step), in its generation (`gen=`, default 0, so a fault fires once and
+not again when the promoted trainer replays the step), at its step (and, for `rmu.*` points,
+its `group=` / `chunk=` when given).
+
+What firing does: `pages` asks the state manager to destroy and unmap pages (and the trainer
+goes on); `kill` / `signal` send the real signal to this process (after `garbage=1` scribbled
+over the chunk being updated and its scratch parity, as a kill inside a kernel would leave
+them); `hang` blocks the main thread for good.  Every firing is announced to the agent first
+(heartbeat datagram `inject`), so the recovery report can time detection.
+
+Calling contract: `Faults(ctx)`; `fire(point, step=..., group=..., chunk=..., garbage=...)` at
+each point; cheap when nothing is planned.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import importlib
+
+# the module (the package exports a function of the same name)
+hb = importlib.import_module("leto_runtime.heartbeat")
+from leto_runtime.context import Context
+
+
+def _get(inj: dict, key: str, default=None):
+    if key in inj and inj[key] is not None:
+        return inj[key]
+    return (inj.get("params") or {}).get(key, default)
+
+
+class Faults:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        if not hb._state:
+            hb._setup()
+        # The runtime API fires every planned injection itself, at its point and generation;
+        # the bare heartbeat must not fire them again at a replayed step.
+        hb._state["plan"] = []
+        self.plan = [dict(i) for i in ctx.inject_plan
+                     if i.get("step") is not None and int(_get(i, "gen", 0)) == ctx.generation]
+
+    def _matches(self, inj: dict, point: str, step, group, chunk) -> bool:
+        if (_get(inj, "at") or "step") != point:
+            return False
+        if point.startswith("recovery."):
+            return True
+        if step is None:
+            return False
+        if point == "step" and step < inj["step"]:
+            return False
+        if point != "step" and step != inj["step"]:
+            return False
+        for key, val in (("group", group), ("chunk", chunk)):
+            want = _get(inj, key)
+            if want is not None and inj.get("kind") != "pages" and val is not None and int(want) != val:
+                return False
+            if want is not None and inj.get("kind") != "pages" and val is None:
+                return False
+        return True
+
+    def fire(self, point: str, *, step=None, group=None, chunk=None, garbage=None) -> None:
+        if not self.plan:
+            return
+        for inj in list(self.plan):
+            if inj not in self.plan or not self._matches(inj, point, step, group, chunk):
+                continue
+            self.plan.remove(inj)
+            text = inj.get("text") or inj.get("kind")
+            hb._send("inject", step, text)
+            kind = inj.get("kind")
+            if kind == "pages":
+                from leto_runtime.rmp.faults import fire_pages_spec
+                fire_pages_spec(self.ctx.sm_socket, inj.get("params") or {})
+                continue
+            if kind == "hang":
+                hb._block_forever(f"injected hang at {point} of step {step} ({text})")
+            if _get(inj, "garbage") and garbage is not None:
+                garbage()
+            sys.stderr.write(f"[leto_runtime] injecting '{text}' at {point} of step {step}\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            os.kill(os.getpid(), int(inj.get("signal") or signal.SIGKILL))
+            import time
+            time.sleep(1.0)    # a catchable signal with a handler may return; the kill stands

@@ -1,0 +1,391 @@
+"""The runtime API a training script uses for in-place recovery (README: "Runtime API").
+
+    import leto_runtime as leto
+
+    job = leto.init()                              # env contract; shadows preinitialize here (L3)
+    with job.meta_init():                          # no second copy of the model state
+        model = GPT(cfg)
+    model = job.retain(model, init=init_weights)   # parameters become views of retained memory
+    opt = job.adamw(model, leto.AdamWConfig.paper(total_steps=1000))
+    for step in job.steps(1000):                   # shadows block here until promoted
+        with job.autocast():
+            _, loss = model(*batch(seed, step, job.rank))   # data: a function of (seed, step, rank)
+        loss.backward()                            # gradients land in retained, protected buffers
+        opt.step()                                 # all-reduce, protect, sync, RMU transaction
+
+Roles (from the env contract, `leto_runtime.context`):
+* **active** under `leto-run` with a state manager: model state, optimizer moments, gradients and
+  RMU's buffers live in the rank slot's Resilient Memory Pool.  The first active of a job
+  initializes them (`init(model, seed)` writes the parameters in place, deterministically);
+  every later trainer -- a promoted shadow, or a restarted one -- attaches to what is retained,
+  localizes and rebuilds lost pages, agrees with the other ranks where to resume (finish the
+  interrupted update, or redo the iteration) and continues.
+* **shadow**: `init()` preinitializes (imports done, device context, process group of its
+  generation among the shadows -- level L3) and tells the agent; `steps()` blocks until the
+  agent promotes it, then recovers as above.  A shadow never writes retained memory before.
+* **plain** (`torchrun`, or no state manager): the same code on ordinary tensors.  Nothing
+  survives the process, but the arithmetic is identical, so a plain run is the fault-free
+  reference of an in-place run.
+
+What the script must keep: data and randomness are functions of (seed, step, rank) --
+`steps()` seeds torch's RNG per step; the model has no buffers (or `retain(..., buffers=fn)`
+recomputes them); it does not wrap the model in DDP (`opt.step()` all-reduces the gradients).
+
+Calling contract: one `Job` per process (`init()` returns the same one when called again);
+`retain` before `adamw` before `steps`; `opt.step()` exactly once per step.  A retained state
+that cannot be recovered in place ends the process with `contract.UNRECOVERABLE_EXIT` after a
+clear message; the agent then ends the job (exit code 4).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from leto_runtime import contract as C
+import importlib
+
+# the module (the package exports a function of the same name)
+hb = importlib.import_module("leto_runtime.heartbeat")
+from leto_runtime.context import Context
+from leto_runtime.faults import Faults
+from leto_runtime.rmu import adamw as A
+from leto_runtime.rmu.marker import Phase
+from leto_runtime.rmu.recovery import Progress, RecoveryError, repair, resume_point
+from leto_runtime.rmu.states import MARKER, Geometry, Layout, open_states, pick_chunk_pages
+from leto_runtime.rmu.updater import Updater
+
+_JOB: "Job | None" = None
+DEFAULT_GEOMETRY = Geometry(1024, 16, 1, 2 << 20)
+
+
+def _log(msg: str) -> None:
+    ctx = _JOB.ctx if _JOB else Context.from_env()
+    role = _JOB.role if _JOB else ctx.role
+    sys.stderr.write(f"[leto_runtime rank={ctx.rank} role={role} gen={ctx.generation}] {msg}\n")
+    sys.stderr.flush()
+
+
+def init(*, backend: str | None = None, seed: int = 0, device: str | None = None,
+         transactions: bool = True) -> "Job":
+    """Join the job (see the module docstring).  `transactions=False` is the RMU ablation
+    (paper Fig. 12): for experiments only, it gives up exactness after a failure."""
+    global _JOB
+    if _JOB is None:
+        _JOB = Job(Context.from_env(), backend=backend, seed=seed, device=device,
+                   transactions=transactions)
+    return _JOB
+
+
+def _pick_device(ctx: Context, device: str | None) -> torch.device:
+    if device:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Job:
+    def __init__(self, ctx: Context, *, backend, seed, device, transactions):
+        t0 = time.monotonic()
+        self.ctx, self.seed, self.transactions = ctx, seed, transactions
+        self.rank, self.world_size = ctx.rank, ctx.world_size
+        self.inplace = bool(ctx.under_leto and ctx.sm_socket and ctx.recovery == "inplace")
+        self.role = ctx.role if self.inplace else "plain"
+        self.device = _pick_device(ctx, device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        per_gpu = torch.cuda.device_count() >= ctx.local_world_size if self.device.type == "cuda" else False
+        self.backend = backend or ("nccl" if per_gpu else "gloo")
+        self.faults = Faults(ctx)
+        self.store = None
+        self.model = None
+        self.opt = None
+        self.ss = None
+        self.updater = None
+        self.step_t: int | None = None
+        self._stepped = True
+        self.recovery_info: dict = {}
+        self._init_pg()
+        if self.inplace:
+            from leto_runtime import promotion
+            detail = None
+            if self.role == "shadow":
+                detail = {"level": "L3", "seconds": time.monotonic() - t0}
+            promotion.announce_inplace(detail)
+        hb.heartbeat(None) if self.role != "shadow" else None
+
+    # ---- process group -------------------------------------------------------------------
+    def _init_pg(self) -> None:
+        ctx = self.ctx
+        timeout = datetime.timedelta(seconds=ctx.pg_timeout)
+        kw = {}
+        if self.backend == "nccl":
+            kw["device_id"] = self.device
+        if self.inplace:
+            from leto_runtime import promotion
+            self.store = promotion.worker_store(ctx)
+            prefix = dist.PrefixStore(C.pg_prefix(ctx.generation, ctx.shadow_epoch), self.store)
+            dist.init_process_group(self.backend, store=prefix, rank=ctx.rank,
+                                    world_size=ctx.world_size, timeout=timeout, **kw)
+        elif ctx.world_size > 1 or os.environ.get(C.MASTER_ADDR):
+            dist.init_process_group(self.backend, timeout=timeout, **kw)
+        self.pg = dist.group.WORLD if dist.is_initialized() else None
+
+    # ---- model construction ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def meta_init(self):
+        """Build the model on the meta device: shapes only, no values, no memory."""
+        with torch.device("meta"):
+            yield
+
+    def autocast(self):
+        """bf16 compute with fp32 master state on GPUs; a no-op on CPU."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def retain(self, model: torch.nn.Module, init=None, buffers=None) -> torch.nn.Module:
+        """Make `model`'s parameters views of retained memory (a shadow: at promotion).
+        `init(model, seed)` writes initial values in place (first trainer only; default: each
+        submodule's reset_parameters under torch.manual_seed(seed))."""
+        if any(True for _ in model.buffers()) and buffers is None:
+            raise ValueError("the model has buffers, which are not retained: pass "
+                             "retain(model, buffers=fn) where fn(model) recomputes them, or "
+                             "make them plain attributes")
+        self.model, self.init_fn, self.buffers_fn = model, init, buffers
+        self.layout = None
+        if self.role != "shadow":
+            self._materialize()
+        return model
+
+    def _geometry(self, client) -> Geometry:
+        if client is None:
+            return DEFAULT_GEOMETRY
+        g = client.info["geometry"]
+        return Geometry(g["data_pages"], g["tier1"], g["tier2"], g["page_bytes"])
+
+    def _materialize(self) -> None:
+        t0 = time.monotonic()
+        client = None
+        if self.inplace:
+            from leto_runtime.rmp.client import RmpClient
+            client = RmpClient(self.ctx.sm_socket, timeout=self.ctx.pg_timeout)
+        geo = self._geometry(client)
+        named = [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
+        self.layout = Layout.of(named, geo.page_bytes)
+        chunk = pick_chunk_pages(self.ctx.chunk_pages, geo)
+        self.ss = open_states(self.layout, client=client, geo=geo, device=str(self.device),
+                              chunk_pages=chunk)
+        P = self.ss.flat(self.ss.model[0])
+        G = self.ss.flat(self.ss.grads)
+        for slot in self.layout.params:
+            mod_name, _, leaf = slot.name.rpartition(".")
+            mod = self.model.get_submodule(mod_name) if mod_name else self.model
+            old = mod._parameters[leaf]
+            p = torch.nn.Parameter(P[slot.offset:slot.offset + slot.numel].view(slot.shape),
+                                   requires_grad=old.requires_grad)
+            mod._parameters[leaf] = p
+            p.grad = G[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        if self.buffers_fn is not None:
+            self.model.to_empty(device=self.device) if any(
+                b.is_meta for b in self.model.buffers()) else None
+            self.buffers_fn(self.model)
+        self._install_hooks()
+        if self.opt is not None:
+            self.opt._bind()
+        self.recovery_info["attach_s"] = time.monotonic() - t0
+
+    def _install_hooks(self) -> None:
+        def fwd(mod, args):
+            self.faults.fire("forward", step=self.step_t)
+
+        fired = {"t": None}
+
+        def bwd(param):
+            if fired["t"] != self.step_t:
+                fired["t"] = self.step_t
+                self.faults.fire("backward", step=self.step_t)
+
+        self.model.register_forward_pre_hook(fwd)
+        for p in self.model.parameters():
+            p.register_post_accumulate_grad_hook(bwd)
+
+    def adamw(self, model: torch.nn.Module, config: "A.AdamWConfig | None" = None, **kw) -> "Optimizer":
+        """The RMU-backed AdamW over `model`'s retained parameters (`config` or its fields)."""
+        if model is not self.model:
+            raise ValueError("adamw(model): pass the model returned by job.retain()")
+        cfg = config or A.AdamWConfig(**kw)
+        self.opt = Optimizer(self, cfg)
+        return self.opt
+
+    # ---- the step loop ----------------------------------------------------------------------
+    def steps(self, total: int):
+        """Yield the iterations to run; blocks a shadow until it is promoted, and starts where
+        recovery says (see the module docstring)."""
+        if self.opt is None:
+            raise RuntimeError("call job.adamw(model, ...) before job.steps()")
+        if self.role == "shadow":
+            from leto_runtime import promotion
+            self.recovery_info["woke"] = promotion.wait_for_promotion(self.ctx, self.store)
+            self.role = "active"
+            hb.heartbeat(None)
+            self._materialize()
+            promotion.report_phase("attach", self.recovery_info["attach_s"])
+        start = self._prepare()
+        for t in range(start, total):
+            if not self._stepped:
+                raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
+            self.step_t, self._stepped = t, False
+            hb.heartbeat(t)
+            self.faults.fire("step", step=t)
+            self.updater.begin(t)
+            self.ss.flat(self.ss.grads).zero_()
+            torch.manual_seed(self.step_seed(t))
+            yield t
+        if not self._stepped:
+            raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
+        hb.done()
+
+    def step_seed(self, t: int) -> int:
+        return (self.seed * 1_000_003 + t) * 65_537 + self.rank
+
+    def _phase(self, name: str, seconds: float, **fields) -> None:
+        self.recovery_info[name] = {"seconds": seconds, **fields}
+        if self.inplace:
+            from leto_runtime import promotion
+            promotion.report_phase(name, seconds, **fields)
+
+    def _prepare(self) -> int:
+        """Initialize (first trainer) or recover (every later one); returns the first step."""
+        ss, up = self.ss, self.updater
+        client = ss.client
+        try:
+            if client is not None and not ss.created:
+                self.faults.fire("recovery.localize", step=None)
+                t0 = time.monotonic()
+                loc = client.localize()
+                if any(m.unmapped for m in loc.marks.values()):
+                    client.remap()
+                lost = loc.failed()
+                from leto_runtime.rmp.reconstruct import reconstruct
+                reconstruct(client, [MARKER], clear=True)
+                self._phase("localize", time.monotonic() - t0, pages=lost)
+            rec = up.marker.read()
+            if not rec.initialized:
+                self._initialize()
+                rec = up.marker.rec
+            t0 = time.monotonic()
+            mine = Progress.of(self.rank, rec)
+            progress = self._gather(mine)
+            res = resume_point(progress)
+            self._phase("agree", time.monotonic() - t0, resume=res.action, step=res.t,
+                        reason=res.reason)
+            if not ss.created:
+                self.faults.fire("recovery.reconstruct", step=None)
+                t0 = time.monotonic()
+                need = res.action == "finish" and not (rec.t == res.t and rec.phase == Phase.DONE)
+                rep = repair(ss, rec, need_grads=need, updater=up, transactions=self.transactions)
+                self._phase("reconstruct", time.monotonic() - t0, pages=rep.pages,
+                            undo=rep.restored_from_undo, undefined=rep.undefined)
+            if res.action == "finish":
+                self.faults.fire("recovery.finish", step=res.t)
+                t0 = time.monotonic()
+                up.resume(res.t, res.coef_bits)
+                self._phase("finish", time.monotonic() - t0, step=res.t)
+        except Exception as e:
+            from leto_runtime.rmp.reconstruct import Unrecoverable
+            if isinstance(e, (RecoveryError, Unrecoverable)):
+                self._unrecoverable(e)
+            raise
+        if not ss.created or res.action != "start":
+            self._phase("resume", 0.0, step=res.step, action=res.action)
+        return res.step
+
+    def _initialize(self) -> None:
+        """First trainer: zero every state, write the initial parameters, encode parity."""
+        ss, up = self.ss, self.updater
+        for st in (*ss.model, ss.grads):
+            ss.flat(st).zero_()
+        with torch.no_grad():
+            if self.init_fn is not None:
+                self.init_fn(self.model, self.seed)
+            else:
+                torch.manual_seed(self.seed)
+                for m in self.model.modules():
+                    if hasattr(m, "reset_parameters"):
+                        m.reset_parameters()
+        up.encode_all([*ss.model, ss.grads])
+        up.marker.write(initialized=1, t=-1, phase=Phase.DONE)
+        if ss.client is not None:
+            for st in ss.all:
+                if st.marks:
+                    ss.client.clear_marks(st.name)
+
+    def _gather(self, mine: Progress) -> list[Progress]:
+        if self.pg is None or self.world_size == 1:
+            return [mine]
+        dev = self.device if self.backend == "nccl" else torch.device("cpu")
+        t = torch.tensor(mine.to_list(), dtype=torch.int64, device=dev)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t)
+        return [Progress(*x.tolist()) for x in out]
+
+    def _unrecoverable(self, e: Exception) -> None:
+        _log(f"UNRECOVERABLE retained state: {e}. In-place recovery is impossible; the job "
+             f"must restart from a checkpoint (exit code {C.UNRECOVERABLE_EXIT}).")
+        sys.stdout.flush()
+        os._exit(C.UNRECOVERABLE_EXIT)
+
+    # ---- results -------------------------------------------------------------------------
+    def state_digest(self) -> str:
+        """sha256 of the used part of params, exp_avg and exp_avg_sq (exactness checks)."""
+        h = hashlib.sha256()
+        n = self.layout.numel
+        for st in self.ss.model:
+            h.update(self.ss.flat(st)[:n].detach().cpu().numpy().tobytes())
+        return h.hexdigest()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        n = self.layout.numel
+        return {st.name: self.ss.flat(st)[:n].detach().cpu().clone() for st in self.ss.model}
+
+
+class Optimizer:
+    """`opt.step()`: gradient all-reduce, protection, global synchronization, RMU update."""
+
+    def __init__(self, job: Job, cfg: "A.AdamWConfig"):
+        self.job, self.config = job, cfg
+        if job.ss is not None:
+            self._bind()
+
+    def _bind(self) -> None:
+        j = self.job
+        j.updater = Updater(j.ss, self.config, inject=j.faults.fire,
+                            transactions=j.transactions)
+
+    @property
+    def lr(self) -> float:
+        return A.lr_at(self.config, self.job.step_t or 0)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Gradients are zeroed by `job.steps()` at the start of every step (kept as views)."""
+
+    def step(self) -> None:
+        j = self.job
+        t = j.step_t
+        if t is None or j._stepped:
+            raise RuntimeError("opt.step() is called once per step of job.steps()")
+        G = j.ss.flat(j.ss.grads)[:j.layout.numel]
+        j.faults.fire("grads.allreduce", step=t)
+        if j.pg is not None and j.world_size > 1:
+            dist.all_reduce(G)
+            G.div_(j.world_size)
+        j.updater.step(t, j.pg if j.world_size > 1 else None)
+        j._stepped = True

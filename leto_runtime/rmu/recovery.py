@@ -1,0 +1,225 @@
+"""What a promoted trainer does with the retained state before it trains again (DESIGN.md §6).
+
+1. `resume_point(progress)` -- a pure function of every rank's marker summary: if any rank
+   passed the global synchronization of the newest iteration T, every rank *finishes* T's
+   update from its last committed chunk; otherwise every rank *redoes* T from its start (or
+   starts at T+1 when all had completed T).  Anything else is impossible by construction and
+   raises `RecoveryError`.
+2. `repair(states, record, need_grads)` -- rebuild every failed page from a consistent
+   boundary: an uncommitted chunk is restored from the undo buffer first; the group being
+   updated is decoded against its authoritative parity buffer Q (it encodes the committed
+   chunks; the host parity of that group is stale and will be rewritten by the write-back);
+   every other group against its host tier-1/tier-2 parity; gradients only when this rank must
+   finish an update (otherwise they are recomputed and their parity is stale by design).
+   Feasibility is decided for every group before anything is written: more losses than a group
+   tolerates raise `leto_runtime.rmp.Unrecoverable` and nothing is overwritten.
+
+Calling contract: `repair` runs after `RmpClient.localize()` and `remap()` (and after the marker
+itself was reconstructed and read).  It returns a `RepairReport`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from leto_runtime.rmp.reconstruct import (GroupLoss, ReconstructReport, Unrecoverable,
+                                          _feasible, _repair_group)
+from leto_runtime.rmu.marker import GState, Phase, Record
+from leto_runtime.rmu.states import QBUF, UNDO, StateSet
+
+
+class RecoveryError(RuntimeError):
+    """The ranks' markers contradict the protocol (a bug or foreign state): do not guess."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    rank: int
+    t: int
+    phase: int
+    coef_bits: int
+    initialized: int
+
+    @classmethod
+    def of(cls, rank: int, rec: Record) -> "Progress":
+        return cls(rank, rec.t, int(rec.phase), rec.coef_bits, rec.initialized)
+
+    def to_list(self) -> list[int]:
+        return [self.rank, self.t, self.phase, self.coef_bits, self.initialized]
+
+
+@dataclass(frozen=True)
+class Resume:
+    action: str          # start | finish | redo | next
+    t: int               # the iteration concerned
+    step: int            # the first iteration the loop runs after recovery
+    coef_bits: int
+    reason: str
+
+
+def resume_point(progress: list[Progress]) -> Resume:
+    if not progress:
+        raise RecoveryError("no rank reported its progress")
+    T = max(p.t for p in progress)
+    if T < 0:
+        return Resume("start", -1, 0, 0, "no iteration has started yet: training starts at step 0")
+    passed = [p for p in progress if p.t == T and p.phase >= Phase.SYNCED]
+    if passed:
+        behind = [p for p in progress if p.t != T or p.phase < Phase.PROTECTED]
+        if behind:
+            raise RecoveryError(
+                f"rank {passed[0].rank} passed the global synchronization of iteration {T} but "
+                f"rank {behind[0].rank} had not protected its gradients of it (t={behind[0].t}, "
+                f"phase={Phase(behind[0].phase).name}): the markers contradict the protocol")
+        synced = [p for p in passed]
+        coefs = {p.coef_bits for p in synced if p.phase >= Phase.SYNCED}
+        if len(coefs) > 1:
+            raise RecoveryError(f"ranks recorded different clip coefficients for iteration {T}")
+        if all(p.phase == Phase.DONE for p in progress):
+            return Resume("next", T, T + 1, coefs.pop(),
+                          f"every rank completed iteration {T}: training continues at {T + 1}")
+        return Resume("finish", T, T + 1, coefs.pop(),
+                      f"rank {passed[0].rank} passed the global synchronization of iteration "
+                      f"{T}: every rank finishes that update from its last committed chunk")
+    stale = [p for p in progress if p.t < T - 1 or (p.t == T - 1 and p.phase != Phase.DONE)]
+    if stale:
+        raise RecoveryError(f"rank {stale[0].rank} is at iteration {stale[0].t} "
+                            f"({Phase(stale[0].phase).name}) while another started {T}")
+    return Resume("redo", T, T, 0, f"no rank passed the global synchronization of iteration {T}: "
+                                   f"every rank redoes it from its start")
+
+
+# ---- page repair ------------------------------------------------------------------------
+@dataclass
+class RepairReport:
+    restored_from_undo: int = 0
+    repaired: list = field(default_factory=list)     # (state, group, data pages, parity pages, source)
+    undefined: int = 0                               # unprotected pages remapped without contents
+    seconds: float = 0.0
+
+    @property
+    def pages(self) -> int:
+        return self.restored_from_undo + sum(r[2] + r[3] for r in self.repaired)
+
+
+def _lost_unprotected(client) -> tuple[set[int], set[int]]:
+    undo, q = set(), set()
+    for e in getattr(client, "last_remap", []) if client is not None else []:
+        if e.get("role") == "data" and e.get("state") == UNDO:
+            undo.add(int(e["index"]))
+        elif e.get("role") == "data" and e.get("state") == QBUF:
+            q.add(int(e["index"]))
+    return undo, q
+
+
+def current_group(rec: Record, transactions: bool = True) -> int | None:
+    """The group whose host parity is stale (being updated), else None."""
+    if not transactions or rec.phase != Phase.UPDATING or rec.gstate == GState.LOAD:
+        return None
+    return rec.group
+
+
+def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions: bool = True,
+           backend: str = "auto") -> RepairReport:
+    t0 = time.perf_counter()
+    rep = RepairReport()
+    client = ss.client
+    undo_lost, q_lost = _lost_unprotected(client)
+    rep.undefined = len(undo_lost) + len(q_lost)
+    H1 = ss.geo.tier1
+    cg = current_group(rec, transactions)
+    lost = [set(st.marks.data) for st in ss.model]
+    # 1. plan: an uncommitted chunk comes back from the undo buffer (pages whose undo copy was
+    #    lost become erasures instead)
+    restore: list[tuple[int, int, int]] = []          # (state, data page, undo page)
+    if cg is not None and rec.gstate == GState.CHUNKS and rec.sub == 1:
+        first, count = ss.chunks(cg)[rec.chunk]
+        base = ss.model[0].groups[cg].first + first
+        for i in range(3):
+            for q in range(count):
+                u = i * ss.chunk_pages + q
+                if u in undo_lost:
+                    lost[i].add(base + q)
+                else:
+                    restore.append((i, base + q, u))
+                    lost[i].discard(base + q)
+    plans = []          # (kind, state index / st, GroupLoss, extra)
+    bad: list[GroupLoss] = []
+    for i, st in enumerate(ss.model):
+        for g in st.groups:
+            d = sorted(p for p in lost[i] if g.first <= p < g.first + g.k)
+            if g.index == cg:
+                ql = sorted(r for r in range(H1) if (i * 2 + rec.auth) * H1 + r in q_lost)
+                if not d and not ql:
+                    continue
+                loss = GroupLoss(st.name, g.id, g.index, d, ql, [], H1)
+                (plans.append(("q", i, loss)) if len(d) + len(ql) <= H1 else bad.append(loss))
+                continue
+            p1, p2 = st.marks.p1.get(g.index, []), st.marks.p2.get(g.index, [])
+            if not (d or p1 or p2):
+                continue
+            loss = GroupLoss(st.name, g.id, g.index, d, list(p1), list(p2), H1)
+            (plans.append(("host", st, loss)) if _feasible(st, loss) else bad.append(loss))
+    if need_grads:
+        st = ss.grads
+        for g in st.groups:
+            d = [p for p in st.marks.data if g.first <= p < g.first + g.k]
+            p1, p2 = st.marks.p1.get(g.index, []), st.marks.p2.get(g.index, [])
+            if d or p1 or p2:
+                loss = GroupLoss(st.name, g.id, g.index, d, list(p1), list(p2), H1)
+                (plans.append(("host", st, loss)) if _feasible(st, loss) else bad.append(loss))
+    if bad:
+        r = ReconstructReport(unrecoverable=bad, seconds=time.perf_counter() - t0)
+        worst = max(bad, key=lambda g: g.erasures)
+        raise Unrecoverable(f"{len(bad)} protection group(s) lost more pages than their parity "
+                            f"tolerates (e.g. group {worst.index} of {worst.state!r}: "
+                            f"{len(worst.data)} data + {len(worst.p1)} parity pages lost, "
+                            f"tolerance {worst.tolerance}); nothing was written: recover from "
+                            "a checkpoint", r)
+    # 2. act
+    for i, page, u in restore:
+        ss.model[i].pages(page, 1).copy_(ss.undo.pages(u, 1))
+    rep.restored_from_undo = len(restore)
+    for kind, who, loss in plans:
+        if kind == "host":
+            _repair_group(who, loss, backend)
+            rep.repaired.append((loss.state, loss.index, len(loss.data),
+                                 len(loss.p1) + len(loss.p2), "host parity"))
+        else:
+            _decode_with_q(ss, who, loss, rec.auth, updater)
+            rep.repaired.append((loss.state, loss.index, len(loss.data), len(loss.p1),
+                                 "RMU parity buffer"))
+    updater.fence()
+    if client is not None:
+        for st in ss.all:
+            if st.marks:
+                client.clear_marks(st.name)
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+def _decode_with_q(ss: StateSet, i: int, loss: GroupLoss, auth: int, updater) -> None:
+    """Group `loss.index` of model state i is mid-update: its committed content is encoded by
+    the authoritative parity buffer Q (same device as the data)."""
+    st = ss.model[i]
+    g = st.groups[loss.index]
+    rows = list(st.group_pages(loss.index).unbind(0))
+    q = list(ss.q(i, auth).unbind(0))
+    lost_d = [p - g.first for p in loss.data]
+    pages = [None if j in lost_d else rows[j] for j in range(g.k)] + \
+            [None if r in loss.p1 else q[r] for r in range(len(q))]
+    out = {**{j: rows[j] for j in lost_d}, **{g.k + r: q[r] for r in loss.p1}}
+    updater.code(g.k).decode(pages, out=out)
+
+
+def check_consistent(ss: StateSet, updater, states=None) -> list[str]:
+    """Every group's host parity matches its data (test/diagnostic helper; synchronizes)."""
+    problems = []
+    for st in states or [*ss.model]:
+        for g in st.groups:
+            p1 = updater.code(g.k).encode(st.group_pages(g.index)).cpu()
+            if not torch.equal(p1, st.tier1(g.index).cpu()):
+                problems.append(f"{st.name} group {g.index}: tier-1 parity differs")
+    return problems

@@ -1,0 +1,209 @@
+"""The retained states one trainer's RMU works on, and how they are laid out.
+
+Role: name, allocate/attach and describe the memory of data-parallel AdamW training:
+
+    leto/params  leto/exp_avg  leto/exp_avg_sq  leto/grads   fp32, N elements each, protected
+    leto/marker                                               one host page, protected
+    leto/rmu/undo    U: one chunk of params, exp_avg, exp_avg_sq   retained, unprotected
+    leto/rmu/parity  Q/Q': two parity buffers (H1 pages) per model state, on the data's device,
+                     retained, unprotected (chunk commits make them recoverable, DESIGN.md §6)
+
+The four N-element states have the same size, hence the same pages and protection groups
+(the state manager cuts groups of D pages from page 0); RMU's chunk j of group g is the same
+page range in params, exp_avg and exp_avg_sq.
+
+Two backings with one surface (`pages`, `group_pages`, `tier1`, `tier2`, `tensor`, `groups`,
+`h1`, `h2`, `page_bytes`, `device`, `marks`):
+* `leto_runtime.rmp.RetainedState` under `leto-run` (the state manager's pool), and
+* `LocalState` (ordinary tensors) under plain `torchrun`: the same code runs, so a plain run is
+  a reference for exactness, but nothing survives the process.
+
+Calling contract: `open_states(...)` returns a `StateSet`; `StateSet.created` tells whether the
+model states were new (the caller then initializes them).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from leto_runtime.rmp.client import GroupInfo, Marks
+
+MODEL = ("leto/params", "leto/exp_avg", "leto/exp_avg_sq")
+GRADS = "leto/grads"
+MARKER = "leto/marker"
+UNDO = "leto/rmu/undo"
+QBUF = "leto/rmu/parity"
+ALIGN = 16          # elements: every parameter view starts 64-byte aligned
+
+
+@dataclass(frozen=True)
+class Geometry:
+    data_pages: int
+    tier1: int
+    tier2: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    name: str
+    shape: tuple[int, ...]
+    offset: int          # elements into the flat fp32 state
+    numel: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each parameter lives in the flat fp32 states."""
+
+    params: tuple[ParamSlot, ...]
+    numel: int           # elements used
+    nbytes: int          # bytes allocated per state (whole pages)
+
+    @classmethod
+    def of(cls, named_shapes, page_bytes: int) -> "Layout":
+        out, off = [], 0
+        for name, shape in named_shapes:
+            n = math.prod(shape) if shape else 1
+            out.append(ParamSlot(name, tuple(int(s) for s in shape), off, int(n)))
+            off += -(-n // ALIGN) * ALIGN
+        nbytes = max(1, -(-off * 4 // page_bytes)) * page_bytes
+        return cls(tuple(out), off, nbytes)
+
+    def to_json(self) -> list:
+        return [[p.name, list(p.shape), p.offset] for p in self.params]
+
+
+class LocalState:
+    """An in-process stand-in for a RetainedState (plain torchrun: nothing is retained)."""
+
+    def __init__(self, name: str, nbytes: int, geo: Geometry, device: str, protected: bool,
+                 dtype: str | None = None, shape=None):
+        S = geo.page_bytes
+        self.name, self.page_bytes, self.protected = name, S, protected
+        self.n_pages = -(-nbytes // S)
+        self.nbytes = nbytes
+        self.device = device
+        self.dtype, self.shape = dtype, shape
+        self.h1, self.h2 = geo.tier1, geo.tier2
+        self._data = torch.zeros(self.n_pages * S, dtype=torch.uint8, device=device)
+        self.groups = []
+        if protected:
+            first = 0
+            while first < self.n_pages:
+                k = min(geo.data_pages, self.n_pages - first)
+                self.groups.append(GroupInfo(len(self.groups), len(self.groups), first, k))
+                first += k
+        per = self.h1 + self.h2
+        self._parity = torch.zeros((len(self.groups) * per, S), dtype=torch.uint8)
+        self.marks = Marks()
+
+    def tensor(self, dtype=None, shape=None, offset: int = 0, nbytes: int | None = None):
+        from leto_runtime.rmp.tensors import torch_dtype
+        if nbytes is None:
+            nbytes = self.nbytes - offset
+        flat = self._data[offset:offset + nbytes]
+        t = flat if dtype is None else flat.view(torch_dtype(dtype))
+        return t if shape is None else t.view(tuple(shape))
+
+    def pages(self, first: int = 0, count: int | None = None):
+        count = self.n_pages - first if count is None else count
+        S = self.page_bytes
+        return self._data[first * S:(first + count) * S].view(count, S)
+
+    def group_pages(self, g: int):
+        gi = self.groups[g]
+        return self.pages(gi.first, gi.k)
+
+    def tier1(self, g: int):
+        per = self.h1 + self.h2
+        return self._parity[g * per:g * per + self.h1]
+
+    def tier2(self, g: int):
+        per = self.h1 + self.h2
+        return self._parity[g * per + self.h1:(g + 1) * per] if self.h2 else None
+
+
+@dataclass
+class StateSet:
+    """Everything RMU touches for one rank (see the module docstring)."""
+
+    model: tuple            # params, exp_avg, exp_avg_sq
+    grads: object
+    marker: object
+    undo: object
+    qbuf: object
+    geo: Geometry
+    chunk_pages: int
+    layout: Layout
+    created: bool
+    client: object = None   # RmpClient, or None for local states
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def all(self) -> list:
+        return [*self.model, self.grads, self.marker, self.undo, self.qbuf]
+
+    @property
+    def device(self) -> str:
+        return self.model[0].device
+
+    def flat(self, st) -> torch.Tensor:
+        """The fp32 flat view of a model/grad state (N elements used)."""
+        return st.tensor(dtype="float32", shape=[self.layout.nbytes // 4])
+
+    def q(self, state_index: int, buf: int) -> torch.Tensor:
+        """Parity buffer `buf` (0/1) of model state `state_index`: (H1, S) uint8 on the device."""
+        H1, S = self.geo.tier1, self.geo.page_bytes
+        pos = (state_index * 2 + buf) * H1
+        return self.qbuf.pages(pos, H1)
+
+    def undo_pages(self, state_index: int, count: int) -> torch.Tensor:
+        return self.undo.pages(state_index * self.chunk_pages, count)
+
+    def chunks(self, g: int) -> list[tuple[int, int]]:
+        """(first page within the group, page count) of every chunk of group g."""
+        k = self.model[0].groups[g].k
+        c = self.chunk_pages
+        return [(j, min(c, k - j)) for j in range(0, k, c)]
+
+
+def pick_chunk_pages(requested: int, geo: Geometry) -> int:
+    """RMU transaction size: the request, else about 1/16 of a group (>= 1 page, <= 64 MiB)."""
+    if requested > 0:
+        return min(requested, geo.data_pages)
+    target = max(1, geo.data_pages // 16)
+    return max(1, min(target, (64 << 20) // geo.page_bytes))
+
+
+def open_states(layout: Layout, *, client, geo: Geometry, device: str, chunk_pages: int,
+                attach_only: bool = False) -> StateSet:
+    """Allocate (first trainer) or attach (every later one) the states of `layout`."""
+    H1, S = geo.tier1, geo.page_bytes
+    undo_bytes = 3 * chunk_pages * S
+    q_bytes = 3 * 2 * H1 * S
+    n = layout.nbytes // 4
+    if client is None:
+        mk = lambda name, nb, prot, dtype=None, shape=None, dev=device: LocalState(  # noqa: E731
+            name, nb, geo, dev, prot, dtype, shape)
+        model = tuple(mk(nm, layout.nbytes, True, "float32", [n]) for nm in MODEL)
+        return StateSet(model, mk(GRADS, layout.nbytes, True, "float32", [n]),
+                        mk(MARKER, S, True, dev="cpu"), mk(UNDO, undo_bytes, False),
+                        mk(QBUF, q_bytes, False), geo, chunk_pages, layout, True, None)
+    existing = {s["name"]: s for s in client.list()}
+    created = MODEL[0] not in existing
+
+    def get(name, nbytes, kind, protected, tier, dtype=None, shape=None):
+        if attach_only or name in existing:
+            return client.attach(name, nbytes)
+        return client.retain(name, nbytes, kind=kind, protected=protected, tier=tier,
+                             dtype=dtype, shape=shape)
+
+    model = tuple(get(nm, layout.nbytes, "model", True, "device", "float32", [n]) for nm in MODEL)
+    grads = get(GRADS, layout.nbytes, "model", True, "device", "float32", [n])
+    marker = get(MARKER, S, "model", True, "host")
+    undo = get(UNDO, undo_bytes, "process", False, "device")
+    qbuf = get(QBUF, q_bytes, "process", False, "device")
+    return StateSet(model, grads, marker, undo, qbuf, geo, chunk_pages, layout, created, client)

@@ -1,0 +1,268 @@
+"""The Resumable Model Updater: one training iteration's update as chunk-level transactions.
+
+Pseudocode 1 of the paper, per rank, over the states of `states.StateSet`:
+
+    protect_grads(t)   R <- RS(G) for every group (gradients already all-reduced)   marker PROTECTED
+    synchronize(t)     global all-reduce of the gradient norm -> clip coefficient    marker SYNCED
+    update(t)          for each group g:
+                         Q <- H1(g)                                   (LOAD)         marker CHUNKS
+                         for each chunk j:  U <- C_j                                 marker sub=1
+                                            C_j <- AdamW(C_j, G_j)
+                                            Q' <- Q xor RS_j(U xor C_j)
+                                            commit: marker chunk=j+1, auth=Q'; swap(Q, Q')
+                         H1(g) <- Q                                   (WRITEBACK)
+                         H2(g) <- RS2(H1(g))                          (TIER2)
+                       marker DONE
+
+C_j stands for chunk j of params, exp_avg and exp_avg_sq together (one transaction), Q/Q' for
+their three pairs of parity buffers.  The marker is written after each operation has finished
+(on GPU after the stream reached it), so it never claims work that is not done.
+
+`transactions=False` is the ablation of the paper's Fig. 12: chunks are updated in place with
+no undo copy and no per-chunk parity commit (parity is re-encoded at the end of the group), so
+a crash inside the update leaves state that can only be updated a second time -- the run
+diverges.  It exists to show that exactness comes from the transactions.
+
+`inject(point, **where)` is called before each operation (points in
+`leto_runtime.contract.INJECT_POINTS`); the trainer's fault injection kills the process there.
+`where` carries `step`, `group`, `chunk` and `garbage`: a callable that scribbles random bytes
+into the chunk being updated and the scratch parity, as a kill in the middle of a kernel would
+leave them.
+
+Calling contract: `Updater(states, cfg)`; per iteration `protect_grads(t)`, `synchronize(t, pg)`
+and `update(t)` in that order (`step(t, pg)` does all three).  `resume(t)` continues an
+interrupted update from the marker (the caller has repaired the state first: recovery.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from leto_runtime.rmu import adamw as A
+from leto_runtime.rmu.marker import GState, Marker, Phase, Record
+from leto_runtime.rmu.states import StateSet
+
+
+def _noinject(point: str, **where) -> None:
+    return None
+
+
+class Updater:
+    def __init__(self, ss: StateSet, cfg: "A.AdamWConfig", *, inject=None, backend: str = "auto",
+                 transactions: bool = True):
+        from leto_runtime.parity import ParityCode
+
+        self.ss, self.cfg, self.backend, self.transactions = ss, cfg, backend, transactions
+        self.inject = inject or _noinject
+        self.marker = Marker(ss.marker, backend=backend)
+        g = ss.geo
+        self._codes: dict[int, ParityCode] = {}
+        self._ParityCode = ParityCode
+        self.t2 = ParityCode(g.tier1, g.tier2, g.page_bytes, backend=backend) if g.tier2 else None
+        self.flat = [ss.flat(st) for st in ss.model]
+        self.gflat = ss.flat(ss.grads)
+        self.E = g.page_bytes // 4                   # fp32 elements per page
+        self.cuda = str(ss.device).startswith("cuda")
+        self.scratch = None
+
+    # ---- helpers -------------------------------------------------------------------------
+    def code(self, k: int):
+        c = self._codes.get(k)
+        if c is None:
+            c = self._codes[k] = self._ParityCode(k, self.ss.geo.tier1, self.ss.geo.page_bytes,
+                                                  backend=self.backend)
+        return c
+
+    def fence(self) -> None:
+        """Everything queued so far has happened (before a marker write claims it)."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def _encode_into_host(self, st, g: int) -> None:
+        """Full encode of group g of `st` into its host tier-1 and tier-2 parity."""
+        gi = st.groups[g]
+        data = st.group_pages(g)
+        p1h, p2h = st.tier1(g), st.tier2(g)
+        if data.device.type == "cpu":
+            self.code(gi.k).encode(data, out=p1h)
+            if self.t2 is not None:
+                self.t2.encode(p1h, out=p2h)
+            return
+        p1 = self.code(gi.k).encode(data)
+        p1h.copy_(p1)
+        if self.t2 is not None:
+            p2h.copy_(self.t2.encode(p1))
+
+    def encode_all(self, states) -> None:
+        for st in states:
+            for g in range(len(st.groups)):
+                self._encode_into_host(st, g)
+        self.fence()
+
+    def _tier2_from(self, st, g: int, q: torch.Tensor) -> None:
+        if self.t2 is None:
+            return
+        p2h = st.tier2(g)
+        if q.device.type == "cpu":
+            self.t2.encode(st.tier1(g), out=p2h)
+        else:
+            p2h.copy_(self.t2.encode(q))
+
+    # ---- the iteration -------------------------------------------------------------------
+    def begin(self, t: int) -> None:
+        self.marker.write(t=t, phase=Phase.COMPUTE, group=0, chunk=0, sub=0, auth=0,
+                          gstate=GState.LOAD, coef_bits=0)
+
+    def protect_grads(self, t: int) -> None:
+        self.inject("grads.protect", step=t)
+        for g in range(len(self.ss.grads.groups)):
+            self._encode_into_host(self.ss.grads, g)
+        self.fence()
+        self.marker.write(t=t, phase=Phase.PROTECTED)
+
+    def local_norm(self) -> torch.Tensor:
+        """This rank's gradient norm (pure data parallelism: every rank holds the full,
+        all-reduced gradients, so it is the global norm)."""
+        return A.total_norm_from_sq(A.grad_sq_norm(self.param_grads()))
+
+    def param_grads(self) -> list[torch.Tensor]:
+        return [self.gflat[p.offset:p.offset + p.numel] for p in self.ss.layout.params]
+
+    def synchronize(self, t: int, pg=None) -> torch.Tensor:
+        """The global synchronization: entered only after the gradients are protected, so a
+        rank past it proves that every rank's gradients of t are recoverable (DESIGN.md §6)."""
+        self.inject("sync", step=t)
+        if self.cfg.clip_grad_norm is not None:
+            norm = self.local_norm().to(torch.float32).reshape(1).clone()
+        else:
+            norm = torch.zeros(1, dtype=torch.float32, device=self.gflat.device)
+        if pg is not None:
+            import torch.distributed as dist
+            dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pg)
+        coef = (A.clip_coef(norm[0], self.cfg.clip_grad_norm)
+                if self.cfg.clip_grad_norm is not None else torch.ones((), dtype=torch.float32))
+        self.marker.write(t=t, phase=Phase.SYNCED, coef_bits=Record.bits(coef))
+        self.inject("sync.after", step=t)
+        return coef
+
+    def step(self, t: int, pg=None) -> None:
+        self.protect_grads(t)
+        self.synchronize(t, pg)
+        self.update(t)
+
+    def update(self, t: int) -> None:
+        self.marker.write(t=t, phase=Phase.UPDATING, group=0, chunk=0, sub=0, auth=0,
+                          gstate=GState.LOAD)
+        self._run(t, start_group=0)
+
+    def resume(self, t: int, coef_bits: int) -> None:
+        """Finish the update of t from the marker (state repaired by recovery.py first)."""
+        rec = self.marker.rec
+        if rec.t == t and rec.phase == Phase.DONE:
+            return
+        if rec.t != t or rec.phase < Phase.PROTECTED:
+            raise RuntimeError(f"cannot finish iteration {t} from marker {rec.describe()}")
+        if rec.phase < Phase.UPDATING:
+            self.marker.write(t=t, phase=Phase.UPDATING, group=0, chunk=0, sub=0, auth=0,
+                              gstate=GState.LOAD, coef_bits=coef_bits)
+        elif not self.transactions:
+            # Ablation: no undo copy and no chunk progress to resume from; all that is left
+            # is to update the group again from its start (chunks already updated get a
+            # second update -- the divergence the transactions prevent).
+            self.marker.write(chunk=0, sub=0, gstate=GState.CHUNKS)
+        self._run(t, start_group=self.marker.rec.group)
+
+    def _run(self, t: int, start_group: int) -> None:
+        coef = torch.tensor(self.marker.rec.coef, dtype=torch.float32, device=self.gflat.device)
+        lr = A.lr_at(self.cfg, t)
+        for g in range(start_group, len(self.ss.model[0].groups)):
+            self._group(t, g, coef, lr)
+        self.inject("rmu.done", step=t)
+        self.marker.write(phase=Phase.DONE, group=0, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
+
+    def _group(self, t: int, g: int, coef: torch.Tensor, lr: float) -> None:
+        ss, m = self.ss, self.marker
+        rec = m.rec
+        if rec.group != g:
+            rec = m.write(group=g, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
+        if rec.gstate == GState.LOAD:
+            self.inject("rmu.load", step=t, group=g)
+            for i, st in enumerate(ss.model):
+                ss.q(i, 0).copy_(st.tier1(g))
+            self.fence()
+            rec = m.write(gstate=GState.CHUNKS, chunk=0, sub=0, auth=0)
+        if rec.gstate == GState.CHUNKS:
+            chunks = ss.chunks(g)
+            for j in range(rec.chunk, len(chunks)):
+                self._chunk(t, g, j, chunks[j], coef, lr)
+            if not self.transactions:        # ablation: parity re-encoded after the fact
+                for i, st in enumerate(ss.model):
+                    q = ss.q(i, m.rec.auth)
+                    q.copy_(self.code(st.groups[g].k).encode(st.group_pages(g)))
+                self.fence()
+            rec = m.write(gstate=GState.WRITEBACK)
+        if rec.gstate == GState.WRITEBACK:
+            self.inject("rmu.writeback", step=t, group=g)
+            for i, st in enumerate(ss.model):
+                st.tier1(g).copy_(ss.q(i, rec.auth))
+            self.fence()
+            rec = m.write(gstate=GState.TIER2)
+        if rec.gstate == GState.TIER2:
+            self.inject("rmu.tier2", step=t, group=g)
+            for i, st in enumerate(ss.model):
+                self._tier2_from(st, g, ss.q(i, rec.auth))
+            self.fence()
+            m.write(group=g + 1, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
+
+    def _elems(self, g: int, first: int, count: int) -> slice:
+        p0 = self.ss.model[0].groups[g].first + first
+        return slice(p0 * self.E, (p0 + count) * self.E)
+
+    def _chunk(self, t: int, g: int, j: int, chunk: tuple[int, int], coef, lr: float) -> None:
+        ss, m = self.ss, self.marker
+        first, count = chunk
+        sl = self._elems(g, first, count)
+        gi = ss.model[0].groups[g]
+        views = [f[sl] for f in self.flat]
+        grad = self.gflat[sl]
+        if self.scratch is None or self.scratch.numel() < grad.numel():
+            self.scratch = torch.empty(ss.chunk_pages * self.E, dtype=torch.float32,
+                                       device=grad.device)
+        where = dict(step=t, group=g, chunk=j)
+        if self.transactions:
+            self.inject("rmu.undo", **where)
+            for i in range(3):
+                ss.undo_pages(i, count).copy_(ss.model[i].pages(gi.first + first, count))
+            self.fence()
+            m.write(chunk=j, sub=1)
+        auth = m.rec.auth
+        self.inject("rmu.update", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
+        A.adamw_chunk_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, cfg=self.cfg,
+                       coef=coef, scratch=self.scratch[:grad.numel()])
+        if not self.transactions:
+            return          # ablation: no commit, so no chunk progress either
+        self.inject("rmu.delta", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
+        idx = list(range(first, first + count))
+        for i, st in enumerate(ss.model):
+            q_new = ss.q(i, 1 - auth)
+            q_new.copy_(ss.q(i, auth))
+            self.code(gi.k).update(q_new, idx, ss.undo_pages(i, count),
+                                   st.pages(gi.first + first, count))
+        self.inject("rmu.commit", **where)
+        self.fence()
+        m.write(chunk=j + 1, sub=0, auth=1 - auth)
+
+    def _garbage(self, g: int, first: int, count: int, scratch_buf: int) -> None:
+        """What a kill inside a kernel leaves: part of the chunk and of the scratch parity
+        overwritten with random bytes (the paper injects this with NVBit)."""
+        ss = self.ss
+        gi = ss.model[0].groups[g]
+        gen = torch.Generator().manual_seed(0xBAD)
+        for i, st in enumerate(ss.model):
+            pages = st.pages(gi.first + first, count)
+            half = max(1, pages.numel() // 2)
+            noise = torch.randint(0, 256, (half,), generator=gen, dtype=torch.uint8)
+            pages.view(-1)[:half].copy_(noise.to(pages.device))
+            q = ss.q(i, scratch_buf)
+            qn = torch.randint(0, 256, (q.numel() // 3,), generator=gen, dtype=torch.uint8)
+            q.view(-1)[:qn.numel()].copy_(qn.to(q.device))
+        self.fence()

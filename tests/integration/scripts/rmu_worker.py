@@ -1,0 +1,97 @@
+"""One rank's RMU without the launcher: used by tests/integration/test_rmu_crash.py.
+
+argv: SOCKET TOTAL PLAN_JSON [--local]
+Opens (first run: creates and initializes) the retained states in the state manager at SOCKET,
+recovers them if they exist (localize, remap, marker, resume point, repair, finish), then runs
+iterations up to TOTAL with synthetic gradients (a function of the step).  PLAN_JSON is a list
+of {"at": POINT, "step": t, "group": g|null, "chunk": c|null, "garbage": bool,
+"pages": [inject kwargs...]}: at that point the listed pages are destroyed, then the process
+SIGKILLs itself.  Prints one JSON line: {"digest", "resume", "repaired"}.
+With --local the same run on ordinary tensors (no state manager): the fault-free reference.
+"""
+import hashlib
+import json
+import os
+import signal
+import sys
+
+import torch
+
+from leto_runtime.rmp.client import RmpClient
+from leto_runtime.rmp.reconstruct import reconstruct
+from leto_runtime.rmu.adamw import AdamWConfig
+from leto_runtime.rmu.recovery import Progress, repair, resume_point
+from leto_runtime.rmu.states import MARKER, Geometry, Layout, open_states
+from leto_runtime.rmu.updater import Updater
+
+sock, total, plan = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+local = "--local" in sys.argv
+transactions = "--no-transactions" not in sys.argv
+GEO = Geometry(32, 16, 1, 4096)
+CHUNK = 4
+N = 70 * 1024 + 300                      # ~70.3 pages: groups of 32, 32 and 7 pages
+cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0,
+                  warmup_steps=2, total_steps=total)
+layout = Layout.of([("w", (N,))], GEO.page_bytes)
+client = None if local else RmpClient(sock, timeout=30)
+
+
+def inject(point, step=None, group=None, chunk=None, garbage=None):
+    for p in plan:
+        if p["at"] != point or p["step"] != step:
+            continue
+        if p.get("group") is not None and p["group"] != group:
+            continue
+        if p.get("chunk") is not None and p["chunk"] != chunk:
+            continue
+        for spec in p.get("pages", []):
+            spec = dict(spec)
+            name = spec.setdefault("state", "leto/params")
+            if "gindex" in spec:                    # group position in the state -> pool id
+                st = next(s for s in ss.all if s.name == name)
+                spec["group"] = st.groups[spec.pop("gindex")].id
+            client.inject_pages(**spec)
+        if p.get("garbage") and garbage is not None:
+            garbage()
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+ss = open_states(layout, client=client, geo=GEO, device="cpu", chunk_pages=CHUNK)
+up = Updater(ss, cfg, inject=inject, backend="cpu", transactions=transactions)
+P, G = ss.flat(ss.model[0]), ss.flat(ss.grads)
+info = {"resume": None, "repaired": 0}
+if ss.created:
+    for st in (*ss.model, ss.grads):
+        ss.flat(st).zero_()
+    P[:N].copy_(torch.randn(N, generator=torch.Generator().manual_seed(7)))
+    up.encode_all([*ss.model, ss.grads])
+    up.marker.write(initialized=1, t=-1, phase=4)
+    start = 0
+else:
+    loc = client.localize()
+    if any(m.unmapped for m in loc.marks.values()):
+        client.remap()
+    reconstruct(client, [MARKER], backend="cpu")
+    rec = up.marker.read()
+    res = resume_point([Progress.of(0, rec)])
+    need = res.action == "finish" and not (rec.t == res.t and rec.phase == 4)
+    rep = repair(ss, rec, need_grads=need, updater=up, transactions=transactions, backend="cpu")
+    inject("recovery.reconstruct", step=res.t)
+    if res.action == "finish":
+        up.resume(res.t, res.coef_bits)
+    start = res.step
+    info = {"resume": [res.action, res.t], "repaired": rep.pages}
+for t in range(start, total):
+    up.begin(t)
+    G.zero_()
+    inject("step", step=t)
+    G[:N].copy_(torch.randn(N, generator=torch.Generator().manual_seed(1000 + t)) * 0.3)
+    up.step(t)
+h = hashlib.sha256()
+for st in ss.model:
+    h.update(ss.flat(st)[:N].numpy().tobytes())
+from leto_runtime.rmu.recovery import check_consistent  # noqa: E402
+
+bad = check_consistent(ss, up)
+print(json.dumps({**info, "digest": h.hexdigest(), "parity_problems": bad}), flush=True)
