@@ -1,0 +1,86 @@
+"""The runtime API without leto-run (plain mode: ordinary tensors, the same RMU code) against
+an independent oracle: torch.optim.AdamW(foreach=False) + clip_grad_norm_ on a normally built
+model.  Losses and parameters must be bit-identical."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+from gpt import GPT, GPTConfig, batch, init_weights  # noqa: E402
+
+import leto_runtime.job as J  # noqa: E402
+from leto_runtime.rmu.adamw import AdamWConfig, lr_at  # noqa: E402
+
+
+@pytest.fixture
+def plain_job(monkeypatch):
+    for k in list(os.environ):
+        if k.startswith("LETO_") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+            monkeypatch.delenv(k, raising=False)
+    J._JOB = None
+    yield J.init(seed=3, device="cpu")
+    J._JOB = None
+
+
+def test_plain_job_matches_torch_adamw_bitwise(plain_job):
+    job = plain_job
+    cfg = GPTConfig.tiny()
+    with job.meta_init():
+        model = GPT(cfg)
+    assert next(model.parameters()).is_meta
+    model = job.retain(model, init=init_weights)
+    ac = AdamWConfig(lr=2e-3, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=0.5,
+                     warmup_steps=2, total_steps=10, min_lr=2e-4)
+    opt = job.adamw(model, ac)
+    losses = []
+    for step in job.steps(10):
+        _, loss = model(*batch(3, step, 0, 4, cfg, "cpu"))
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+    assert job.role == "plain"
+
+    ref = GPT(cfg)
+    init_weights(ref, 3)
+    o = torch.optim.AdamW(ref.parameters(), lr=ac.lr, betas=ac.betas, weight_decay=ac.weight_decay,
+                          foreach=False)
+    ref_losses = []
+    for step in range(10):
+        torch.manual_seed(job.step_seed(step))
+        _, loss = ref(*batch(3, step, 0, 4, cfg, "cpu"))
+        ref_losses.append(loss.item())
+        o.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), ac.clip_grad_norm, foreach=False)
+        for g in o.param_groups:
+            g["lr"] = lr_at(ac, step)
+        o.step()
+    assert losses == ref_losses
+    for (n, a), b in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), n
+    states = job.state_tensors()
+    ea = torch.cat([o.state[p]["exp_avg"].reshape(-1) for p in ref.parameters()])
+    got = torch.cat([states["leto/exp_avg"][s.offset:s.offset + s.numel] for s in job.layout.params])
+    assert torch.equal(got, ea)
+
+
+def test_step_must_call_opt_step(plain_job):
+    job = plain_job
+    with job.meta_init():
+        model = torch.nn.Linear(4, 3)
+    model = job.retain(model)
+    job.adamw(model, lr=1e-2)
+    with pytest.raises(RuntimeError, match="opt.step"):
+        for _ in job.steps(3):
+            pass
+
+
+def test_buffers_need_a_recompute_function(plain_job):
+    with plain_job.meta_init():
+        model = torch.nn.BatchNorm1d(4)
+    with pytest.raises(ValueError, match="buffers"):
+        plain_job.retain(model)
