@@ -66,7 +66,12 @@ def stop_processes(procs: list[Proc], *, grace: float, first_signal: int = signa
         fds = [p.pidfd for p in live]
         if escalate_fd is not None:
             fds.append(escalate_fd)
-        ready, _, _ = select.select(fds, [], [], left)
+        # poll, not select: the agent's fd keeper holds thousands of page fds, so pidfd
+        # numbers exceed select()'s FD_SETSIZE (1024).
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(left * 1000)}
         if escalate_fd is not None and escalate_fd in ready:
             try:
                 sigs = os.read(escalate_fd, 512)
