@@ -5,7 +5,9 @@ Every record carries ``mono`` (CLOCK_MONOTONIC seconds, comparable across proces
 machine), ``wall`` (Unix time), ``event``, ``generation``, and where it applies ``rank``,
 ``local_rank`` and ``role``.  Event names: ``job_start``, ``rendezvous``, ``spawn``, ``exit``,
 ``failure_detected``, ``hang_detected``, ``stack_dump``, ``inject``, ``stop``, ``restart``,
-``signal``, ``job_end``.
+``signal``, ``job_end``; in-place recovery (`leto_run.inplace`): ``inplace``, ``shadow_ready``,
+``hof``, ``demote``, ``promote``, ``promoted``, ``phase``, ``inplace_done``, ``shadow_exit``,
+``shadow_respawn``, ``inplace_fallback``.
 
 Contract: only the agent's main thread writes; each line is flushed as it is written, so a
 crashed agent leaves a readable log up to its last event.

@@ -273,7 +273,9 @@ class InplaceRecovery:
                       failure_mono=first.mono)
 
     def _demote(self, g: int) -> None:
-        """`replace`: SIGKILL every local active of generation g, wait (bounded), STOPPED."""
+        """`replace`: SIGKILL every local active of generation g, wait (bounded), STOPPED.
+        The failed ones still alive (a hang we killed, not yet reaped) are waited for too: no
+        process of generation g may touch retained memory once the go key is set."""
         a = self.a
         victims = [(s, s.active) for s in a.slots
                    if s.active is not None and s.active.generation == g and s.active.proc.alive]
@@ -281,8 +283,9 @@ class InplaceRecovery:
             kids = sp.proc.snapshot_descendants()
             sp.proc.send_group(signal.SIGKILL)
             kill_pids(kids)
-            a.events.emit("demote", g, rank=slot.rank, role=sp.role.value, pid=sp.proc.pid,
-                          mode=a.cfg.recovery.demote)
+            if not sp.done:
+                a.events.emit("demote", g, rank=slot.rank, role=sp.role.value,
+                              pid=sp.proc.pid, mode=a.cfg.recovery.demote)
         for _, sp in victims:
             try:
                 a.sel.unregister(sp.proc.pidfd)
@@ -295,7 +298,7 @@ class InplaceRecovery:
                           role=sp.role.value, pid=sp.proc.pid,
                           exitcode=None if st is None else st.exitcode,
                           how="unknown" if st is None else st.describe(),
-                          mono=None if st is None else st.mono, collateral=True)
+                          mono=None if st is None else st.mono, collateral=not sp.done)
             if not sp.done:
                 sp.move(ProcState.STOPPING)
                 sp.move(ProcState.STOPPED)
@@ -325,10 +328,10 @@ class InplaceRecovery:
         self.remote, self.epoch, self.respawns = None, 0, 0
         if self.watcher:
             self.watcher.advanced.set()
+        # Time-triggered injections of the old generation that did not fire are dropped.
         ranks = {s.rank for s in a.slots}
-        for spec in timed_for_generation(a.cfg.inject, ranks, a.restart_count,
-                                         gen - a.attempt_base_gen):
-            a.timers.append((woke + spec.after_s, "inject", spec))
+        a.timers = [(woke + spec.after_s, "inject", spec) for spec in timed_for_generation(
+            a.cfg.inject, ranks, a.restart_count, gen - a.attempt_base_gen)]
         a.status.set_group(a.slots, a.generation, a.restart_count)
         a.log(f"generation {gen}: shadows promoted on ranks "
               f"{', '.join(str(s.rank) for s in a.slots)}")
