@@ -65,27 +65,45 @@ class Faults:
                 return False
         return True
 
+    def _pages_with(self, inj: dict) -> list[dict]:
+        """Page losses planned at the same point and step as `inj`: they strike together with
+        that HOF (the paper's failure model), not at the first occurrence of the point."""
+        at, step = _get(inj, "at") or "step", inj.get("step")
+        return [i for i in self.plan if i.get("kind") == "pages"
+                and (_get(i, "at") or "step") == at and i.get("step") == step]
+
+    def _fire_pages(self, inj: dict, step) -> None:
+        from leto_runtime.rmp.faults import fire_pages_spec
+        self.plan.remove(inj)
+        hb._send("inject", step, inj.get("text") or "pages")
+        fire_pages_spec(self.ctx.sm_socket, inj.get("params") or {})
+
     def fire(self, point: str, *, step=None, group=None, chunk=None, garbage=None) -> None:
         if not self.plan:
             return
-        for inj in list(self.plan):
-            if inj not in self.plan or not self._matches(inj, point, step, group, chunk):
-                continue
-            self.plan.remove(inj)
-            text = inj.get("text") or inj.get("kind")
-            hb._send("inject", step, text)
-            kind = inj.get("kind")
-            if kind == "pages":
-                from leto_runtime.rmp.faults import fire_pages_spec
-                fire_pages_spec(self.ctx.sm_socket, inj.get("params") or {})
-                continue
-            if kind == "hang":
-                hb._block_forever(f"injected hang at {point} of step {step} ({text})")
-            if _get(inj, "garbage") and garbage is not None:
-                garbage()
-            sys.stderr.write(f"[leto_runtime] injecting '{text}' at {point} of step {step}\n")
-            sys.stderr.flush()
-            sys.stdout.flush()
-            os.kill(os.getpid(), int(inj.get("signal") or signal.SIGKILL))
-            import time
-            time.sleep(1.0)    # a catchable signal with a handler may return; the kill stands
+        hofs = [i for i in self.plan if i.get("kind") != "pages"
+                and self._matches(i, point, step, group, chunk)]
+        if not hofs:
+            for inj in [i for i in self.plan if i.get("kind") == "pages"
+                        and self._matches(i, point, step, None, None)]:
+                paired = any(i.get("kind") != "pages" and i in self.plan and
+                             inj in self._pages_with(i) for i in self.plan)
+                if not paired:
+                    self._fire_pages(inj, step)
+            return
+        inj = hofs[0]
+        for pages in self._pages_with(inj):
+            self._fire_pages(pages, step)
+        self.plan.remove(inj)
+        text = inj.get("text") or inj.get("kind")
+        hb._send("inject", step, text)
+        if inj.get("kind") == "hang":
+            hb._block_forever(f"injected hang at {point} of step {step} ({text})")
+        if _get(inj, "garbage") and garbage is not None:
+            garbage()
+        sys.stderr.write(f"[leto_runtime] injecting '{text}' at {point} of step {step}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os.kill(os.getpid(), int(inj.get("signal") or signal.SIGKILL))
+        import time
+        time.sleep(1.0)    # a catchable signal with a handler may return; the kill stands

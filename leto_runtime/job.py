@@ -257,6 +257,9 @@ class Job:
         return (self.seed * 1_000_003 + t) * 65_537 + self.rank
 
     def _phase(self, name: str, seconds: float, **fields) -> None:
+        # A heartbeat per phase: recovery is progress, not a hang (a phase blocked for longer
+        # than --hang-timeout, e.g. waiting on a dead peer, still is one).
+        hb.heartbeat(None)
         self.recovery_info[name] = {"seconds": seconds, **fields}
         if self.inplace:
             from leto_runtime import promotion
@@ -290,7 +293,7 @@ class Job:
             if not ss.created:
                 self.faults.fire("recovery.reconstruct", step=None)
                 t0 = time.monotonic()
-                need = res.action == "finish" and not (rec.t == res.t and rec.phase == Phase.DONE)
+                need = res.action == "finish" and rec.done_step < res.t
                 rep = repair(ss, rec, need_grads=need, updater=up, transactions=self.transactions)
                 self._phase("reconstruct", time.monotonic() - t0, pages=rep.pages,
                             undo=rep.restored_from_undo, undefined=rep.undefined)

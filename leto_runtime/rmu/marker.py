@@ -58,8 +58,10 @@ class Record:
     sub: int = 0             # 1: the undo copy of chunk `chunk` is complete (chunk may be dirty)
     auth: int = 0            # authoritative parity buffer (0/1) of `group`
     gstate: int = GState.LOAD
-    coef_bits: int = 0       # fp32 bits of the clip coefficient of iteration t (after SYNCED)
+    coef_bits: int = 0       # fp32 bits of the clip coefficient of iteration `coef_t`
     seq: int = 0             # write counter (diagnostics)
+    coef_t: int = -1         # the iteration whose global synchronization gave `coef_bits`;
+                             # kept when the next iteration begins: a peer may need it to finish
 
     @classmethod
     def empty(cls) -> "Record":
@@ -79,16 +81,21 @@ class Record:
         """The last iteration whose update is complete."""
         return self.t if self.phase == Phase.DONE else self.t - 1
 
+    @property
+    def synced_step(self) -> int:
+        """The last iteration whose global synchronization this rank passed."""
+        return self.t if self.phase >= Phase.SYNCED else self.t - 1
+
     def words(self) -> list[int]:
         v = [MAGIC, self.initialized, self.t, int(self.phase), self.group, self.chunk, self.sub,
-             self.auth, int(self.gstate), self.coef_bits, self.seq]
+             self.auth, int(self.gstate), self.coef_bits, self.seq, self.coef_t]
         return v + [0] * (WORDS - len(v))
 
     @classmethod
     def from_words(cls, w: list[int]) -> "Record":
         if w[0] != MAGIC:
             return cls.empty()
-        return cls(*w[1:11])
+        return cls(*w[1:12])
 
     def describe(self) -> str:
         d = asdict(self)
@@ -103,8 +110,18 @@ class Marker:
         self.words_t = state.pages(0, 1).view(-1)[:BLOCK].view(torch.int64)   # host memory
         self.protected = bool(getattr(state, "groups", None))
         if self.protected:
-            from leto_runtime.parity import ProtectionGroup
-            self.code = ProtectionGroup(1, state.h1, state.h2, BLOCK, backend=backend)
+            import numpy as np
+
+            from leto_runtime.parity import ProtectionGroup, gf16
+            code = ProtectionGroup(1, state.h1, state.h2, BLOCK, backend=backend)
+            g1 = code.tier1.G[:, [0]]
+            # Both tiers in one delta pass; the coefficients are fixed, so computed once (GF
+            # matrix products in Python cost ~0.4 ms, more than the patch itself).
+            self._coef = np.concatenate([g1, gf16.mat_mul(code.tier2.G, g1)]) if state.h2 else g1
+            self._backend = code.tier1.backend_for(torch.device("cpu"))
+            self._rows = [row[:BLOCK] for row in state.tier1(0)]
+            p2 = state.tier2(0)
+            self._rows += [row[:BLOCK] for row in p2] if (p2 is not None and state.h2) else []
         self._rec = self._read()
 
     def _block(self) -> torch.Tensor:
@@ -126,13 +143,7 @@ class Marker:
     def _patch_parity(self, old: torch.Tensor) -> None:
         if not self.protected:
             return
-        p1 = [row[:BLOCK] for row in self.state.tier1(0)]
-        p2t = self.state.tier2(0)
-        p2 = [row[:BLOCK] for row in p2t] if p2t is not None else []
-        if p2:
-            self.code.update(p1, p2, 0, [old], [self._block()])
-        else:
-            self.code.tier1.update(p1, 0, [old], [self._block()])
+        self._backend.delta_update(self._rows, [old], [self._block()], self._coef, BLOCK)
 
     def write(self, rec: Record | None = None, **changes) -> Record:
         rec = replace(rec or self._rec, **changes)

@@ -41,54 +41,68 @@ class Progress:
     phase: int
     coef_bits: int
     initialized: int
+    coef_t: int = -1
 
     @classmethod
     def of(cls, rank: int, rec: Record) -> "Progress":
-        return cls(rank, rec.t, int(rec.phase), rec.coef_bits, rec.initialized)
+        return cls(rank, rec.t, int(rec.phase), rec.coef_bits, rec.initialized, rec.coef_t)
 
     def to_list(self) -> list[int]:
-        return [self.rank, self.t, self.phase, self.coef_bits, self.initialized]
+        return [self.rank, self.t, self.phase, self.coef_bits, self.initialized, self.coef_t]
+
+    @property
+    def done(self) -> int:           # last iteration whose update is complete
+        return self.t if self.phase == Phase.DONE else self.t - 1
+
+    @property
+    def synced(self) -> int:         # last iteration whose global synchronization it passed
+        return self.t if self.phase >= Phase.SYNCED else self.t - 1
 
 
 @dataclass(frozen=True)
 class Resume:
     action: str          # start | finish | redo | next
-    t: int               # the iteration concerned
+    t: int               # the iteration concerned (finish: the one completed now)
     step: int            # the first iteration the loop runs after recovery
     coef_bits: int
     reason: str
 
 
 def resume_point(progress: list[Progress]) -> Resume:
+    """P = the newest iteration whose global synchronization some rank passed.  Every rank
+    completes P (those whose update of P is unfinished finish it from their marker); training
+    continues at P + 1 -- redone by the ranks that had already started it."""
     if not progress:
         raise RecoveryError("no rank reported its progress")
-    T = max(p.t for p in progress)
-    if T < 0:
-        return Resume("start", -1, 0, 0, "no iteration has started yet: training starts at step 0")
-    passed = [p for p in progress if p.t == T and p.phase >= Phase.SYNCED]
-    if passed:
-        behind = [p for p in progress if p.t != T or p.phase < Phase.PROTECTED]
-        if behind:
+    P = max(p.synced for p in progress)
+    for p in progress:
+        if p.done < P - 1 or (p.done == P - 1 and (p.t != P or p.phase < Phase.PROTECTED)):
             raise RecoveryError(
-                f"rank {passed[0].rank} passed the global synchronization of iteration {T} but "
-                f"rank {behind[0].rank} had not protected its gradients of it (t={behind[0].t}, "
-                f"phase={Phase(behind[0].phase).name}): the markers contradict the protocol")
-        synced = [p for p in passed]
-        coefs = {p.coef_bits for p in synced if p.phase >= Phase.SYNCED}
-        if len(coefs) > 1:
-            raise RecoveryError(f"ranks recorded different clip coefficients for iteration {T}")
-        if all(p.phase == Phase.DONE for p in progress):
-            return Resume("next", T, T + 1, coefs.pop(),
-                          f"every rank completed iteration {T}: training continues at {T + 1}")
-        return Resume("finish", T, T + 1, coefs.pop(),
-                      f"rank {passed[0].rank} passed the global synchronization of iteration "
-                      f"{T}: every rank finishes that update from its last committed chunk")
-    stale = [p for p in progress if p.t < T - 1 or (p.t == T - 1 and p.phase != Phase.DONE)]
-    if stale:
-        raise RecoveryError(f"rank {stale[0].rank} is at iteration {stale[0].t} "
-                            f"({Phase(stale[0].phase).name}) while another started {T}")
-    return Resume("redo", T, T, 0, f"no rank passed the global synchronization of iteration {T}: "
-                                   f"every rank redoes it from its start")
+                f"a rank passed the global synchronization of iteration {P} but rank {p.rank} "
+                f"had not protected its gradients of it (t={p.t}, phase={Phase(p.phase).name}): "
+                "the markers contradict the protocol")
+        if p.t > P + 1:
+            raise RecoveryError(f"rank {p.rank} is at iteration {p.t}, past {P + 1}")
+    finishers = [p for p in progress if p.done < P]
+    started = [p for p in progress if p.t == P + 1]
+    if finishers:
+        coefs = {p.coef_bits for p in progress if p.coef_t == P}
+        if len(coefs) != 1:
+            raise RecoveryError(f"the clip coefficient of iteration {P} is "
+                                f"{'missing' if not coefs else 'not unique'} in the markers")
+        who = next(p for p in progress if p.synced == P)
+        return Resume("finish", P, P + 1, coefs.pop(),
+                      f"rank {who.rank} passed the global synchronization of iteration {P}: "
+                      f"rank(s) {[p.rank for p in finishers]} finish that update from their "
+                      f"last committed chunk; training continues at {P + 1}")
+    if P < 0 and not started:
+        return Resume("start", -1, 0, 0, "no iteration has started yet: training starts at step 0")
+    if started:
+        return Resume("redo", P + 1, P + 1, 0,
+                      f"no rank passed the global synchronization of iteration {P + 1}: every "
+                      "rank redoes it from its start")
+    return Resume("next", P, P + 1, 0,
+                  f"every rank completed iteration {P}: training continues at {P + 1}")
 
 
 # ---- page repair ------------------------------------------------------------------------

@@ -110,7 +110,7 @@ class Updater:
     # ---- the iteration -------------------------------------------------------------------
     def begin(self, t: int) -> None:
         self.marker.write(t=t, phase=Phase.COMPUTE, group=0, chunk=0, sub=0, auth=0,
-                          gstate=GState.LOAD, coef_bits=0)
+                          gstate=GState.LOAD)
 
     def protect_grads(self, t: int) -> None:
         self.inject("grads.protect", step=t)
@@ -140,7 +140,7 @@ class Updater:
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pg)
         coef = (A.clip_coef(norm[0], self.cfg.clip_grad_norm)
                 if self.cfg.clip_grad_norm is not None else torch.ones((), dtype=torch.float32))
-        self.marker.write(t=t, phase=Phase.SYNCED, coef_bits=Record.bits(coef))
+        self.marker.write(t=t, phase=Phase.SYNCED, coef_bits=Record.bits(coef), coef_t=t)
         self.inject("sync.after", step=t)
         return coef
 
@@ -157,13 +157,13 @@ class Updater:
     def resume(self, t: int, coef_bits: int) -> None:
         """Finish the update of t from the marker (state repaired by recovery.py first)."""
         rec = self.marker.rec
-        if rec.t == t and rec.phase == Phase.DONE:
+        if rec.done_step >= t:
             return
         if rec.t != t or rec.phase < Phase.PROTECTED:
             raise RuntimeError(f"cannot finish iteration {t} from marker {rec.describe()}")
         if rec.phase < Phase.UPDATING:
             self.marker.write(t=t, phase=Phase.UPDATING, group=0, chunk=0, sub=0, auth=0,
-                              gstate=GState.LOAD, coef_bits=coef_bits)
+                              gstate=GState.LOAD, coef_bits=coef_bits, coef_t=t)
         elif not self.transactions:
             # Ablation: no undo copy and no chunk progress to resume from; all that is left
             # is to update the group again from its start (chunks already updated get a

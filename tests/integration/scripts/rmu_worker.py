@@ -75,7 +75,7 @@ else:
     reconstruct(client, [MARKER], backend="cpu")
     rec = up.marker.read()
     res = resume_point([Progress.of(0, rec)])
-    need = res.action == "finish" and not (rec.t == res.t and rec.phase == 4)
+    need = res.action == "finish" and rec.done_step < res.t
     rep = repair(ss, rec, need_grads=need, updater=up, transactions=transactions, backend="cpu")
     inject("recovery.reconstruct", step=res.t)
     if res.action == "finish":

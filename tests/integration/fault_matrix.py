@@ -1,0 +1,147 @@
+"""Seeded, randomized fault schedules for the in-place exactness test (issue: in-place HOF
+recovery, acceptance "fault matrix").  A pure function of the seed, so any failing schedule is
+reproduced with
+
+    python tests/integration/fault_matrix.py SEED        # prints the leto-run command line
+
+Each schedule is one `leto-run` job of `examples/gpt_inplace.py` (tiny GPT, gloo on CPU, 2 or 3
+ranks, small pages so the model spans several protection groups) with one or more injected
+HOFs.  Categories rotate with the seed so that 50 consecutive seeds cover every cell of the
+matrix several times: kills during forward/backward and the gradient all-reduce, during
+gradient protection, at and right after the global synchronization, at every RMU operation
+(with a partially written chunk and scratch parity where it applies), those combined with
+page loss at the tolerance (16 device pages of the group being updated + 1 host tier-1 parity
+page), two ranks in one iteration, a second HOF during the recovery, hangs, and HOFs in
+successive generations.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+
+GEOMETRY = dict(page_bytes=4096, data_pages=32, tier1=16, tier2=1, chunk_pages=4)
+STEPS = 14
+COMPUTE_POINTS = ("step", "forward", "backward", "grads.allreduce")
+SYNC_POINTS = ("grads.protect", "sync", "sync.after")
+RMU_POINTS = ("rmu.load", "rmu.undo", "rmu.update", "rmu.delta", "rmu.commit",
+              "rmu.writeback", "rmu.tier2", "rmu.done")
+RECOVERY_POINTS = ("recovery.localize", "recovery.reconstruct", "recovery.finish")
+CATEGORIES = ("compute", "sync", "rmu", "rmu+pages", "two-ranks", "during-recovery", "hang",
+              "two-generations", "rmu+pages", "rmu")
+
+
+def _pages_per_state() -> int:
+    """Pages of one fp32 model state of the tiny GPT (as `leto_runtime.rmu.states.Layout`)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+    import torch
+    from gpt import GPT, GPTConfig
+
+    from leto_runtime.rmu.states import Layout
+    with torch.device("meta"):
+        m = GPT(GPTConfig.tiny())
+    lay = Layout.of([(n, tuple(p.shape)) for n, p in m.named_parameters()],
+                    GEOMETRY["page_bytes"])
+    return lay.nbytes // GEOMETRY["page_bytes"]
+
+
+@dataclass
+class Schedule:
+    seed: int
+    category: str
+    world: int
+    injects: list[str] = field(default_factory=list)
+    hang_timeout: float = 30.0
+    expect_inplace: int = 1          # in-place recoveries that must happen at least
+
+    def leto_args(self) -> list[str]:
+        g = GEOMETRY
+        args = ["--standalone", "--nproc-per-node", str(self.world),
+                "--page-bytes", str(g["page_bytes"]), "--data-pages", str(g["data_pages"]),
+                "--tier1", str(g["tier1"]), "--tier2", str(g["tier2"]),
+                "--chunk-pages", str(g["chunk_pages"]), "--hang-timeout", str(self.hang_timeout),
+                "--max-restarts", "2"]
+        for s in self.injects:
+            args += ["--inject", s]
+        return args
+
+
+def schedule(seed: int, pages_per_state: int | None = None) -> Schedule:
+    rng = random.Random(seed)
+    n_pages = pages_per_state or _pages_per_state()
+    D, C = GEOMETRY["data_pages"], GEOMETRY["chunk_pages"]
+    n_groups = math.ceil(n_pages / D)
+    group_k = [min(D, n_pages - g * D) for g in range(n_groups)]
+    cat = CATEGORIES[seed % len(CATEGORIES)]
+    world = 3 if seed % 7 == 6 else 2
+    s = Schedule(seed, cat, world)
+    step = rng.randint(2, 7)
+
+    def rmu_kill(rank: int, t: int, gen: int = 0) -> tuple[str, int]:
+        point = rng.choice(RMU_POINTS)
+        g = rng.randrange(n_groups)
+        spec = f"kill:rank={rank}:step={t}:at={point}"
+        if gen:
+            spec += f":gen={gen}"
+        if point in ("rmu.undo", "rmu.update", "rmu.delta", "rmu.commit"):
+            spec += f":group={g}:chunk={rng.randrange(math.ceil(group_k[g] / C))}"
+            if point in ("rmu.update", "rmu.delta") and rng.random() < 0.7:
+                spec += ":garbage=1"
+        elif point in ("rmu.load", "rmu.writeback", "rmu.tier2"):
+            spec += f":group={g}"
+        return spec, g
+
+    def pages(rank: int, t: int, point: str, g: int) -> list[str]:
+        state = rng.randrange(3)                   # params, exp_avg, exp_avg_sq
+        pool_group = state * n_groups + g          # pool-wide ids follow allocation order
+        first = rng.randint(0, group_k[g] - 16) if group_k[g] >= 16 else 0
+        count = min(16, group_k[g])
+        return [f"pages:rank={rank}:step={t}:at={point}:tier=device:group={pool_group}:"
+                f"first={first}:count={count}",
+                f"pages:rank={rank}:step={t}:at={point}:tier=host:part=p1:group={pool_group}:"
+                f"first={rng.randrange(GEOMETRY['tier1'])}:count=1"]
+
+    r = rng.randrange(world)
+    if cat == "compute":
+        s.injects.append(f"kill:rank={r}:step={step}:at={rng.choice(COMPUTE_POINTS)}")
+    elif cat == "sync":
+        s.injects.append(f"kill:rank={r}:step={step}:at={rng.choice(SYNC_POINTS)}")
+    elif cat == "rmu":
+        s.injects.append(rmu_kill(r, step)[0])
+    elif cat == "rmu+pages":
+        spec, g = rmu_kill(r, step)
+        point = spec.split(":at=")[1].split(":")[0]
+        s.injects += pages(r, step, point, g) + [spec]     # pages first: they fire, then the kill
+    elif cat == "two-ranks":
+        a, b = rng.sample(range(world), 2)
+        if rng.random() < 0.5:                 # both before the gradient all-reduce
+            s.injects += [f"kill:rank={a}:step={step}:at={rng.choice(COMPUTE_POINTS[:3])}",
+                          f"kill:rank={b}:step={step}:at={rng.choice(COMPUTE_POINTS[:3])}"]
+        else:                                  # both after the global synchronization
+            s.injects += [rmu_kill(a, step)[0], rmu_kill(b, step)[0]]
+    elif cat == "during-recovery":
+        spec, g = rmu_kill(r, step)
+        s.injects += pages(r, step, spec.split(":at=")[1].split(":")[0], g) + [spec]
+        r2 = rng.randrange(world)
+        s.injects.append(f"kill:rank={r2}:step=0:gen=1:at={rng.choice(RECOVERY_POINTS)}")
+    elif cat == "hang":
+        point = rng.choice(("step", "backward", "rmu.update", "sync.after"))
+        spec = f"hang:rank={r}:step={step}:at={point}"
+        if point == "rmu.update":
+            spec += f":group={rng.randrange(n_groups)}:chunk=0"
+        s.injects.append(spec)
+        s.hang_timeout = 6.0      # survivors wait in collectives too: not much shorter on 2 cores
+    elif cat == "two-generations":
+        s.injects.append(rmu_kill(r, step)[0])
+        s.injects.append(f"kill:rank={rng.randrange(world)}:step={step + 5}:gen=1:"
+                         f"at={rng.choice(COMPUTE_POINTS + SYNC_POINTS + RMU_POINTS[1:3])}")
+    return s
+
+
+if __name__ == "__main__":
+    sch = schedule(int(sys.argv[1]))
+    print(f"# seed {sch.seed}: {sch.category}, world {sch.world}")
+    print("leto-run " + " ".join(sch.leto_args()) +
+          f" examples/gpt_inplace.py --steps {STEPS} --out OUT_DIR")
