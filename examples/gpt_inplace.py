@@ -13,12 +13,17 @@ DIR/loss_<rank>.jsonl after each forward pass, and writes DIR/final_<rank>.json 
 of its final parameters and optimizer moments: what the exactness tests compare.
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 
-import torch
+# Bit-reproducible CUDA (cuBLAS needs this before it starts): a resumed run must be comparable
+# with the fault-free one, bit for bit (the paper enables the same deterministic modes).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig, batch, init_weights  # noqa: E402
@@ -39,10 +44,23 @@ def main() -> None:
     p.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     p.add_argument("--print-every", type=int, default=10)
     p.add_argument("--no-transactions", action="store_true", help="RMU ablation (not exact)")
+    p.add_argument("--n-layer", type=int, help="override the preset's layers")
+    p.add_argument("--n-embd", type=int, help="override the preset's width")
     a = p.parse_args()
 
     job = leto.init(seed=a.seed, transactions=not a.no_transactions)
     cfg = getattr(GPTConfig, a.model)()
+    if a.n_layer or a.n_embd:
+        import dataclasses
+        cfg = dataclasses.replace(cfg, n_layer=a.n_layer or cfg.n_layer,
+                                  n_embd=a.n_embd or cfg.n_embd)
+    exact = contextlib.nullcontext()
+    if job.device.type == "cuda":
+        # Deterministic kernels (embedding backward, cuBLAS) and the math attention kernel,
+        # whose backward has no atomics.
+        torch.use_deterministic_algorithms(True)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        exact = sdpa_kernel([SDPBackend.MATH])
     with job.meta_init():
         model = GPT(cfg)
     model = job.retain(model, init=init_weights)
@@ -57,13 +75,14 @@ def main() -> None:
     gen = job.ctx.generation
     for step in job.steps(a.steps):
         idx, targets = batch(a.seed, step, job.rank, a.batch_size, cfg, job.device)
-        with job.autocast():
+        with job.autocast(), exact:
             _, loss = model(idx, targets)
         value = loss.item()
         if log:
             log.write(json.dumps({"step": step, "gen": gen, "loss": float(value).hex()}) + "\n")
             log.flush()
-        loss.backward()
+        with exact:
+            loss.backward()
         opt.step()
         if a.step_time:
             time.sleep(a.step_time)

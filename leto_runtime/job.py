@@ -101,6 +101,7 @@ class Job:
         self.device = _pick_device(ctx, device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            torch.zeros(1, device=self.device)      # the CUDA context now (level L2), not later
         per_gpu = torch.cuda.device_count() >= ctx.local_world_size if self.device.type == "cuda" else False
         self.backend = backend or ("nccl" if per_gpu else "gloo")
         self.faults = Faults(ctx)

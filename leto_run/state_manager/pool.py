@@ -156,6 +156,18 @@ class CudaPages:
                 "granularity": self.granularity}
 
 
+def _cuda_device_count() -> int:
+    """GPUs the driver sees (cuInit creates no context), 0 without a usable driver."""
+    try:
+        from cuda.bindings import driver as cu
+        if cu.cuInit(0)[0] != cu.CUresult.CUDA_SUCCESS:
+            return 0
+        r = cu.cuDeviceGetCount()
+        return int(r[1]) if r[0] == cu.CUresult.CUDA_SUCCESS else 0
+    except Exception:
+        return 0
+
+
 def device_owner(spec: str, slot: int):
     """`cpu` -> memfd stand-in; `cuda:N` -> GPU N; `auto` -> GPU `slot` if CUDA works, else cpu."""
     if spec == "cpu":
@@ -166,6 +178,11 @@ def device_owner(spec: str, slot: int):
         try:
             return CudaPages(slot)
         except P.DeviceUnavailable:
+            n = _cuda_device_count()
+            if n and slot >= n:
+                # More local ranks than GPUs (e.g. several gloo ranks on one GPU): the trainer
+                # of slot s uses GPU s % n, so its pool must live there too.
+                return CudaPages(slot % n)
             return MemfdPages("device", sealed=False)
     raise ValueError(f"device {spec!r}: use cpu, cuda:N or auto")
 
