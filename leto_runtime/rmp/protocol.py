@@ -249,9 +249,12 @@ def send_fd_train(sock: socket.socket, header: dict, fds: Sequence[int], *,
 # ---- receive -------------------------------------------------------------------------------
 def _wait_readable(sock: socket.socket, idle_check: Callable[[], bool] | None) -> None:
     """Idle wait for the first byte of the next message, polling the stop condition."""
+    # poll, not select: a state manager holds thousands of page fds, so connection fds are
+    # above select()'s FD_SETSIZE (1024).
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
     while True:
-        r, _, _ = select.select([sock], [], [], IDLE_POLL)
-        if r:
+        if poller.poll(IDLE_POLL * 1000):
             return
         if idle_check is not None and idle_check():
             raise Disconnected("stopped while idle")
