@@ -169,3 +169,25 @@ def test_bind_private_is_0600(tmp_path):
         x.close()
     with pytest.raises(P.Disconnected):
         P.connect(str(tmp_path / "none.sock"), deadline=soon(0.1))
+
+
+def test_idle_wait_works_for_fds_above_fd_setsize():
+    """A busy state manager holds thousands of page fds: its connections get fd numbers above
+    select()'s 1024 limit (regression: 'filedescriptor out of range in select()')."""
+    import os
+    import socket as _socket
+
+    from leto_runtime.rmp import protocol as PP
+    filler = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        assert b.fileno() > 1024
+        import time
+        PP.send_message(a, {"op": "hello", "id": 1}, deadline=time.monotonic() + 5)
+        msg = PP.recv_message(b, deadline=None, idle_check=lambda: False)
+        assert msg.header["op"] == "hello"
+        a.close()
+        b.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
