@@ -404,6 +404,10 @@ class Agent:
                 continue
             if sp.role == SlotRole.SHADOW and beat.kind != "inject":
                 continue        # a waiting shadow is not supervised for hangs until promoted
+            if beat.kind == "register":
+                # Sent once when the runtime loads, possibly long before the training loop (a
+                # shadow promoted while still importing): liveness starts with a real beat.
+                continue
             if beat.kind == "inject":
                 sp.step = beat.step if beat.step is not None else sp.step   # it is in that step
                 self.events.emit("inject", sp.generation, rank=slot.rank, role=sp.role.value,
