@@ -19,7 +19,8 @@ def load(name: str, env=None):
 
 def test_every_example_is_tested():
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == \
-        ["full.yaml", "minimal.yaml", "multinode_c10d.yaml", "restart_demo.yaml"]
+        ["full.yaml", "inplace_demo.yaml", "minimal.yaml", "multinode_c10d.yaml",
+         "restart_demo.yaml"]
 
 
 def test_minimal():
@@ -34,11 +35,7 @@ def test_minimal():
 def test_full_lists_every_key_at_its_default():
     raw = yaml.safe_load((CONFIGS / "full.yaml").read_text())
     keys = {f"{s}.{k}" for s, body in raw.items() if isinstance(body, dict) for k in body}
-    # The in-place recovery keys are not in configs/full.yaml yet (another writer owns configs/):
-    # remove this allowance once they are listed there.
-    pending = {"recovery.page_bytes", "recovery.data_pages", "recovery.tier1", "recovery.tier2",
-               "recovery.chunk_pages", "recovery.pg_timeout", "recovery.demote"} - keys
-    assert keys == {o.key for o in OPTIONS} - pending        # every YAML key, nothing else
+    assert keys == {o.key for o in OPTIONS}                  # every YAML key, nothing else
     assert raw["inject"] == []
     c = load("full.yaml")
     ref = build_config({"training_script": "train.py"}, {"training_script"}, {}, None,
@@ -58,6 +55,19 @@ def test_restart_demo():
     (spec,) = c.inject
     assert (spec.kind, spec.rank, spec.step, spec.after_s, spec.attempt, spec.signal) == \
         (InjectKind.KILL, 1, 23, None, 0, 9)
+
+
+def test_inplace_demo():
+    c = load("inplace_demo.yaml")
+    assert c.launch.training_script == "examples/gpt_inplace.py" and c.launch.nproc_int == 2
+    r = c.recovery
+    assert (r.mode, r.hang_timeout, r.page_bytes, r.data_pages, r.tier1, r.tier2, r.chunk_pages) \
+        == ("inplace", 10.0, 16384, 64, 16, 1, 8)
+    kinds = [(s.kind, s.rank, s.step, s.at, s.gen) for s in c.inject]
+    assert kinds[2] == (InjectKind.KILL, 1, 15, "rmu.update", 0)
+    assert [k[0] for k in kinds] == [InjectKind.PAGES, InjectKind.PAGES, InjectKind.KILL,
+                                     InjectKind.KILL, InjectKind.HANG]
+    assert [k[4] for k in kinds] == [0, 0, 0, 1, 2]
 
 
 def test_restart_demo_cli_overrides(tmp_path):
