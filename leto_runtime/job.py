@@ -142,9 +142,26 @@ class Job:
     # ---- model construction ----------------------------------------------------------------
     @contextlib.contextmanager
     def meta_init(self):
-        """Build the model on the meta device: shapes only, no values, no memory."""
-        with torch.device("meta"):
-            yield
+        """Build the model on the meta device: shapes only, no values, no memory.
+
+        The `torch.nn.init` functions do nothing meanwhile: on meta tensors they would only
+        dispatch through torch's reference implementations (seconds of imports in every
+        trainer and shadow); the values are written later, once, by `retain(init=...)`."""
+        import torch.nn.init as I
+        saved = {n: getattr(I, n) for n in dir(I)
+                 if n.endswith("_") and not n.startswith("_") and callable(getattr(I, n))}
+
+        def skip(tensor, *args, **kwargs):
+            return tensor
+
+        for n in saved:
+            setattr(I, n, skip)
+        try:
+            with torch.device("meta"):
+                yield
+        finally:
+            for n, f in saved.items():
+                setattr(I, n, f)
 
     def autocast(self):
         """bf16 compute with fp32 master state on GPUs; a no-op on CPU."""
