@@ -54,13 +54,13 @@ def main() -> None:
         import dataclasses
         cfg = dataclasses.replace(cfg, n_layer=a.n_layer or cfg.n_layer,
                                   n_embd=a.n_embd or cfg.n_embd)
-    exact = contextlib.nullcontext()
+    exact = contextlib.nullcontext
     if job.device.type == "cuda":
         # Deterministic kernels (embedding backward, cuBLAS) and the math attention kernel,
         # whose backward has no atomics.
         torch.use_deterministic_algorithms(True)
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        exact = sdpa_kernel([SDPBackend.MATH])
+        exact = lambda: sdpa_kernel([SDPBackend.MATH])  # noqa: E731
     with job.meta_init():
         model = GPT(cfg)
     model = job.retain(model, init=init_weights)
@@ -75,13 +75,13 @@ def main() -> None:
     gen = job.ctx.generation
     for step in job.steps(a.steps):
         idx, targets = batch(a.seed, step, job.rank, a.batch_size, cfg, job.device)
-        with job.autocast(), exact:
+        with job.autocast(), exact():
             _, loss = model(idx, targets)
         value = loss.item()
         if log:
             log.write(json.dumps({"step": step, "gen": gen, "loss": float(value).hex()}) + "\n")
             log.flush()
-        with exact:
+        with exact():
             loss.backward()
         opt.step()
         if a.step_time:

@@ -24,7 +24,8 @@ def free_port() -> int:
 
 def base_env(out_dir: Path | None = None, **extra) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PET_", "LETO_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE")}
+           if (not k.startswith(("PET_", "LETO_", "TORCHELASTIC_")) or k.startswith("LETO_EXT_"))
+           and k not in ("RANK", "WORLD_SIZE")}      # LETO_EXT_*: the kernel build cache
     env["PYTHONUNBUFFERED"] = "1"
     if out_dir is not None:
         env["OUT_DIR"] = str(out_dir)
