@@ -34,7 +34,8 @@ import leto_runtime as leto  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--model", choices=("tiny", "small"), default="tiny")
+    p.add_argument("--model", choices=("tiny", "small", "auto"), default="tiny",
+                   help="auto: small on CPU, ~57M parameters (8 x 768) on a GPU")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -49,7 +50,13 @@ def main() -> None:
     a = p.parse_args()
 
     job = leto.init(seed=a.seed, transactions=not a.no_transactions)
-    cfg = getattr(GPTConfig, a.model)()
+    if a.model == "auto":
+        cfg = GPTConfig.small()
+        if job.device.type == "cuda":
+            import dataclasses
+            cfg = dataclasses.replace(cfg, n_layer=8, n_embd=768, n_head=12)
+    else:
+        cfg = getattr(GPTConfig, a.model)()
     if a.n_layer or a.n_embd:
         import dataclasses
         cfg = dataclasses.replace(cfg, n_layer=a.n_layer or cfg.n_layer,

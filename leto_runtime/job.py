@@ -187,7 +187,11 @@ class Job:
         if client is None:
             return DEFAULT_GEOMETRY
         g = client.info["geometry"]
-        return Geometry(g["data_pages"], g["tier1"], g["tier2"], g["page_bytes"])
+        page = g["page_bytes"]
+        gran = (client.info.get("device") or {}).get("granularity")
+        if gran:      # GPU pages are whole VMM granules (the state manager rounds up likewise)
+            page = -(-page // gran) * gran
+        return Geometry(g["data_pages"], g["tier1"], g["tier2"], page)
 
     def _materialize(self) -> None:
         t0 = time.monotonic()

@@ -36,6 +36,7 @@ MARKER = "leto/marker"
 UNDO = "leto/rmu/undo"
 QBUF = "leto/rmu/parity"
 ALIGN = 16          # elements: every parameter view starts 64-byte aligned
+MARKER_BYTES = 4096     # one host page (the record needs 1 KiB)
 
 
 @dataclass(frozen=True)
@@ -190,7 +191,7 @@ def open_states(layout: Layout, *, client, geo: Geometry, device: str, chunk_pag
             name, nb, geo, dev, prot, dtype, shape)
         model = tuple(mk(nm, layout.nbytes, True, "float32", [n]) for nm in MODEL)
         return StateSet(model, mk(GRADS, layout.nbytes, True, "float32", [n]),
-                        mk(MARKER, S, True, dev="cpu"), mk(UNDO, undo_bytes, False),
+                        mk(MARKER, MARKER_BYTES, True, dev="cpu"), mk(UNDO, undo_bytes, False),
                         mk(QBUF, q_bytes, False), geo, chunk_pages, layout, True, None)
     existing = {s["name"]: s for s in client.list()}
     created = MODEL[0] not in existing
@@ -203,7 +204,7 @@ def open_states(layout: Layout, *, client, geo: Geometry, device: str, chunk_pag
 
     model = tuple(get(nm, layout.nbytes, "model", True, "device", "float32", [n]) for nm in MODEL)
     grads = get(GRADS, layout.nbytes, "model", True, "device", "float32", [n])
-    marker = get(MARKER, S, "model", True, "host")
+    marker = get(MARKER, MARKER_BYTES, "model", True, "host")
     undo = get(UNDO, undo_bytes, "process", False, "device")
     qbuf = get(QBUF, q_bytes, "process", False, "device")
     return StateSet(model, grads, marker, undo, qbuf, geo, chunk_pages, layout, created, client)
