@@ -41,6 +41,8 @@ import torch
 
 from leto_run.state_manager import Geometry
 from leto_run.state_manager.harness import SlotHarness
+from leto_runtime.rmp import mapping
+from leto_runtime.rmp import reconstruct as R
 from leto_runtime.rmp.client import RmpClient
 from leto_runtime.rmp.reconstruct import protect, reconstruct
 
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto", help="parity backend for reconstruction")
     ap.add_argument("--skip-retained", action="store_true", help="only the reconstruction part")
     ap.add_argument("--skip-reconstruct", action="store_true", help="only the retained-state part")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="skip the same-run reconstruction with the staged (old) path")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
 
@@ -139,7 +143,9 @@ def main(argv=None) -> int:
             log(f"state manager GPU memory: {res['sm_gpu_memory']}")
         res["allocate"] = {"seconds": alloc_s, "pages": nbytes // page, "bytes": nbytes}
         # ---- attach / map ---------------------------------------------------------------
-        att, unm, loc_probe, loc_total = [], [], [], []
+        att, unm, loc_probe, loc_total, probe_py, probe_t4 = [], [], [], [], [], []
+        if cuda:
+            res["probe_native"] = mapping._native_probe() is not None
         for r in range(a.repeats + 1):
             c = RmpClient(slot.socket)
             t0 = time.perf_counter()
@@ -151,6 +157,19 @@ def main(argv=None) -> int:
                 assert int(t[page - 1]) == 1
             rep = c.localize()
             assert rep.failed() == 0
+            if cuda:                                  # same run: the reference loop and threads
+                m = st._data
+                tp = time.perf_counter()
+                assert m._probe_python() == []
+                tq = time.perf_counter()
+                fn = mapping._native_probe()
+                if fn is not None:
+                    assert list(fn(m.base, m.page_bytes, m.n_pages, None, 4)) == []
+                tr = time.perf_counter()
+                if r:
+                    probe_py.append((tq - tp) / m.n_pages * 1000)
+                    if fn is not None:
+                        probe_t4.append((tr - tq) / m.n_pages * 1000)
             del t
             t2 = time.perf_counter()
             c.close()
@@ -164,6 +183,10 @@ def main(argv=None) -> int:
         res["unmap_s"] = stats(unm)
         res["localize_per_1000_pages_s"] = stats(loc_probe)
         res["localize_call_s"] = stats(loc_total)
+        if probe_py:
+            res["probe_python_per_1000_pages_s"] = stats(probe_py)
+        if probe_t4:
+            res["probe_native_4threads_per_1000_pages_s"] = stats(probe_t4)
         res["localize_pages"] = nbytes // page
         log(f"attach {res['attach_map_s']}, localize/1000 {res['localize_per_1000_pages_s']}")
         c = RmpClient(slot.socket)
@@ -201,32 +224,28 @@ def main(argv=None) -> int:
         res["protect_group_s"] = time.perf_counter() - t0
         del st
         c.close()
-        rec, remap_s = [], []
-        for r in range(a.repeats + 1):
-            first = (r * 37) % max(1, D - 15)
-            c = RmpClient(slot.socket)
-            c.inject_pages(tier="device", group=gid, first=first, count=16)
-            c.close()
-            c = RmpClient(slot.socket)
-            st = c.attach("bench.group")
-            loc = c.localize()
-            assert loc.marks["bench.group"].data == list(range(first, first + 16)), loc.marks
-            t0 = time.perf_counter()
-            c.remap()
-            t1 = time.perf_counter()
-            report = reconstruct(c, backend=a.backend)
-            t2 = time.perf_counter()
-            assert report.pages == 16
-            assert torch.equal(st.pages(), ref), "reconstruction is not bit-exact"
-            del st
-            c.close()
-            if r:
-                rec.append(t2 - t1)
-                remap_s.append(t1 - t0)
-        res["reconstruct_16_pages_s"] = stats(rec)
-        res["remap_16_pages_s"] = stats(remap_s)
+        if cuda:
+            pc = RmpClient(slot.socket)
+            res["old_path_stages_s"] = profile_staged(pc, "bench.group", device)
+            pc.close()
+        for path in (["cuda", "staged"] if cuda and not a.no_compare else ["default"]):
+            if path != "default":
+                R.FAST_PATH = path == "cuda"
+            rec, remap_s = run_reconstruct(slot, a, D, gid, ref, first_shift=0 if path != "staged" else 5)
+            key = "" if path in ("cuda", "default") else f"_{path}"
+            res[f"reconstruct_16_pages_s{key}"] = stats(rec)
+            res[f"remap_16_pages_s{key}"] = stats(remap_s)
+            log(f"reconstruct ({path} path) {res[f'reconstruct_16_pages_s{key}']}")
+        R.FAST_PATH = True
+        if cuda:                                      # per stage (synchronized at each mark)
+            R.STAGE_TIMES = []
+            run_reconstruct(slot, a, D, gid, ref, repeats=1, first_shift=11)
+            per: dict = {}
+            for name, sec in R.STAGE_TIMES[len(R.STAGE_TIMES) // 2:]:   # the repeat after warm-up
+                per[name] = per.get(name, 0.0) + sec
+            res["fast_path_stages_s"] = per
+            R.STAGE_TIMES = None
         res["group_bytes"] = D * page
-        log(f"reconstruct {res['reconstruct_16_pages_s']}")
     except _Skip:
         pass
     except Exception as e:
@@ -244,6 +263,77 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
+def run_reconstruct(slot, a, D, gid, ref, repeats=None, first_shift=0):
+    """Warm-up + `repeats` rounds of: retire 16 consecutive pages, attach, localize, remap,
+    reconstruct (timed), check bit-exact.  Returns (reconstruct seconds, remap seconds)."""
+    rec, remap_s = [], []
+    repeats = a.repeats if repeats is None else repeats
+    for r in range(repeats + 1):
+        first = (r * 37 + first_shift) % max(1, D - 15)
+        c = RmpClient(slot.socket)
+        c.inject_pages(tier="device", group=gid, first=first, count=16)
+        c.close()
+        c = RmpClient(slot.socket)
+        st = c.attach("bench.group")
+        loc = c.localize()
+        assert loc.marks["bench.group"].data == list(range(first, first + 16)), loc.marks
+        t0 = time.perf_counter()
+        c.remap()
+        t1 = time.perf_counter()
+        report = reconstruct(c, backend=a.backend)
+        t2 = time.perf_counter()
+        assert report.pages == 16
+        assert torch.equal(st.pages(), ref), "reconstruction is not bit-exact"
+        del st
+        c.close()
+        if r:
+            rec.append(t2 - t1)
+            remap_s.append(t1 - t0)
+    return rec, remap_s
+
+
+def profile_staged(c, name, device) -> dict:
+    """Stages of the staged path (what reconstruct did before the CUDA path), each synchronized,
+    on the intact group: parity H2D, page views + validation, decode of 16 pages (into scratch),
+    one tier-1 row back, and the clear_marks round trip."""
+    from leto_runtime.parity import ParityCode
+    from leto_runtime.parity.code import _as_pages
+
+    st = c.attach(name)
+    dev = torch.device(device)
+    k, S = st.groups[0].k, st.page_bytes
+    code = ParityCode(k, 16, S)
+    out: dict = {}
+    for rnd in range(2):                              # round 0 warms up
+        sync = lambda: torch.cuda.synchronize(dev)
+        sync()
+        t0 = time.perf_counter()
+        p1 = st.tier1(0).to(dev, non_blocking=True)
+        p2 = st.tier2(0).to(dev, non_blocking=True)
+        sync()
+        t1 = time.perf_counter()
+        rows = list(st.group_pages(0).unbind(0))
+        lost = list(range(100 + rnd, 116 + rnd))
+        pages = [None if j in lost else rows[j] for j in range(k)] + list(p1.unbind(0))
+        _as_pages(pages, k + 16, S, "pages", allow_none=True)
+        t2 = time.perf_counter()
+        code.decode(pages)
+        sync()
+        t3 = time.perf_counter()
+        scratch = torch.empty_like(st.tier1(0)[0])
+        scratch.copy_(p1[0])
+        sync()
+        t4 = time.perf_counter()
+        c.clear_marks(name)
+        t5 = time.perf_counter()
+        del rows, pages, p1, p2
+        out = {"stage parity (17 pages, 34 MiB)": t1 - t0, "page views + validation": t2 - t1,
+               "decode (API, incl. views' address array)": t3 - t2, "one parity row back": t4 - t3,
+               "clear_marks round trip": t5 - t4}
+    del st
+    return out
+
+
 def report_md(res: dict) -> None:
     ms = lambda s: f"{s * 1e3:.3f}"
     rows = []
@@ -253,10 +343,17 @@ def report_md(res: dict) -> None:
         rows.append(("unmap (after views dropped)", res["unmap_s"], None))
         rows.append(("localization, device probe per 1,000 pages", res["localize_per_1000_pages_s"], 0.001))
         rows.append((f"localize() call, {res['localize_pages']} pages", res["localize_call_s"], None))
+        if "probe_python_per_1000_pages_s" in res:
+            rows.append(("probe per 1,000 pages, cuda-python loop (old), same run",
+                         res["probe_python_per_1000_pages_s"], None))
+        if "probe_native_4threads_per_1000_pages_s" in res:
+            rows.append(("probe per 1,000 pages, native, 4 threads", res["probe_native_4threads_per_1000_pages_s"], None))
     if "reconstruct_16_pages_s" in res:
         rows.append((f"reconstruct 16 pages, {res['group_bytes'] / GiB:g} GiB group",
                      res["reconstruct_16_pages_s"], 0.005))
         rows.append(("remap 16 pages (fresh memory)", res["remap_16_pages_s"], None))
+    if "reconstruct_16_pages_s_staged" in res:
+        rows.append(("reconstruct 16 pages, staged (old) path, same run", res["reconstruct_16_pages_s_staged"], None))
     print("| metric (ms) | median | min | max | n | goal |")
     print("|---|---|---|---|---|---|")
     for name, s, goal in rows:
@@ -276,6 +373,13 @@ def report_md(res: dict) -> None:
     if "protect_group_s" in res:
         print(f"(full encode of the group with the parity codec: {res['protect_group_s'] * 1e3:.1f} ms, "
               f"first call includes any kernel build)")
+    for key, title in (("old_path_stages_s", "staged (old) path, per stage"),
+                       ("fast_path_stages_s", "CUDA path, per stage")):
+        if res.get(key):
+            print(f"{title} (ms, each synchronized): " +
+                  ", ".join(f"{n} {v * 1e3:.3f}" for n, v in res[key].items()))
+    if "probe_native" in res:
+        print(f"device probe: {'native (cuda/rmp_probe.cpp)' if res['probe_native'] else 'cuda-python loop'}")
     if "error" in res:
         print(f"ERROR: {res['error']}")
 

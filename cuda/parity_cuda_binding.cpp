@@ -4,10 +4,12 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
 #include "parity_cuda.h"
+#include "rmp_probe.h"
 
 namespace {
 
@@ -80,6 +82,22 @@ bool coef_is_baked(const torch::Tensor& coef) {
   return leto_cuda::coef_is_baked(c.data(), static_cast<int>(coef.numel() / 16));
 }
 
+// RMP localization (rmp_probe.cpp): returns the failed page indices as a Python list.  The GIL
+// is released for the driver loop.
+std::vector<int64_t> rmp_probe_unmapped(uint64_t base, int64_t page_bytes, int64_t n_pages,
+                                        const std::optional<std::vector<int64_t>>& pages,
+                                        int64_t threads) {
+  TORCH_CHECK(page_bytes > 0 && n_pages >= 0, "rmp_probe_unmapped: bad page geometry");
+  py::gil_scoped_release nogil;
+  try {
+    return leto_rmp::probe_unmapped(base, page_bytes, pages ? pages->data() : nullptr,
+                                    pages ? static_cast<int64_t>(pages->size()) : 0, n_pages,
+                                    static_cast<int>(threads));
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, "leto rmp probe: ", e.what());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -88,6 +106,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("pages"), py::arg("outs"), py::arg("coef"), py::arg("page_bytes"), py::arg("variant") = 0);
   m.def("delta_update", &delta_update, "outs[i] ^= sum_l coef[i][l] * (a[l] ^ b[l])");
   m.def("coef_is_baked", &coef_is_baked, "whether these mix coefficients take the compiled-in path");
+  m.def("rmp_probe_unmapped", &rmp_probe_unmapped,
+        "indices of the pages at base + i * page_bytes that cuPointerGetAttribute does not know",
+        py::arg("base"), py::arg("page_bytes"), py::arg("n_pages"), py::arg("pages") = py::none(),
+        py::arg("threads") = 1);
   m.attr("VARIANTS") = py::dict(py::arg("auto") = 0, py::arg("simple") = 1, py::arg("nb2") = 2,
                                 py::arg("nobake") = 3, py::arg("plain") = 4,
                                 py::arg("unrolled") = 5);

@@ -80,6 +80,7 @@ def _load(name: str, sources: list[str], cuda: bool) -> ModuleType:
                   extra_include_paths=[str(_SRC)], verbose=os.environ.get("LETO_EXT_VERBOSE") == "1")
     if cuda:
         kwargs["extra_cuda_cflags"] = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
+        kwargs["extra_ldflags"] = ["-ldl"]         # rmp_probe.cpp: dlopen(libcuda.so.1) (glibc < 2.34)
     try:
         mod = cpp.load(**kwargs)
     except Exception as e:  # compiler errors come as RuntimeError / CalledProcessError
@@ -111,7 +112,10 @@ def load_cpu() -> ModuleType:
 
 
 def load_cuda() -> ModuleType:
-    """The CUDA kernels (cuda/parity_cuda.cu), built only where torch has CUDA and nvcc exists."""
+    """The CUDA kernels (cuda/parity_cuda.cu), built only where torch has CUDA and nvcc exists.
+
+    The same extension carries the RMP client's native device-page probe (cuda/rmp_probe.cpp,
+    `rmp_probe_unmapped`): it needs the CUDA headers and only ever runs where this builds."""
     def build() -> ModuleType:
         import torch
         import torch.utils.cpp_extension as cpp
@@ -123,7 +127,8 @@ def load_cuda() -> ModuleType:
             raise ParityBackendUnavailable("cuda", "nvcc / CUDA_HOME not found", "install the CUDA toolkit or set CUDA_HOME")
         if not torch.cuda.is_available():
             raise ParityBackendUnavailable("cuda", "no CUDA device is visible")
-        srcs = [str(_SRC / f) for f in ("parity_cuda.cu", "parity_cuda_variants.cu", "parity_cuda_binding.cpp")]
+        srcs = [str(_SRC / f) for f in ("parity_cuda.cu", "parity_cuda_variants.cu", "parity_cuda_binding.cpp",
+                                           "rmp_probe.cpp")]
         return _load("leto_parity_cuda", srcs, cuda=True)
 
     return _cached("cuda", build)

@@ -13,7 +13,8 @@ Role: the memory half of the client (and of the state manager's host-page scan).
   fd at once (an open fd pins memory), cuMemMap at the page's offset, cuMemRelease (the mapping
   keeps the memory), one cuMemSetAccess per contiguous run.  Each page is its own cuMemMap, so
   one page can be unmapped or replaced alone.  `probe()` asks the driver about every page
-  (cuPointerGetAttribute); an unmapped or retired page fails the query.
+  (cuPointerGetAttribute, in a C++ loop: cuda/rmp_probe.cpp); an unmapped or retired page fails
+  the query.
 
 Calling contract: page fds handed to `map_page(s)` are consumed (closed) in every case.  Nothing
 here tracks tensors: `tensors.ViewRegistry` does, and the owner must wait for it before
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 from typing import Iterable, Sequence
@@ -228,6 +230,33 @@ def ensure_context(device: int) -> None:
     cu.cuDevicePrimaryCtxRelease(dev)                 # torch holds its own reference
 
 
+# Threads of the native probe loop (1: the caller's thread; more only pays if the driver's
+# pointer lookup scales, see docs/BENCHMARKS.md).  LETO_RMP_PROBE_THREADS overrides.
+PROBE_THREADS = int(os.environ.get("LETO_RMP_PROBE_THREADS", "1"))
+_probe_fn: object = None            # None: not resolved yet; False: unavailable
+
+
+def _native_probe():
+    """`rmp_probe_unmapped` of the CUDA parity extension, or None (logged once) when that
+    extension cannot be built or loaded here; the caller then uses the cuda-python loop."""
+    global _probe_fn
+    if _probe_fn is None:
+        try:
+            from leto_runtime.parity import _ext
+            from leto_runtime.parity.errors import ParityBackendUnavailable
+            try:
+                _probe_fn = _ext.load_cuda().rmp_probe_unmapped
+            except (ParityBackendUnavailable, AttributeError) as e:
+                _probe_fn = False
+                logging.getLogger("leto.rmp").warning(
+                    "leto rmp: native device-page probe unavailable (%s); localization uses the "
+                    "cuda-python loop (~1-1.8 us a page)", str(e).splitlines()[0][:300])
+        except ImportError as e:      # pragma: no cover - the parity package is part of leto
+            _probe_fn = False
+            logging.getLogger("leto.rmp").warning("leto rmp: native probe unavailable: %s", e)
+    return _probe_fn or None
+
+
 class CudaMapping:
     """`n_pages` VMM pages of `page_bytes` on `device`, back to back from `base`."""
 
@@ -303,7 +332,18 @@ class CudaMapping:
         self.mapped.discard(i)
 
     def probe(self, pages: Sequence[int] | None = None) -> list[int]:
-        """Pages whose mapping the driver does not know (cuPointerGetAttribute fails)."""
+        """Pages whose mapping the driver does not know (cuPointerGetAttribute fails), in the
+        order probed.  Native loop (cuda/rmp_probe.cpp, ~0.3 us a page on the H200 instead of
+        ~1-1.8 us through cuda-python) when the CUDA extension is available, else
+        `_probe_python` (logged once)."""
+        fn = _native_probe()
+        if fn is None:
+            return self._probe_python(pages)
+        want = None if pages is None else [int(i) for i in pages]
+        return list(fn(self.base, self.page_bytes, self.n_pages, want, PROBE_THREADS))
+
+    def _probe_python(self, pages: Sequence[int] | None = None) -> list[int]:
+        """Reference of the native probe: the same driver query per page through cuda-python."""
         get, attr, ok, base, P = (self.cu.cuPointerGetAttribute, self._attr, self._ok,
                                   self.base, self.page_bytes)
         want = range(self.n_pages) if pages is None else pages
