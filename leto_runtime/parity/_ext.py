@@ -82,7 +82,10 @@ def _load(name: str, sources: list[str], cuda: bool) -> ModuleType:
         kwargs["extra_cuda_cflags"] = ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"]
         kwargs["extra_ldflags"] = ["-ldl"]         # rmp_probe.cpp: dlopen(libcuda.so.1) (glibc < 2.34)
     try:
-        mod = cpp.load(**kwargs)
+        with _build_lock(build_dir, name):
+            mod = cpp.load(**kwargs)
+    except ParityBackendUnavailable:
+        raise
     except Exception as e:  # compiler errors come as RuntimeError / CalledProcessError
         raise ParityBackendUnavailable(
             "cuda" if cuda else "cpu", f"building {name} failed: {str(e).strip()[-2000:]}",
@@ -90,6 +93,47 @@ def _load(name: str, sources: list[str], cuda: bool) -> ModuleType:
     if first:
         print(f"leto.parity: built {name}.", file=sys.stderr, flush=True)
     return mod
+
+
+BUILD_LOCK_TIMEOUT = 1200.0      # seconds another process may spend building before we give up
+
+
+class _build_lock:
+    """Serialize builds across processes with flock(2), which the kernel releases when a
+    builder dies.  torch's own lock (a `lock` file it waits on forever) survives a builder
+    killed mid-build -- e.g. a trainer SIGKILLed by an injected fault during its first build --
+    and would hang every later trainer; while we hold the flock no live Leto builder can own
+    that file, so a leftover one is stale and removed."""
+
+    def __init__(self, build_dir: Path, name: str):
+        self.path, self.name, self.fd = build_dir / ".leto-build.flock", name, -1
+
+    def __enter__(self):
+        import fcntl
+        import time
+
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline = time.monotonic() + BUILD_LOCK_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise ParityBackendUnavailable(
+                        "cpu", f"another process has been building {self.name} for over "
+                        f"{BUILD_LOCK_TIMEOUT:.0f} s ({self.path})",
+                        "wait for it, or remove the build directory and retry") from None
+                time.sleep(0.2)
+        stale = self.path.parent / "lock"
+        if stale.exists():
+            log.warning("leto.parity: removing a stale build lock %s (its builder died)", stale)
+            stale.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)          # releases the flock
 
 
 def _cached(key: str, fn) -> ModuleType:
