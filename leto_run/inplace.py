@@ -201,6 +201,10 @@ class InplaceRecovery:
         if g in self.declared:
             return
         try:
+            # The byte carries no generation: a wake for one this agent already handled (it
+            # declared the HOF itself and moved on) must not block the loop in a store get.
+            if not self._client().check([C.hof_key(g)]):
+                return
             self.remote = json.loads(self._client().get(C.hof_key(g)))
         except Exception as e:
             self.a.log(f"HOF of generation {g} seen but unreadable ({type(e).__name__}: {e})")
