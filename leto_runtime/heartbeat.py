@@ -11,10 +11,10 @@ hung rank's Python stacks reach its stderr log before the agent kills it) and th
 injected hangs; and at each call it fires this rank's step-triggered injections, which are
 real signals sent to itself (SIGKILL, SIGSEGV, ...) or a real block of the main thread.
 
-Injections fire only in the generation they name (`gen`, default 0) and at the point they name
-(`at`, default "step": the start of a step, i.e. inside `heartbeat`).  Code that reaches another
-point of `contract.INJECT_POINTS` (the RMU operations, recovery phases) calls
-`inject_point(point, step, group=..., chunk=..., garbage=...)` there.
+Here only injections at the start of a step fire (`at` absent or "step"), and only in the
+generation they name (`gen`, default 0).  Under the runtime API (`leto_runtime.job`),
+`leto_runtime.faults.Faults` takes the whole plan over and fires every point of
+`contract.INJECT_POINTS` itself (RMU operations, recovery phases, page losses with their kill).
 
 `send(kind, step, detail)` is the raw datagram API that `leto_runtime.promotion` builds on
 (kinds: `contract` "Heartbeat datagram").  Nothing here blocks.
@@ -73,20 +73,16 @@ def _hang_handler(signum, frame) -> None:
     _block_forever("injected hang (signal from the agent)")
 
 
-def _matches(inj: dict, point: str, step: int, group: int | None, chunk: int | None) -> bool:
+def _matches(inj: dict, step: int) -> bool:
     if inj.get("step") is None or step < inj["step"]:
         return False
-    if int(inj.get("gen") or 0) != _state["ctx"].generation or (inj.get("at") or "step") != point:
-        return False
-    # group/chunk narrow an rmu.* point; a spec without them fires at the first one reached.
-    return all(inj.get(k) is None or inj.get(k) == v for k, v in (("group", group),
-                                                                    ("chunk", chunk)))
+    return (int(inj.get("gen") or 0) == _state["ctx"].generation
+            and (inj.get("at") or "step") == "step")
 
 
-def _fire_step_injections(step: int, point: str = "step", group: int | None = None,
-                          chunk: int | None = None, garbage=None) -> None:
+def _fire_step_injections(step: int) -> None:
     for inj in list(_state["plan"]):
-        if not _matches(inj, point, step, group, chunk):
+        if not _matches(inj, step):
             continue
         _state["plan"].remove(inj)
         _send("inject", step, inj.get("text") or inj.get("kind"))
@@ -98,8 +94,6 @@ def _fire_step_injections(step: int, point: str = "step", group: int | None = No
             continue
         if kind == "hang":
             _block_forever(f"injected hang at step {step} ({inj.get('text')})")
-        if inj.get("garbage") and garbage is not None:
-            garbage()        # the caller tears its chunk before the signal
         sig = int(inj.get("signal") or signal.SIGKILL)
         sys.stderr.flush()
         sys.stdout.flush()
@@ -112,18 +106,6 @@ def send(kind: str, step: int | None = None, detail: str | None = None) -> None:
     if not _state:
         _setup()
     _send(kind, step, detail)
-
-
-def inject_point(point: str, step: int, *, group: int | None = None, chunk: int | None = None,
-                 garbage=None) -> None:
-    """Fire this generation's injections planned at `point` (a name in contract.INJECT_POINTS)
-    of `step`, narrowed to protection `group` / `chunk` where the spec names them.  `garbage`:
-    a callable that overwrites the current chunk, called before the signal of a `garbage=1`
-    spec.  A kill does not return; a `pages` spec returns after the pages are gone."""
-    if not _state:
-        _setup()
-    if _state["plan"]:
-        _fire_step_injections(step, point, group, chunk, garbage)
 
 
 def heartbeat(step: int | None = None) -> None:
