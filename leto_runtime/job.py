@@ -57,8 +57,8 @@ from leto_runtime.context import Context
 from leto_runtime.faults import Faults
 from leto_runtime.rmu import adamw as A
 from leto_runtime.rmu.marker import Phase
-from leto_runtime.rmu.recovery import Progress, RecoveryError, repair, resume_point
-from leto_runtime.rmu.states import MARKER, Geometry, Layout, open_states, pick_chunk_pages
+from leto_runtime.rmu.recovery import Progress, RecoveryError, prepare
+from leto_runtime.rmu.states import Geometry, Layout, open_states, pick_chunk_pages
 from leto_runtime.rmu.updater import Updater
 
 _JOB: "Job | None" = None
@@ -290,40 +290,10 @@ class Job:
     def _prepare(self) -> int:
         """Initialize (first trainer) or recover (every later one); returns the first step."""
         ss, up = self.ss, self.updater
-        client = ss.client
         try:
-            if client is not None and not ss.created:
-                self.faults.fire("recovery.localize", step=None)
-                t0 = time.monotonic()
-                loc = client.localize()
-                if any(m.unmapped for m in loc.marks.values()):
-                    client.remap()
-                lost = loc.failed()
-                from leto_runtime.rmp.reconstruct import reconstruct
-                reconstruct(client, [MARKER], clear=True)
-                self._phase("localize", time.monotonic() - t0, pages=lost)
-            rec = up.marker.read()
-            if not rec.initialized:
-                self._initialize()
-                rec = up.marker.rec
-            t0 = time.monotonic()
-            mine = Progress.of(self.rank, rec)
-            progress = self._gather(mine)
-            res = resume_point(progress)
-            self._phase("agree", time.monotonic() - t0, resume=res.action, step=res.t,
-                        reason=res.reason)
-            if not ss.created:
-                self.faults.fire("recovery.reconstruct", step=None)
-                t0 = time.monotonic()
-                need = res.action == "finish" and rec.done_step < res.t
-                rep = repair(ss, rec, need_grads=need, updater=up, transactions=self.transactions)
-                self._phase("reconstruct", time.monotonic() - t0, pages=rep.pages,
-                            undo=rep.restored_from_undo, undefined=rep.undefined)
-            if res.action == "finish":
-                self.faults.fire("recovery.finish", step=res.t)
-                t0 = time.monotonic()
-                up.resume(res.t, res.coef_bits)
-                self._phase("finish", time.monotonic() - t0, step=res.t)
+            res, _ = prepare(ss, up, rank=self.rank, initialize=self._initialize,
+                             gather=self._gather, fire=self.faults.fire, phase=self._phase,
+                             transactions=self.transactions)
         except Exception as e:
             from leto_runtime.rmp.reconstruct import Unrecoverable
             if isinstance(e, (RecoveryError, Unrecoverable)):

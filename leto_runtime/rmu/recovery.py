@@ -14,6 +14,11 @@
    Feasibility is decided for every group before anything is written: more losses than a group
    tolerates raise `leto_runtime.rmp.Unrecoverable` and nothing is overwritten.
 
+`prepare(...)` strings the steps together for a trainer that has just attached: localize and
+remap, rebuild and read the marker, initialize a state that never was, agree on the resume
+point across ranks, repair, finish the interrupted update.  `leto_runtime.job` calls it; so do
+the RMU crash tests, so they exercise the same sequence.
+
 Calling contract: `repair` runs after `RmpClient.localize()` and `remap()` (and after the marker
 itself was reconstructed and read).  It returns a `RepairReport`.
 """
@@ -27,7 +32,7 @@ import torch
 from leto_runtime.rmp.reconstruct import (GroupLoss, ReconstructReport, Unrecoverable,
                                           _feasible, _repair_group)
 from leto_runtime.rmu.marker import GState, Phase, Record
-from leto_runtime.rmu.states import QBUF, UNDO, StateSet
+from leto_runtime.rmu.states import MARKER, QBUF, UNDO, StateSet
 
 
 class RecoveryError(RuntimeError):
@@ -226,6 +231,55 @@ def _decode_with_q(ss: StateSet, i: int, loss: GroupLoss, auth: int, updater) ->
             [None if r in loss.p1 else q[r] for r in range(len(q))]
     out = {**{j: rows[j] for j in lost_d}, **{g.k + r: q[r] for r in loss.p1}}
     updater.code(g.k).decode(pages, out=out)
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+def prepare(ss: StateSet, up, *, rank: int, initialize, gather=None, fire=_noop, phase=_noop,
+            transactions: bool = True, backend: str = "auto"):
+    """Initialize (first trainer) or recover (every later one) the states `ss` of updater `up`.
+
+    initialize(): writes the initial values, encodes parity and marks the marker initialized.
+    gather(Progress) -> list[Progress]: every rank's progress (one rank: `[mine]`).
+    fire(point, step=...): fault injection at `recovery.*` points.  phase(name, seconds, **f):
+    the recovery report.  Returns (Resume, RepairReport | None); raises RecoveryError or
+    leto_runtime.rmp.Unrecoverable when the state cannot be recovered in place."""
+    client = ss.client
+    recovering = client is not None and not ss.created
+    if recovering:
+        from leto_runtime.rmp.reconstruct import reconstruct
+        fire("recovery.localize", step=None)
+        t0 = time.monotonic()
+        loc = client.localize()
+        if any(m.unmapped for m in loc.marks.values()):
+            client.remap()
+        reconstruct(client, [MARKER], clear=True, backend=backend)
+        phase("localize", time.monotonic() - t0, pages=loc.failed())
+    rec = up.marker.read()
+    if not rec.initialized:
+        initialize()
+        rec = up.marker.rec
+    t0 = time.monotonic()
+    mine = Progress.of(rank, rec)
+    res = resume_point(gather(mine) if gather else [mine])
+    phase("agree", time.monotonic() - t0, resume=res.action, step=res.t, reason=res.reason)
+    rep = None
+    if recovering:
+        fire("recovery.reconstruct", step=None)
+        t0 = time.monotonic()
+        need = res.action == "finish" and rec.done_step < res.t
+        rep = repair(ss, rec, need_grads=need, updater=up, transactions=transactions,
+                     backend=backend)
+        phase("reconstruct", time.monotonic() - t0, pages=rep.pages, undo=rep.restored_from_undo,
+              undefined=rep.undefined)
+    if res.action == "finish":
+        fire("recovery.finish", step=res.t)
+        t0 = time.monotonic()
+        up.resume(res.t, res.coef_bits)
+        phase("finish", time.monotonic() - t0, step=res.t)
+    return res, rep
 
 
 def check_consistent(ss: StateSet, updater, states=None) -> list[str]:

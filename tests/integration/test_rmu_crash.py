@@ -87,12 +87,13 @@ def test_kill_at_rmu_operation_is_bit_exact(case, reference):
         assert res["repaired"] >= 16      # + the tier-1 page (rebuilt, or rewritten by the write-back)
 
 
-def test_second_crash_during_recovery_is_bit_exact(reference):
+@pytest.mark.parametrize("point", ["recovery.reconstruct", "recovery.finish"])
+def test_second_crash_during_recovery_is_bit_exact(point, reference):
     with SlotHarness(device="cpu", geometry=GEO, allow_wait=10) as h:
         first = {"at": "rmu.update", "step": 2, "group": 1, "chunk": 4, "garbage": True,
                  "pages": [ROW16]}
         assert run(h.socket, [first], allow=h.allow)[0] in (-9, -7)
-        again = {"at": "recovery.reconstruct", "step": 2}       # dies after repairing
+        again = {"at": point, "step": 2}     # before repairing / after it, before finishing
         assert run(h.socket, [again], allow=h.allow)[0] == -9
         rc, res, err = run(h.socket, [], allow=h.allow)
         assert rc == 0, err

@@ -18,10 +18,9 @@ import sys
 import torch
 
 from leto_runtime.rmp.client import RmpClient
-from leto_runtime.rmp.reconstruct import reconstruct
 from leto_runtime.rmu.adamw import AdamWConfig
-from leto_runtime.rmu.recovery import Progress, repair, resume_point
-from leto_runtime.rmu.states import MARKER, Geometry, Layout, open_states
+from leto_runtime.rmu.recovery import check_consistent, prepare
+from leto_runtime.rmu.states import Geometry, Layout, open_states
 from leto_runtime.rmu.updater import Updater
 
 sock, total, plan = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
@@ -38,7 +37,7 @@ client = None if local else RmpClient(sock, timeout=30)
 
 def inject(point, step=None, group=None, chunk=None, garbage=None):
     for p in plan:
-        if p["at"] != point or p["step"] != step:
+        if p["at"] != point or (not point.startswith("recovery.") and p["step"] != step):
             continue
         if p.get("group") is not None and p["group"] != group:
             continue
@@ -60,28 +59,22 @@ def inject(point, step=None, group=None, chunk=None, garbage=None):
 ss = open_states(layout, client=client, geo=GEO, device="cpu", chunk_pages=CHUNK)
 up = Updater(ss, cfg, inject=inject, backend="cpu", transactions=transactions)
 P, G = ss.flat(ss.model[0]), ss.flat(ss.grads)
-info = {"resume": None, "repaired": 0}
-if ss.created:
+
+
+def initialize():
     for st in (*ss.model, ss.grads):
         ss.flat(st).zero_()
     P[:N].copy_(torch.randn(N, generator=torch.Generator().manual_seed(7)))
     up.encode_all([*ss.model, ss.grads])
     up.marker.write(initialized=1, t=-1, phase=4)
-    start = 0
-else:
-    loc = client.localize()
-    if any(m.unmapped for m in loc.marks.values()):
-        client.remap()
-    reconstruct(client, [MARKER], backend="cpu")
-    rec = up.marker.read()
-    res = resume_point([Progress.of(0, rec)])
-    need = res.action == "finish" and rec.done_step < res.t
-    rep = repair(ss, rec, need_grads=need, updater=up, transactions=transactions, backend="cpu")
-    inject("recovery.reconstruct", step=res.t)
-    if res.action == "finish":
-        up.resume(res.t, res.coef_bits)
-    start = res.step
-    info = {"resume": [res.action, res.t], "repaired": rep.pages}
+
+
+# The trainer's own recovery sequence (leto_runtime.rmu.recovery.prepare, as job.py runs it).
+res, rep = prepare(ss, up, rank=0, initialize=initialize, fire=inject,
+                   transactions=transactions, backend="cpu")
+start = res.step
+info = {"resume": None if rep is None else [res.action, res.t],
+        "repaired": 0 if rep is None else rep.pages}
 for t in range(start, total):
     up.begin(t)
     G.zero_()
@@ -91,7 +84,5 @@ for t in range(start, total):
 h = hashlib.sha256()
 for st in ss.model:
     h.update(ss.flat(st)[:N].numpy().tobytes())
-from leto_runtime.rmu.recovery import check_consistent  # noqa: E402
-
 bad = check_consistent(ss, up)
 print(json.dumps({**info, "digest": h.hexdigest(), "parity_problems": bad}), flush=True)
