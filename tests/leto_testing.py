@@ -57,3 +57,18 @@ def pid_alive(pid: int) -> bool:
         return state != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def step_losses(d: Path, rank: int) -> dict[int, set[str]]:
+    """examples/gpt_inplace.py --out D: every loss a rank logged, per step (float.hex strings;
+    a redone step appears with each value it produced)."""
+    out: dict[int, set[str]] = {}
+    for line in (d / f"loss_{rank}.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        out.setdefault(e["step"], set()).add(e["loss"])
+    return out
+
+
+def final_digest(d: Path, rank: int) -> str:
+    """sha256 of a rank's final parameters and AdamW moments (examples/gpt_inplace.py --out D)."""
+    return json.loads((d / f"final_{rank}.json").read_text())["digest"]

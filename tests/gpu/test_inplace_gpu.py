@@ -4,33 +4,20 @@ the state managers; RMU runs on the device with its parity buffers; page loss is
 unmapping GPU pages.  Each run's recovery report is printed (-s) for the issue note."""
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from leto_testing import ROOT, base_env, events, leto_cmd, run, torchrun_cmd  # noqa: E402
+from leto_testing import (ROOT, base_env, events, final_digest, leto_cmd, run,  # noqa: E402
+                          step_losses, torchrun_cmd)
 
 SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
 STEPS = 12
 # 4 layers x 384 wide: ~7.2M parameters, 14 pages of 2 MiB per state -> groups of 8 and 6.
 MODEL = ["--model", "small", "--n-layer", "4", "--n-embd", "384", "--steps", str(STEPS)]
 GEOM = ["--data-pages", "8", "--tier1", "8", "--tier2", "1", "--chunk-pages", "2"]
-
-
-def _digests(d: Path, world: int) -> list[str]:
-    return [json.loads((d / f"final_{r}.json").read_text())["digest"] for r in range(world)]
-
-
-def _losses(d: Path, rank: int) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = {}
-    for line in (d / f"loss_{rank}.jsonl").read_text().splitlines():
-        e = json.loads(line)
-        out.setdefault(e["step"], set()).add(e["loss"])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +66,10 @@ def test_inplace_recovery_on_gpu_is_bit_exact(case, reference, tmp_path):
     report = p.stderr[p.stderr.find("Recovery report"):]
     print(f"\n=== {case} ===\n{report}")
     assert p.returncode == 0, p.stderr[-5000:]
-    assert _digests(tmp_path, world) == _digests(ref, world)
+    assert [final_digest(tmp_path, r) for r in range(world)] == \
+        [final_digest(ref, r) for r in range(world)]
     for r in range(world):
-        want, got = _losses(ref, r), _losses(tmp_path, r)
+        want, got = step_losses(ref, r), step_losses(tmp_path, r)
         assert sorted(got) == list(range(STEPS))
         assert all(v == want[s] for s, v in got.items()), f"rank {r} losses differ"
     assert any(e["event"] == "promote" for e in events(ev))

@@ -18,8 +18,7 @@ from leto_runtime.rmp import mapping
 from leto_runtime.rmp import reconstruct as R
 from leto_runtime.rmp.client import RmpClient
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# tests/gpu/conftest.py marks every test here `gpu` and skips it, with the reason, without CUDA.
 
 MiB = 1 << 20
 P = 2 * MiB

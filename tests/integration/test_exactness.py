@@ -12,27 +12,19 @@ Seeds: LETO_EXACTNESS_SEEDS (default 50) consecutive seeds from LETO_EXACTNESS_F
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
 from fault_matrix import STEPS, schedule, _pages_per_state
-from leto_testing import ROOT, base_env, events, leto_cmd, run, torchrun_cmd
+from leto_testing import (ROOT, base_env, events, final_digest, leto_cmd, run, step_losses,
+                          torchrun_cmd)
 
 SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
 FIRST = int(os.environ.get("LETO_EXACTNESS_FIRST", "0"))
 SEEDS = range(FIRST, FIRST + int(os.environ.get("LETO_EXACTNESS_SEEDS", "50")))
 PAGES = _pages_per_state()
-
-
-def _losses(d: Path, rank: int) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = {}
-    for line in (d / f"loss_{rank}.jsonl").read_text().splitlines():
-        e = json.loads(line)
-        out.setdefault(e["step"], set()).add(e["loss"])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +54,12 @@ def test_fault_schedule_is_bit_exact(seed, references, tmp_path):
     why = f"seed {seed} ({sch.category}): {' '.join(sch.injects)}\n{p.stderr[-4000:]}"
     assert p.returncode == 0, why
     for rank in range(sch.world):
-        want, got = _losses(ref, rank), _losses(tmp_path, rank)
+        want, got = step_losses(ref, rank), step_losses(tmp_path, rank)
         assert sorted(got) == list(range(STEPS)), f"rank {rank} missed steps; {why}"
         for step, values in got.items():
             assert values == want[step], f"rank {rank} step {step}: {values} != {want[step]}; {why}"
-        a = json.loads((ref / f"final_{rank}.json").read_text())["digest"]
-        b = json.loads((tmp_path / f"final_{rank}.json").read_text())["digest"]
-        assert a == b, f"rank {rank}: final model/optimizer state differs; {why}"
+        assert final_digest(ref, rank) == final_digest(tmp_path, rank), \
+            f"rank {rank}: final model/optimizer state differs; {why}"
     evs = events(ev)
     promoted = {e["generation"] for e in evs if e["event"] == "promote"}
     assert len(promoted) >= sch.expect_inplace, f"no in-place recovery happened; {why}"
@@ -87,6 +78,4 @@ def test_ablation_without_rmu_transactions_diverges(references, tmp_path):
                      str(tmp_path), "--no-transactions"), base_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     ref = references(2)
-    a = [json.loads((ref / f"final_{r}.json").read_text())["digest"] for r in range(2)]
-    b = [json.loads((tmp_path / f"final_{r}.json").read_text())["digest"] for r in range(2)]
-    assert a[1] != b[1], "without transactions the interrupted update cannot be finished exactly"
+    assert final_digest(ref, 1) != final_digest(tmp_path, 1), "without transactions the interrupted update cannot be finished exactly"

@@ -1,10 +1,10 @@
 """In-place recovery across two `leto-run --nnodes 2` agents (c10d rendezvous on 127.0.0.1):
 a rank dies on node 1; node 1's agent declares the HOF in the job's store, node 0's agent sees
 it there and promotes its own shadows too, and the GPT run stays bit-identical to torchrun."""
-import json
 import subprocess
 
-from leto_testing import ROOT, base_env, events, free_port, leto_cmd, run, torchrun_cmd
+from leto_testing import (ROOT, base_env, events, final_digest, free_port, leto_cmd, run,
+                          torchrun_cmd)
 
 SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
 STEPS = 12
@@ -41,9 +41,7 @@ def test_hof_on_one_node_promotes_shadows_on_both(tmp_path):
             pr.kill()
     assert [pr.returncode for pr in procs] == [0, 0], [o[1][-3000:] for o in outs]
     for r in range(2):
-        a = json.loads((ref / f"final_{r}.json").read_text())["digest"]
-        b = json.loads((out / f"final_{r}.json").read_text())["digest"]
-        assert a == b, f"rank {r} differs from torchrun"
+        assert final_digest(ref, r) == final_digest(out, r), f"rank {r} differs from torchrun"
     for n in (0, 1):
         evs = events(tmp_path / f"ev{n}.jsonl")
         assert any(e["event"] == "promote" and e["generation"] == 1 for e in evs), n
