@@ -46,7 +46,7 @@ from leto_runtime import contract as C
 
 DEMOTE_WAIT_S = 10.0        # SIGKILLed trainers are gone in ms; D-state stragglers are reported
 STORE_TIMEOUT_S = 30.0      # agent's worker-store client: connect and each operation
-WATCH_SLICE_S = 60.0        # watcher's store.wait slice (a timed-out wait prints c10d warnings)
+WATCH_POLL_S = 0.1          # watcher's poll of the HOF key (a non-blocking check per poll)
 MAX_SHADOW_RESPAWNS = 3     # per generation: a shadow that keeps dying is a script bug
 
 
@@ -67,15 +67,21 @@ def wait_exits(procs, timeout: float) -> list:
 
 
 class HofWatcher:
-    """Thread: bounded blocking waits on `hof_key(generation)` in the worker store; writes one
-    byte to `wake_fd` when it appears (another node declared a HOF).  Ends when the store goes
-    away (restart, end of job) or `stop()`."""
+    """Thread: polls `hof_key(generation)` in the worker store with non-blocking checks; writes
+    one byte to `wake_fd` when it appears (another node declared a HOF).  Ends when the store
+    goes away (restart, end of job) or `stop()`, which joins it.
 
-    def __init__(self, addr: str, port: int, generation, wake_fd: int, slice_s: float = WATCH_SLICE_S):
+    Why polling, not `store.wait`: a thread blocked inside the C++ wait cannot be stopped, and
+    one still in it when the agent exits aborts the process ("terminate called without an
+    active exception"); a timed-out wait also prints c10d warnings.  A check is one local TCP
+    round trip, so 10 a second cost nothing and bound the detection delay to 0.1 s."""
+
+    def __init__(self, addr: str, port: int, generation, wake_fd: int,
+                 poll_s: float = WATCH_POLL_S):
         self.addr, self.port, self.generation, self.wake_fd = addr, port, generation, wake_fd
-        self.slice = datetime.timedelta(seconds=slice_s)
+        self.poll = poll_s
         self.advanced = threading.Event()
-        self._stop = False
+        self._stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="leto-hof-watcher", daemon=True)
         self.thread.start()
 
@@ -85,27 +91,28 @@ class HofWatcher:
                                   timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
         except Exception:
             return
-        while not self._stop:
+        while not self._stopped.is_set():
             g = self.generation()
             try:
-                store.wait([C.hof_key(g)], self.slice)
-            except dist.DistNetworkError:
-                return                      # the store is gone
-            except dist.DistStoreError:
-                continue                    # a slice timed out
+                seen = store.check([C.hof_key(g)])
             except Exception:
-                return
+                return                      # the store is gone
+            if not seen:
+                self._stopped.wait(self.poll)
+                continue
             try:
                 os.write(self.wake_fd, b"h")
             except OSError:
                 return
-            while not self._stop and self.generation() == g:
+            while not self._stopped.is_set() and self.generation() == g:
                 self.advanced.wait(1.0)     # until the agent handled generation g
                 self.advanced.clear()
 
-    def stop(self) -> None:
-        self._stop = True
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
         self.advanced.set()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
 
 class InplaceRecovery:

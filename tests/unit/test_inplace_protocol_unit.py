@@ -52,7 +52,7 @@ def server():
 def test_watcher_wakes_on_the_hof_key_of_the_current_generation(server):
     r, w = os.pipe()
     gen = {"g": 2}
-    watcher = HofWatcher("127.0.0.1", server.port, lambda: gen["g"], w, slice_s=5)
+    watcher = HofWatcher("127.0.0.1", server.port, lambda: gen["g"], w)
     try:
         server.set(C.hof_key(1), "old generation: ignored")
         assert select.select([r], [], [], 0.5)[0] == []
@@ -61,6 +61,7 @@ def test_watcher_wakes_on_the_hof_key_of_the_current_generation(server):
         assert os.read(r, 8) == b"h"
     finally:
         watcher.stop()
+        assert not watcher.thread.is_alive()           # stop() ends and joins the thread
         os.close(r)
         os.close(w)
 
