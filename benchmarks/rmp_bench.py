@@ -98,8 +98,16 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-reconstruct", action="store_true", help="only the retained-state part")
     ap.add_argument("--no-compare", action="store_true",
                     help="skip the same-run reconstruction with the staged (old) path")
+    ap.add_argument("--probe", choices=("auto", "python"), default="auto",
+                    help="python: the cuda-python probe loop (no parity extension needed)")
+    ap.add_argument("--map-variants", default="python:1:batch,native:1:batch,native:4:once,"
+                    "native:8:once",
+                    help="cold-attach variants measured next to the default path: "
+                         "PATH:THREADS:GRANT (grant = once | batch), comma-separated")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if a.probe == "python":
+        mapping._probe_fn = False
 
     cuda = torch.cuda.is_available() and a.device != "cpu"
     device = ("cuda:0" if a.device == "auto" else a.device) if cuda else "cpu"
@@ -188,7 +196,13 @@ def main(argv=None) -> int:
         if probe_t4:
             res["probe_native_4threads_per_1000_pages_s"] = stats(probe_t4)
         res["localize_pages"] = nbytes // page
+        res["attach_path"] = {"path": mapping.MAP_PATH, "threads": mapping.MAP_THREADS,
+                              "grant_once": mapping.GRANT_ONCE, "batch": mapping.MAP_BATCH,
+                              "native": mapping.MAP_PATH == "native" and mapping._native_map() is not None}
         log(f"attach {res['attach_map_s']}, localize/1000 {res['localize_per_1000_pages_s']}")
+        if cuda and a.map_variants:
+            res["attach_variants"] = bench_variants(slot, a.map_variants, a.repeats)
+        res.update(bench_preattached(slot, a.repeats, page))
         c = RmpClient(slot.socket)
         c.release("bench.retained")
         c.close()
@@ -261,6 +275,101 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2, default=str)
     return 0 if ok else 1
+
+
+def bench_variants(slot, spec: str, repeats: int) -> dict:
+    """Cold attach of bench.retained per mapping variant (same run, same pages): the
+    cuda-python reference and the native loop with threads / grant once or per batch."""
+    out = {}
+    saved = (mapping.MAP_PATH, mapping.MAP_THREADS, mapping.GRANT_ONCE)
+    try:
+        for v in [x for x in spec.split(",") if x]:
+            path, threads, grant = v.split(":")
+            mapping.MAP_PATH, mapping.MAP_THREADS = path, int(threads)
+            mapping.GRANT_ONCE = grant == "once"
+            att, unm = [], []
+            for r in range(repeats + 1):
+                c = RmpClient(slot.socket)
+                t0 = time.perf_counter()
+                st = c.attach("bench.retained")
+                t = st.tensor(dtype="uint8")
+                t1 = time.perf_counter()
+                if r == 0:
+                    assert int(t[-1]) == int(t[-1])           # readable to the last byte
+                    assert int(t[st.page_bytes - 1]) == 1      # written by the first attach
+                del t
+                t2 = time.perf_counter()
+                c.close()
+                t3 = time.perf_counter()
+                if r:
+                    att.append(t1 - t0)
+                    unm.append(t3 - t2)
+            out[v] = {"attach_s": stats(att), "unmap_s": stats(unm)}
+            log(f"cold attach {v}: {out[v]['attach_s']}")
+    finally:
+        mapping.MAP_PATH, mapping.MAP_THREADS, mapping.GRANT_ONCE = saved
+    return out
+
+
+def bench_preattached(slot, repeats: int, page: int) -> dict:
+    """The recovery path of a shadow that pre-attached bench.retained while it waited:
+    `refresh()` with nothing changed; `refresh()` after another trainer remapped 16 pages
+    (re-imported in place); and 16 pages retired while it waited: refresh (drops them) +
+    localize + remap (fresh memory mapped in place), each timed; plus the cold attach."""
+    shadow = RmpClient(slot.socket)
+    t0 = time.perf_counter()
+    st = shadow.attach("bench.retained")
+    cold = time.perf_counter() - t0
+    view = st.tensor(dtype="uint8")
+    other = RmpClient(slot.socket)                     # the trainer that recovers first
+    other.attach("bench.retained")
+    same, changed, full, full_parts = [], [], [], []
+    n = st.n_pages
+    for r in range(repeats + 1):
+        t0 = time.perf_counter()
+        rep = shadow.refresh()
+        t1 = time.perf_counter()
+        assert rep.same == ["bench.retained"], rep
+        first = (r * 1009) % (n - 16)
+        other.inject_pages(tier="device", state="bench.retained", first=first, count=16)
+        loc = other.localize()
+        assert loc.marks["bench.retained"].data == list(range(first, first + 16)), loc.marks
+        other.remap()
+        t2 = time.perf_counter()
+        rep = shadow.refresh()
+        t3 = time.perf_counter()
+        assert rep.changed == {"bench.retained": 16}, rep
+        assert st._data.probe(list(range(first, first + 16))) == []
+        first = (r * 2003 + 500) % (n - 16)
+        inj = RmpClient(slot.socket)
+        how = inj.inject_pages(tier="device", state="bench.retained", first=first,
+                               count=16)["emulation"]
+        inj.close()
+        t4 = time.perf_counter()
+        rep = shadow.refresh()
+        t5 = time.perf_counter()
+        loc = shadow.localize()
+        t6 = time.perf_counter()
+        shadow.remap()
+        t7 = time.perf_counter()
+        assert rep.dropped == ({"bench.retained": 16} if how == "retired" else {}), rep
+        assert loc.marks["bench.retained"].data == list(range(first, first + 16)), loc.marks
+        other.refresh()                                # keep the other mapping current
+        if r:
+            same.append(t1 - t0)
+            changed.append(t3 - t2)
+            full.append(t7 - t4)
+            full_parts.append({"refresh": t5 - t4, "localize": t6 - t5, "remap": t7 - t6})
+    del view
+    other.close()
+    shadow.close()
+    med = lambda k: statistics.median(p[k] for p in full_parts)
+    out = {"preattach_cold_attach_s": cold, "refresh_nothing_changed_s": stats(same),
+           "refresh_16_remapped_s": stats(changed), "shadow_recovery_16_retired_s": stats(full),
+           "shadow_recovery_16_retired_parts_median_s": {k: med(k) for k in full_parts[0]}}
+    log(f"pre-attached: refresh {out['refresh_nothing_changed_s']}, 16 remapped "
+        f"{out['refresh_16_remapped_s']}, 16 retired + localize + remap {out['shadow_recovery_16_retired_s']}")
+    return out
 
 
 def run_reconstruct(slot, a, D, gid, ref, repeats=None, first_shift=0):
@@ -348,6 +457,16 @@ def report_md(res: dict) -> None:
                          res["probe_python_per_1000_pages_s"], None))
         if "probe_native_4threads_per_1000_pages_s" in res:
             rows.append(("probe per 1,000 pages, native, 4 threads", res["probe_native_4threads_per_1000_pages_s"], None))
+        for v, d in (res.get("attach_variants") or {}).items():
+            rows.append((f"cold attach/map {gib:g} GiB, variant {v} (path:threads:grant)", d["attach_s"], None))
+            rows.append((f"unmap, variant {v}", d["unmap_s"], None))
+        if "refresh_nothing_changed_s" in res:
+            rows.append((f"attach on the recovery path, pre-attached {gib:g} GiB: refresh, nothing changed",
+                         res["refresh_nothing_changed_s"], 0.100))
+            rows.append((f"attach on the recovery path, pre-attached {gib:g} GiB: refresh, 16 pages remapped elsewhere",
+                         res["refresh_16_remapped_s"], 0.100))
+            rows.append(("pre-attached shadow, 16 pages retired while waiting: refresh + localize + remap",
+                         res["shadow_recovery_16_retired_s"], None))
     if "reconstruct_16_pages_s" in res:
         rows.append((f"reconstruct 16 pages, {res['group_bytes'] / GiB:g} GiB group",
                      res["reconstruct_16_pages_s"], 0.005))
@@ -378,6 +497,12 @@ def report_md(res: dict) -> None:
         if res.get(key):
             print(f"{title} (ms, each synchronized): " +
                   ", ".join(f"{n} {v * 1e3:.3f}" for n, v in res[key].items()))
+    if "shadow_recovery_16_retired_parts_median_s" in res:
+        print("pre-attached shadow, 16 retired pages, parts (median ms): " + ", ".join(
+            f"{k} {v * 1e3:.3f}" for k, v in res["shadow_recovery_16_retired_parts_median_s"].items())
+            + f"; its own cold pre-attach took {res['preattach_cold_attach_s'] * 1e3:.0f} ms")
+    if "attach_path" in res:
+        print(f"default attach path: {res['attach_path']}")
     if "probe_native" in res:
         print(f"device probe: {'native (cuda/rmp_probe.cpp)' if res['probe_native'] else 'cuda-python loop'}")
     if "error" in res:

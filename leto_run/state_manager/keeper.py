@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import selectors
 import sys
 import threading
 import time
+import weakref
 from typing import Callable
 
 from leto_run.state_manager.metadata import Geometry
@@ -45,6 +47,13 @@ from leto_runtime.rmp import protocol as P
 
 KEEPER_TIMEOUT = 30.0
 _FD_RESERVE = 128
+# Every keeper of this process (the agent: one per rank slot) draws on the one RLIMIT_NOFILE,
+# so a keeper's capacity is what the limit leaves after all of them.
+_KEEPERS: "weakref.WeakSet[FdKeeper]" = weakref.WeakSet()
+
+
+def fds_held_by_keepers() -> int:
+    return sum(len(k._fds) for k in list(_KEEPERS))
 
 
 def sm_socket_path(run_dir: str, slot: int) -> str:
@@ -110,6 +119,7 @@ class FdKeeper:
         self._conn = None
         self._conn_pid: int | None = None
         self.restores = 0                    # how many state managers got memory back from us
+        _KEEPERS.add(self)
         self._write_allow()
         self._listen = P.bind_private(self.path, backlog=4)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
@@ -159,6 +169,7 @@ class FdKeeper:
         with self._lock:
             P.close_fds(list(self._fds.values()))
             self._fds.clear()
+        _KEEPERS.discard(self)
         for p in (self.path, self.allow_path):
             try:
                 os.unlink(p)
@@ -176,7 +187,15 @@ class FdKeeper:
         os.replace(tmp, self.allow_path)
 
     def _capacity(self) -> int:
-        return max(0, self.nofile[0] - len(self._fds) - _FD_RESERVE)
+        """fds this keeper may still take: the process's soft limit minus what every keeper
+        here holds, minus a reserve per keeper (sockets, logs, the agent's own files)."""
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return max(0, soft - fds_held_by_keepers() - _FD_RESERVE * max(1, len(_KEEPERS)))
+
+    def _limits(self) -> dict:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return {"capacity": self._capacity(), "held_total": fds_held_by_keepers(),
+                "keepers": len(_KEEPERS), "nofile": [soft, hard]}
 
     def _loop(self) -> None:
         sel = selectors.DefaultSelector()
@@ -278,7 +297,7 @@ class FdKeeper:
                 if self._snapshot is not None:
                     self.restores += 1
                 return ({"ok": True, "snapshot": self._snapshot, "ids": ids,
-                         "capacity": self._capacity()}, [self._fds[i] for i in ids])
+                         **self._limits()}, [self._fds[i] for i in ids])
             if op == "put":
                 ids = P.arg(h, "ids", list, check=lambda v: all(
                     isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in v))
@@ -289,7 +308,7 @@ class FdKeeper:
                     if old is not None:
                         os.close(old)
                     self._fds[pid] = fd
-                return {"ok": True, "held": len(self._fds), "capacity": self._capacity()}, []
+                return {"ok": True, "held": len(self._fds), **self._limits()}, []
             if msg.fds:
                 raise P.BadFds(f"{op} carries no fds")
             if op == "commit":
@@ -300,7 +319,7 @@ class FdKeeper:
                     if fd is not None:
                         os.close(fd)
                 self._snapshot = snap
-                return {"ok": True, "held": len(self._fds), "capacity": self._capacity()}, []
+                return {"ok": True, "held": len(self._fds), **self._limits()}, []
             if op == "ready":
                 self._ready.set()
                 return {"ok": True}, []
@@ -314,6 +333,7 @@ class KeeperLink:
         self.path, self.timeout = path, timeout
         self.sock = P.connect(path, deadline=time.monotonic() + timeout)
         self.capacity = 0
+        self.limits: dict = {}
 
     def _call(self, header: dict, fds: list[int] | None = None, max_fds: int = 0) -> P.Message:
         deadline = time.monotonic() + self.timeout
@@ -329,6 +349,8 @@ class KeeperLink:
             raise
         if "capacity" in msg.header:
             self.capacity = int(msg.header["capacity"])
+            self.limits = {k: msg.header[k] for k in ("held_total", "keepers", "nofile")
+                           if k in msg.header}
         return msg
 
     def hello(self, max_fds: int) -> tuple[dict | None, dict[int, int]]:
@@ -342,7 +364,15 @@ class KeeperLink:
 
     def commit(self, put: dict[int, int], drop: list[int], snapshot: dict) -> None:
         if put and len(put) > self.capacity:
-            raise P.FdLimit(f"the keeper can hold {self.capacity} more fds, {len(put)} needed")
+            held = int(self.limits.get("held_total", 0))
+            hard = (self.limits.get("nofile") or [0, 0])[1]
+            n = int(self.limits.get("keepers", 1))
+            need = held + len(put) + _FD_RESERVE * max(1, n)
+            raise P.FdLimit(f"the agent's fd keeper can take {self.capacity} more fds, "
+                            f"{len(put)} needed ({held} held by the {n} keeper(s) of this "
+                            f"node): " + P.nofile_fix(need, hard, "the agent (fd keepers of "
+                                                      "every rank slot of this node)"),
+                            {"capacity": self.capacity, "need": need, "hard": hard})
         if put:
             ids = list(put)
             self._call({"op": "put", "ids": ids}, [put[i] for i in ids])

@@ -13,6 +13,10 @@ retained state, mark every unavailable page as `failed` + `needs_remap`.  Three 
    CONFIG_MEMORY_FAILURE nothing can be poisoned for real, so this finds nothing there.
 3. **The poison registry**: host pages that `inject` destroyed (`poisoned` flag), consulted next
    to the scan, because (2) cannot see emulated poison.
+4. **Pages the pool holds no memory for** (`retired`: an emulated GPU retirement dropped the
+   fd).  A trainer that mapped the state *before* the fault (a shadow that pre-attached) still
+   maps the old physical page and its probe finds it; the pool knows the page is gone, so it
+   is lost whatever that probe says (`RmpClient.refresh` also drops it from such a mapping).
 
 Calling contract: `localize(pool, device_failures)` runs with the pool lock held; it validates
 the client's indices, persists the marks through the keeper, and returns every state's marks
@@ -46,6 +50,8 @@ def localize(pool, device_failures: dict[str, list[int]]) -> dict:
     for f in list(meta.flags.values()):
         if f.poisoned:                             # the poison registry (injected faults)
             f.failed = f.needs_remap = True
+        if f.retired:                              # the pool holds no memory for it any more:
+            f.failed = f.needs_remap = True        # lost, whoever still maps the old page
     t2 = time.perf_counter()
     meta.version += 1
     pool._commit()

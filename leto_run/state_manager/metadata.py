@@ -17,6 +17,14 @@ Page flags:
                poison pages for real); consulted next to the madvise scan
   retired      emulated GPU page retirement: the page has no fd any more (see pool.py)
 
+Page epochs (what a pre-attached mapping needs to catch up, `Pool.changes`): `epochs[pid]` is
+the `version` at which page `pid`'s physical memory last changed *under the same state* -- a
+remap gave it a fresh fd, an emulated GPU retirement dropped its fd, a restart found no kept
+fd for it.  A client that mapped a state at version v re-imports exactly the pages whose epoch
+is > v.  A state's `uid` is its first page id (page ids are never reused), so a state released
+and re-created under the same name is told apart.  `epoch_floor`: a mapping older than this
+must re-import everything (set when a snapshot without epochs was restored).
+
 Calling contract: not thread-safe on its own (the pool holds a lock); `from_snapshot` validates
 everything it reads and raises `SnapshotError` rather than guess.
 """
@@ -102,6 +110,11 @@ class State:
     data: list[int]              # page ids, in address order
     groups: list[Group] = field(default_factory=list)
 
+    @property
+    def uid(self) -> int:
+        """Stable identity of this incarnation of the state (its first page id, never reused)."""
+        return self.data[0]
+
     def to_json(self) -> dict:
         return {"name": self.name, "nbytes": self.nbytes, "kind": self.kind,
                 "protected": self.protected, "tier": self.tier, "page_bytes": self.page_bytes,
@@ -161,6 +174,8 @@ class PoolMeta:
         self.next_page = 1
         self.next_group = 0
         self.version = 0
+        self.epochs: dict[int, int] = {}   # page id -> version of its last memory change
+        self.epoch_floor = 0               # mappings older than this re-import everything
 
     # ---- construction ----------------------------------------------------------------------
     def new_page_id(self) -> int:
@@ -195,8 +210,24 @@ class PoolMeta:
         for pid in ids:
             self.where.pop(pid, None)
             self.flags.pop(pid, None)
+            self.epochs.pop(pid, None)
         self.version += 1
         return ids
+
+    def touch(self, pids) -> int:
+        """Record that the memory behind `pids` changed: one new version, their epoch."""
+        self.version += 1
+        for pid in pids:
+            if pid in self.where:
+                self.epochs[pid] = self.version
+        return self.version
+
+    def changed_since(self, st: State, version: int) -> list[int] | None:
+        """Page ids of `st` whose memory changed after `version`; None: re-import everything."""
+        if version < self.epoch_floor:
+            return None
+        return [pid for pid, v in self.epochs.items()
+                if v > version and self.where[pid].state == st.name]
 
     def _index_state(self, st: State) -> None:
         covered = set()
@@ -271,7 +302,9 @@ class PoolMeta:
                 "geometry": self.geometry.to_json(), "device_page_bytes": self.device_page_bytes,
                 "next_page": self.next_page, "next_group": self.next_group,
                 "states": [st.to_json() for st in self.states.values()],
-                "flags": {str(pid): f.to_json() for pid, f in self.flags.items()}}
+                "flags": {str(pid): f.to_json() for pid, f in self.flags.items()},
+                "epochs": {str(pid): v for pid, v in self.epochs.items()},
+                "epoch_floor": self.epoch_floor}
 
     @classmethod
     def from_snapshot(cls, d: dict) -> "PoolMeta":
@@ -295,6 +328,14 @@ class PoolMeta:
             for k, v in d["flags"].items():
                 if int(k) in meta.where:
                     meta.flags[int(k)] = Flags.from_json(v)
+            if "epochs" in d:
+                for k, v in d["epochs"].items():
+                    if int(k) in meta.where:
+                        meta.epochs[int(k)] = int(v)
+                meta.epoch_floor = int(d.get("epoch_floor", 0))
+            else:                  # an older snapshot: no page history, so nothing is current
+                meta.version += 1
+                meta.epoch_floor = meta.version
         except SnapshotError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as e:

@@ -24,7 +24,10 @@ real ones):
 * GPU page: the state manager drops its fd and the keeper's (emulated retirement: the physical
   page goes away with the last live mapping); the next importer gets no mapping for that page,
   and cuPointerGetAttribute fails on it.  Live mappings keep working until their process ends:
-  a GPU page fault takes effect at the next attach.
+  a GPU page fault takes effect at the next attach -- or, for a mapping made before the fault
+  (a pre-attached shadow), at its `refresh` (the page's epoch moved; it is unmapped there), and
+  `localize` marks it lost in any case (the pool holds no memory for it).  CPU tests get this
+  emulation for stand-in pages with LETO_SM_FAULT_EMULATION=retire.
 
 Calling contract: every public method is called with `self.lock` held by the server (one
 operation at a time); errors are `leto_runtime.rmp.protocol` typed errors.
@@ -43,6 +46,9 @@ from leto_runtime.rmp import protocol as P
 from leto_runtime.rmp.mapping import HostMapping
 
 FD_RESERVE = 64 + 2 * P.MAX_FDS_PER_MESSAGE      # sockets, logs and one fd train in flight
+# Tests: LETO_SM_FAULT_EMULATION=retire makes CPU stand-in device pages fail as GPU pages do
+# (fd dropped, memory alive in live mappings) instead of truncated.
+FAULT_EMULATION_ENV = "LETO_SM_FAULT_EMULATION"
 
 
 def scramble(fd: int, nbytes: int) -> None:
@@ -224,11 +230,16 @@ class Pool:
                 os.close(fd)
 
     def _fd_budget(self, more: int) -> None:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if len(self.fds) + more + FD_RESERVE > soft:
-            raise P.FdLimit(f"{more} more pages would exceed RLIMIT_NOFILE={soft} "
-                            f"({len(self.fds)} page fds held); raise the limit (ulimit -n) or "
-                            "use larger pages", {"held": len(self.fds), "limit": soft})
+        need = len(self.fds) + more + FD_RESERVE
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if need <= soft:
+            return
+        try:
+            P.check_nofile(need, "the state manager")
+        except P.FdLimit as e:
+            raise P.FdLimit(f"{more} more pages would exceed RLIMIT_NOFILE "
+                            f"({len(self.fds)} page fds held): {e.message}",
+                            {**e.details, "held": len(self.fds), "limit": e.details["soft"]}) from None
 
     def _scan_map(self, st: State) -> None:
         ids = ([pid for pid in st.data] if st.tier == "host" else []) + \
@@ -251,6 +262,8 @@ class Pool:
         for p in missing:
             f = self.meta.flag(p)
             f.failed = f.needs_remap = True
+        if missing:
+            self.meta.touch(missing)                  # mappings elsewhere must drop them too
         for st in self.meta.states.values():
             self._scan_map(st)
         self._commit(drop=[p for p in fds if p not in want])
@@ -326,8 +339,45 @@ class Pool:
              "groups": [{"id": g.id, "first": g.first, "k": g.k, "p1": [slot(p) for p in g.p1],
                          "p2": [slot(p) for p in g.p2]} for g in st.groups],
              "marks": self.meta.marks(st), "geometry": self.meta.geometry.to_json(),
-             "device": self.device.info()}
+             "device": self.device.info(), "uid": st.uid, "version": self.meta.version}
         return d, fds
+
+    def changes(self, mapped: list[tuple[str, int, int]], max_pages: int) -> tuple[dict, list[int]]:
+        """What changed for mappings made at `version` (one (name, uid, version) per state);
+        at most `max_pages` pages are listed in all (the rest of the states say ``stale``).
+
+        Per state: ``same``; ``changed`` with ``pages`` = [[role, group, index, slot]] (slot:
+        position of its current fd in the reply's fd train, -1 = the pool holds no memory for
+        it: the mapping must drop it); ``stale`` (more than `max_pages` pages changed, or the
+        mapping predates the history: re-attach); ``recreated`` (released and allocated again:
+        other pages, re-attach); ``gone`` (released).  `names`: every state in the pool now.
+        """
+        fds: list[int] = []
+        out: dict[str, dict] = {}
+        for name, uid, version in mapped:
+            st = self.meta.states.get(name)
+            if st is None:
+                out[name] = {"status": "gone"}
+                continue
+            if st.uid != uid:
+                out[name] = {"status": "recreated"}
+                continue
+            pids = self.meta.changed_since(st, version)
+            if pids is None or len(pids) > max_pages:
+                out[name] = {"status": "stale"}
+                continue
+            max_pages -= len(pids)                 # a budget for the whole reply (its size)
+            pages = []
+            for pid in sorted(pids):
+                w = self.meta.where[pid]
+                fd = self.fds.get(pid)
+                if fd is not None:
+                    fds.append(fd)
+                pages.append([w.role, w.group, w.index, -1 if fd is None else len(fds) - 1])
+            out[name] = {"status": "changed" if pages else "same", "pages": pages,
+                         "marks": self.meta.marks(st)}
+        return {"states": out, "names": sorted(self.meta.states),
+                "version": self.meta.version}, fds
 
     def release(self, name: str) -> int:
         st = self.state(name)
@@ -343,8 +393,12 @@ class Pool:
 
         return localize(self, device_failures)
 
-    def remap(self, names: list[str] | None) -> tuple[list[dict], list[int]]:
-        """Fresh physical memory for every page that needs it; returns (entries, new fds)."""
+    def remap(self, names: list[str] | None,
+              mapped: list[tuple[str, int, int]] = ()) -> tuple[list[dict], list[int], dict]:
+        """Fresh physical memory for every page that needs it; returns (entries, new fds,
+        current).  `mapped`: the caller's mappings as (name, uid, version); `current` names the
+        version each of them matches once it maps these entries (only where nothing else
+        changed since its version), so its next `refresh` does not re-import them."""
         todo = [(pid, w) for pid, w in self.meta.where.items()
                 if (names is None or w.state in names) and
                 (self.meta.flags.get(pid) and self.meta.flags[pid].needs_remap)]
@@ -377,9 +431,14 @@ class Pool:
             out.append(new[pid])
             entries.append({**w.describe(), "fd": len(out) - 1, "contents": "reconstruct"
                             if st.protected else "undefined"})
-        self.meta.version += 1
+        prior = {n: self.meta.changed_since(self.meta.states[n], v)
+                 for n, uid, v in mapped if n in self.meta.states
+                 and self.meta.states[n].uid == uid}
+        v = self.meta.touch([pid for pid, _ in todo])  # other mappings of these pages are stale
         self._commit(put=new)
-        return entries, out
+        done = set(new)
+        current = {n: v for n, pids in prior.items() if pids is not None and set(pids) <= done}
+        return entries, out, current
 
     def all_marks(self) -> dict:
         return {n: self.meta.marks(st) for n, st in self.meta.states.items()}
@@ -428,7 +487,10 @@ class Pool:
             raise P.BadArgument(f"inject: pages {first}..{first + count - 1} of {part} exceed the "
                                 f"{len(pool_ids)} available")
         how = self._fault_pages(ids, st)
-        self.meta.version += 1
+        if how == "retired":
+            self.meta.touch(ids)       # no memory behind them now: mappings elsewhere drop them
+        else:
+            self.meta.version += 1
         self._commit(drop=[pid for pid in ids if how == "retired"])
         report = [{**self.meta.where[pid].describe(), "page_id": pid} for pid in ids]
         self.log(f"injected fault: {count} {part} page(s) of state {st.name!r} "
@@ -442,7 +504,7 @@ class Pool:
                     scramble(self.fds[pid], st.page_bytes)
                 self.meta.flag(pid).poisoned = True
             return "poison-registry"
-        if self.device.kind == "memfd":
+        if self.device.kind == "memfd" and os.environ.get(FAULT_EMULATION_ENV) != "retire":
             for pid in ids:
                 if pid in self.fds:
                     scramble(self.fds[pid], st.page_bytes)

@@ -19,10 +19,16 @@ Requests (`protocol.OPS`), each a JSON header ``{"op": ..., "id": n, ...}``:
   hello                                  -> server info (version, device, geometry)
   allocate name nbytes [kind protected tier dtype shape exist_ok]
                                          -> {"created", "state"} + the state's fds
-  attach name [nbytes]                   -> {"state"} + fds  (the stable name finds the memory)
-  list                                   -> {"states"}
+  attach name [nbytes]                   -> {"state"} + fds  (the stable name finds the memory;
+                                            the state carries "uid" and "version": see refresh)
+  list                                   -> {"states", "version"}
+  refresh states [max_pages]             -> {"states": {name: {status, pages, marks}}, "names",
+                                            "version"} + one fd per changed page that has memory
+            states = [{"name", "uid", "version"}]: mappings made earlier (a shadow pre-attached
+            while it waited); the reply lists only what changed since (Pool.changes)
   localize [device_failures {name: [i]}] -> {"marks", timings}
-  remap [names]                          -> {"replaced": [...]} + one fresh fd per entry
+  remap [names mapped]                   -> {"replaced": [...], "current": {name: version}}
+                                            + one fresh fd per entry (mapped: as in refresh)
   clear_marks name                       -> {"cleared"}
   release name                           -> {"pages"}
   inject tier [count first part group state] -> {"pages", "emulation"}
@@ -44,6 +50,8 @@ from leto_run.state_manager.metadata import DTYPES
 from leto_runtime.rmp import protocol as P
 
 REPLY_TIMEOUT = 30.0
+MAX_REFRESH_STATES = 4096      # states named in one refresh request
+MAX_REFRESH_PAGES = 65536      # changed pages listed in one refresh reply (~1.5 MB of JSON)
 _ITEMSIZE = {"uint8": 1, "int8": 1, "bool": 1, "int16": 2, "float16": 2, "bfloat16": 2,
              "int32": 4, "float32": 4, "int64": 8, "float64": 8}
 
@@ -228,8 +236,15 @@ class Server:
         return {"states": [{"name": s.name, "nbytes": s.nbytes, "kind": s.kind,
                             "protected": s.protected, "tier": s.tier, "pages": len(s.data),
                             "groups": [g.id for g in s.groups], "dtype": s.dtype,
-                            "shape": s.shape, "marks": meta.marks(s)}
-                           for s in meta.states.values()]}, []
+                            "shape": s.shape, "marks": meta.marks(s), "uid": s.uid}
+                           for s in meta.states.values()], "version": meta.version}, []
+
+    def op_refresh(self, h):
+        states = self._mapped_arg(h, "states")
+        max_pages = P.arg(h, "max_pages", int, default=MAX_REFRESH_PAGES,
+                          check=lambda v: 0 <= v <= MAX_REFRESH_PAGES,
+                          what=f"an integer 0..{MAX_REFRESH_PAGES}")
+        return self.pool.changes(states, max_pages)
 
     def op_localize(self, h):
         df = P.arg(h, "device_failures", dict, default={}, check=lambda d: all(
@@ -240,8 +255,20 @@ class Server:
     def op_remap(self, h):
         names = P.arg(h, "names", list, default=None,
                       check=lambda v: all(isinstance(x, str) for x in v), what="a list of names")
-        entries, fds = self.pool.remap(names)
-        return {"replaced": entries, "marks": self.pool.all_marks()}, fds
+        mapped = self._mapped_arg(h, "mapped", default=[])
+        entries, fds, current = self.pool.remap(names, mapped)
+        return {"replaced": entries, "marks": self.pool.all_marks(), "current": current}, fds
+
+    @staticmethod
+    def _mapped_arg(h, key, **kw) -> list[tuple[str, int, int]]:
+        def ok_entry(e) -> bool:
+            return (isinstance(e, dict) and isinstance(e.get("name"), str)
+                    and _int(e.get("uid")) and _int(e.get("version")) and e["version"] >= 0)
+
+        v = P.arg(h, key, list, check=lambda v: len(v) <= MAX_REFRESH_STATES and all(
+            ok_entry(e) for e in v), what=f"a list of at most {MAX_REFRESH_STATES} "
+                                          '{"name", "uid", "version"} objects', **kw)
+        return [(e["name"], e["uid"], e["version"]) for e in v]
 
     def op_clear_marks(self, h):
         return {"cleared": self.pool.clear_marks(P.arg(h, "name", str))}, []

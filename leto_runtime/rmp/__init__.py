@@ -4,6 +4,8 @@
     c = RmpClient()                                   # LETO_SM_SOCKET (Context.sm_socket)
     w = c.retain("model.params", nbytes, dtype="float32", shape=[n])   # first: create; later: attach
     t = w.tensor()                                    # zero-copy torch view
+    c.refresh()                                       # a shadow that attached while it waited:
+                                                      # catch up at promotion (changed pages only)
     loc, rep = recover(c)                             # after a failure: localize, remap, rebuild
 
 Modules: `protocol` (wire format, typed errors), `client`, `mapping` (VA ranges on GPU/host),
@@ -16,6 +18,7 @@ import importlib
 _EXPORTS = {
     "RmpClient": "client", "RetainedState": "client", "Marks": "client",
     "LocalizeReport": "client", "FRESH_FILL": "client", "RmpError": "protocol",
+    "RefreshReport": "client",
     "reconstruct": "reconstruct", "recover": "reconstruct", "protect": "reconstruct",
     "ReconstructReport": "reconstruct", "Unrecoverable": "reconstruct",
     "NotRemapped": "reconstruct",

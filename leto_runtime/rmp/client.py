@@ -15,13 +15,22 @@ Typical use (a promoted trainer after a failure)::
     reconstruct(c)                           # leto_runtime.rmp.reconstruct: parity -> pages
     t = w.tensor()                           # zero-copy torch view (dtype/shape as allocated)
 
+A shadow trainer maps the states while it waits (attach only; it never writes them) and, at
+promotion, catches up in one round trip before the same recovery steps::
+
+    c = RmpClient(); w = c.attach("model.params")     # while waiting: the cold attach
+    ...promoted...
+    c.refresh()                              # only pages changed since then, same addresses
+    c.localize(); c.remap(); reconstruct(c)  # faults after the attach are still found here
+
 Calling contract:
 * Every call has a timeout (`timeout`, default 60 s) and raises a `protocol.RmpError` subclass:
   `UnknownName`, `SizeMismatch`, `AlreadyExists`, `NotAuthorized`, `Disconnected`, ...
 * If the state manager restarts (crash, respawn by the agent), idempotent calls (hello,
-  attach, list, localize, clear_marks, status) reconnect and retry once; the others raise
+  attach, list, localize, clear_marks, status, refresh) reconnect and retry once; the others raise
   `Disconnected` (re-attach and repeat the recovery step: every step is safe to repeat).
-* fds are mapped as they arrive and closed at once (never more than 253 open).
+* fds are mapped as they arrive and closed at once (GPU pages: in native batches of at most
+  `mapping.MAP_BATCH` fds, bounded by RLIMIT_NOFILE).
 * `RetainedState.unmap()` waits until no tensor view is alive (or raises `ViewsAlive`); the
   memory itself stays in the pool.  Only `release()` gives it back (when no mapping is left).
 * One client per thread at a time (calls are serialized by a lock).
@@ -33,10 +42,11 @@ import time
 from dataclasses import dataclass, field
 
 from leto_runtime.rmp import protocol as P
+from leto_runtime.rmp import mapping as _mapping
 from leto_runtime.rmp.mapping import CudaMapping, HostMapping
 from leto_runtime.rmp.tensors import ViewRegistry, make_tensor
 
-RETRYABLE = frozenset({"hello", "attach", "list", "localize", "clear_marks", "status"})
+RETRYABLE = frozenset({"hello", "attach", "list", "localize", "clear_marks", "status", "refresh"})
 FRESH_FILL = 0xA5          # remapped pages start as this pattern, never as stale or zero data
 
 
@@ -84,10 +94,47 @@ class LocalizeReport:
         return sum(m.count() for m in self.marks.values())
 
 
+@dataclass
+class RefreshReport:
+    """What `RmpClient.refresh` found and did (state names; page counts per state)."""
+
+    version: int                                   # the pool version the mappings now match
+    same: list[str] = field(default_factory=list)
+    changed: dict[str, int] = field(default_factory=dict)    # pages re-imported in place
+    dropped: dict[str, int] = field(default_factory=dict)    # pages unmapped: no memory left
+    reattached: list[str] = field(default_factory=list)      # every page re-imported, same VA
+    replaced: list[str] = field(default_factory=list)        # new layout: a new RetainedState
+    gone: list[str] = field(default_factory=list)            # released from the pool
+    new: list[str] = field(default_factory=list)             # in the pool, not mapped here
+    seconds: float = 0.0
+
+    @property
+    def views_invalid(self) -> list[str]:
+        """States whose tensors made before the refresh no longer show the pool's memory."""
+        return self.replaced + self.gone
+
+
+def _layout(d: dict) -> tuple:
+    return (d["n_pages"], d["page_bytes"], d["tier"], d["protected"],
+            tuple((g["first"], g["k"], len(g["p1"]), len(g["p2"])) for g in d["groups"]))
+
+
 class RetainedState:
     """One retained state mapped into this process (see the module docstring)."""
 
     def __init__(self, d: dict, device: str, geometry: dict):
+        self._describe(d, geometry)
+        self.device = device if self.tier == "device" else "cpu"
+        self.views = ViewRegistry(f"retained state {self.name!r}")
+        if self.device.startswith("cuda"):
+            self._data = CudaMapping(self.n_pages, self.page_bytes, int(self.device.split(":")[1]))
+        else:
+            self._data = HostMapping(self.n_pages, self.page_bytes)
+        per = self.h1 + self.h2
+        self._parity = HostMapping(len(self.groups) * per, self.page_bytes) if self.groups else None
+        self._plan_slots(d)
+
+    def _describe(self, d: dict, geometry: dict) -> None:
         self.name: str = d["name"]
         self.nbytes: int = d["nbytes"]
         self.kind: str = d["kind"]
@@ -97,19 +144,18 @@ class RetainedState:
         self.n_pages: int = d["n_pages"]
         self.dtype: str | None = d["dtype"]
         self.shape: list[int] | None = d["shape"]
+        self.uid: int | None = d.get("uid")            # this incarnation of the state
+        self.version: int = d.get("version", 0)        # pool version the mapping matches
+        self.layout = _layout(d)
         self.h1, self.h2 = geometry["tier1"], geometry["tier2"]
         self.groups = [GroupInfo(g["id"], i, g["first"], g["k"]) for i, g in enumerate(d["groups"])]
         self.marks = Marks.from_wire(d.get("marks"))
-        self.device = device if self.tier == "device" else "cpu"
-        self.views = ViewRegistry(f"retained state {self.name!r}")
-        if self.device.startswith("cuda"):
-            self._data = CudaMapping(self.n_pages, self.page_bytes, int(self.device.split(":")[1]))
-        else:
-            self._data = HostMapping(self.n_pages, self.page_bytes)
-        per = self.h1 + self.h2
-        self._parity = HostMapping(len(self.groups) * per, self.page_bytes) if self.groups else None
+
+    def _plan_slots(self, d: dict) -> None:
         # fd slot (position in the reply's fd train) -> (mapping, page index)
+        per = self.h1 + self.h2
         self._slots: dict[int, tuple[object, int]] = {}
+        self._pending: list[tuple[int, int]] = []      # device fds received, not mapped yet
         for i, s in enumerate(d["data"]):
             if s >= 0:
                 self._slots[s] = (self._data, i)
@@ -121,18 +167,63 @@ class RetainedState:
                 if s >= 0:
                     self._slots[s] = (self._parity, gi * per + self.h1 + i)
 
+    def _rebind(self, d: dict, geometry: dict) -> bool:
+        """Prepare to re-import every page at the same addresses (a re-attach of a state that
+        was re-created or changed too much); False if its layout differs (a new mapping is
+        needed).  Tensor views stay valid: the addresses do not change."""
+        if _layout(d) != self.layout or not self.mapped:
+            return False
+        if self._parity is not None:
+            self._parity.unpin()
+            self._parity.unmap_pages(list(self._parity.mapped))
+        self._data.unmap_pages(list(self._data.mapped))
+        self._describe(d, geometry)
+        self._plan_slots(d)
+        return True
+
+    def _page_pos(self, role: str, group: int | None, index: int) -> tuple[object, int]:
+        if role == "data":
+            return self._data, index
+        per = self.h1 + self.h2
+        return self._parity, group * per + index + (self.h1 if role == "p2" else 0)
+
+    def _batch_limit(self) -> int:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return max(P.MAX_FDS_PER_MESSAGE, min(_mapping.MAP_BATCH, (soft - 1024) // 2))
+
     def _map_batch(self, fds: list[int], offset: int) -> None:
         by_map: dict[int, tuple[object, list]] = {}
+        defer = self._data.kind == "cuda"
         for j, fd in enumerate(fds):
             m, i = self._slots.get(offset + j, (None, None))
             if m is None:
                 P.close_fds([fd])
                 continue
+            if defer and m is self._data:
+                self._pending.append((i, fd))
+                continue
             by_map.setdefault(id(m), (m, []))[1].append((i, fd))
         for m, pairs in by_map.values():
             m.map_pages(pairs)
+        if len(self._pending) >= self._batch_limit():
+            self._flush()
+
+    def _flush(self) -> None:
+        pairs, self._pending = self._pending, []
+        if pairs:
+            self._data.map_pages(pairs, grant=not _mapping.GRANT_ONCE)
+
+    def _abort(self) -> None:
+        """An attach failed midway: close the fds not mapped yet."""
+        P.close_fds([fd for _, fd in getattr(self, "_pending", [])])
+        self._pending = []
 
     def _finish_map(self) -> None:
+        self._flush()
+        if _mapping.GRANT_ONCE:
+            self._data.grant_all()
         del self._slots
         if self._parity is not None:
             self._parity.pin()                     # page-locked: fast H2D/D2H on GPU machines
@@ -274,25 +365,34 @@ class RmpClient:
         dev = self.info["device"]
         return f"cuda:{dev['ordinal']}" if dev["kind"] == "cuda" else "cpu"
 
-    def _map_reply(self, op: str, **args) -> tuple[RetainedState, dict]:
+    def _map_reply(self, op: str, into: RetainedState | None = None,
+                   **args) -> tuple[RetainedState, dict]:
+        """Map the state an allocate/attach reply describes; `into`: re-import into that
+        existing mapping (same addresses) when the layout matches."""
         box: dict = {}
 
         def on_fds(header, fds, offset):
             if offset == 0:
-                box["st"] = RetainedState(header["state"], self._device(), self.info["geometry"])
+                d, geo = header["state"], self.info["geometry"]
+                if into is not None and into._rebind(d, geo):
+                    box["st"] = into
+                else:
+                    box["st"] = RetainedState(d, self._device(), geo)
             box["st"]._map_batch(fds, offset)
 
         try:
             msg = self._call(op, on_fds=on_fds, **args)
+            st = box["st"]
+            st._finish_map()
         except BaseException:
             if "st" in box:
-                box["st"].unmap(timeout=0)
+                box["st"]._abort()
+                if box["st"] is not into:
+                    box["st"].unmap(timeout=0)
             raise
-        st = box["st"]
-        st._finish_map()
         old = self.states.get(st.name)
         self.states[st.name] = st
-        if old is not None and old.views.alive() == 0:
+        if old is not None and old is not st and old.views.alive() == 0:
             old.unmap(timeout=0)
         return st, msg.header
 
@@ -337,6 +437,87 @@ class RmpClient:
         return self._call("inject", tier=tier, count=count, first=first, part=part, group=group,
                           state=state).header
 
+    # ---- pre-attached mappings ---------------------------------------------------------------
+    def refresh(self, names: list[str] | None = None, *, max_pages: int = 4096) -> RefreshReport:
+        """Bring mappings made earlier up to date with the pool, at the same addresses.
+
+        For a shadow that attached while it waited: at promotion, before `localize()`.  One
+        round trip asks what changed since each state's `version`; only those pages are
+        re-imported in place (a remap gave them fresh memory), and pages the pool no longer
+        holds memory for (an emulated GPU retirement) are unmapped here, so the probe in
+        `localize()` finds them.  A state re-created under its name, or with more than
+        `max_pages` changed pages, is re-attached: every page re-imported, same addresses when
+        the layout matches (`reattached`), else a new `RetainedState` (`replaced`: views made
+        from the old object are stale).  No GPU work may use the states meanwhile.
+        """
+        t0 = time.perf_counter()
+        targets = [st for n, st in self.states.items()
+                   if st.mapped and st.uid is not None and (names is None or n in names)]
+        req = [{"name": st.name, "uid": st.uid, "version": st.version} for st in targets]
+        box: dict = {"unpinned": []}
+
+        def on_fds(header, fds, offset):
+            if offset == 0:
+                box["h"] = header
+                plan: dict[int, tuple] = {}
+                for name, e in header["states"].items():
+                    st = self.states.get(name)
+                    if st is None or e.get("status") != "changed":
+                        continue
+                    drops: dict[int, tuple[object, list]] = {}
+                    for role, g, i, slot in e["pages"]:
+                        m, pos = st._page_pos(role, g, i)
+                        if m is st._parity and m.pinned:
+                            m.unpin()                  # a registered range cannot change
+                            box["unpinned"].append(m)
+                        if slot < 0:
+                            drops.setdefault(id(m), (m, []))[1].append(pos)
+                        else:
+                            plan[slot] = (m, pos)
+                    for m, pos in drops.values():
+                        m.unmap_pages(pos)
+                box["plan"] = plan
+            by_map: dict[int, tuple[object, list]] = {}
+            for j, fd in enumerate(fds):
+                t = box["plan"].get(offset + j)
+                if t is None:
+                    P.close_fds([fd])
+                    continue
+                by_map.setdefault(id(t[0]), (t[0], []))[1].append((t[1], fd))
+            for m, pairs in by_map.values():
+                m.replace_pages(pairs)
+
+        try:
+            msg = self._call("refresh", on_fds=on_fds, states=req, max_pages=max_pages)
+        finally:
+            for m in box["unpinned"]:
+                m.pin()
+        h = box.get("h", msg.header)
+        rep = RefreshReport(version=h["version"])
+        for name, e in h["states"].items():
+            st = self.states.get(name)
+            if st is None:
+                continue
+            status = e.get("status")
+            if status in ("same", "changed"):
+                st.version = h["version"]
+                st.marks = Marks.from_wire(e.get("marks"))
+                if status == "same":
+                    rep.same.append(name)
+                else:
+                    rep.changed[name] = sum(1 for p in e["pages"] if p[3] >= 0)
+                    nd = sum(1 for p in e["pages"] if p[3] < 0)
+                    if nd:
+                        rep.dropped[name] = nd
+            elif status in ("stale", "recreated"):
+                new, _ = self._map_reply("attach", into=st, name=name)
+                (rep.reattached if new is st else rep.replaced).append(name)
+            elif status == "gone":
+                rep.gone.append(name)
+        rep.new = [n for n in h.get("names", []) if n not in self.states]
+        rep.seconds = time.perf_counter() - t0
+        return rep
+
     # ---- failure handling ------------------------------------------------------------------
     def localize(self) -> LocalizeReport:
         """Probe the device pages mapped here, then let the state manager scan host pages."""
@@ -380,12 +561,17 @@ class RmpClient:
                     st._parity.map_page(pos, fd)
                     st._parity.fill(pos, FRESH_FILL)
 
+        mapped = [{"name": st.name, "uid": st.uid, "version": st.version}
+                  for st in self.states.values() if st.mapped and st.uid is not None]
         try:
-            msg = self._call("remap", on_fds=on_fds, names=names)
+            msg = self._call("remap", on_fds=on_fds, names=names, mapped=mapped)
         finally:
             for st in pinned:
                 st._parity.pin()
         h = box.get("h", msg.header)
+        for n, v in (h.get("current") or {}).items():
+            if n in self.states:
+                self.states[n].version = v          # our mapping is current: refresh skips it
         for n, m in h.get("marks", {}).items():
             if n in self.states:
                 self.states[n].marks = Marks.from_wire(m)

@@ -120,7 +120,7 @@ class HostMapping:
         finally:
             os.close(fd)
 
-    def map_pages(self, pairs: Iterable[tuple[int, int]]) -> None:
+    def map_pages(self, pairs: Iterable[tuple[int, int]], grant: bool = True) -> None:
         pairs = list(pairs)
         try:
             for n, (i, fd) in enumerate(pairs):
@@ -129,6 +129,15 @@ class HostMapping:
             for _, fd in pairs[n + 1:]:
                 _close(fd)
             raise
+
+    replace_pages = map_pages          # MAP_FIXED replaces whatever was mapped there
+
+    def grant_all(self) -> None:
+        """Host pages are accessible once mapped (the CUDA mapping's deferred grant)."""
+
+    def unmap_pages(self, pages: Iterable[int]) -> None:
+        for i in sorted(set(pages)):
+            self.unmap_page(i)
 
     def unmap_page(self, i: int) -> None:
         """Put an inaccessible hole where page i was (the reservation stays)."""
@@ -257,6 +266,22 @@ def _native_probe():
     return _probe_fn or None
 
 
+# Cold attach (CudaMapping.map_pages): "native" (cuda/rmp_map.cpp through ctypes; falls back to
+# the cuda-python loop, logged once, where it cannot be built) or "python" (the reference).
+# MAP_THREADS: workers of the native import+map loop; MAP_BATCH: fds received before one native
+# call (bounded by RLIMIT_NOFILE); GRANT_ONCE: one cuMemSetAccess pass over the whole state at
+# the end of an attach instead of one per batch.  Defaults from docs/BENCHMARKS.md.
+MAP_PATH = os.environ.get("LETO_RMP_MAP", "native")
+MAP_THREADS = int(os.environ.get("LETO_RMP_MAP_THREADS", "1"))
+MAP_BATCH = int(os.environ.get("LETO_RMP_MAP_BATCH", "1024"))
+GRANT_ONCE = os.environ.get("LETO_RMP_GRANT_ONCE", "1") == "1"
+
+
+def _native_map():
+    from leto_runtime.rmp import native_map
+    return native_map.load()
+
+
 class CudaMapping:
     """`n_pages` VMM pages of `page_bytes` on `device`, back to back from `base`."""
 
@@ -283,10 +308,31 @@ class CudaMapping:
     def addr(self, i: int) -> int:
         return self.base + i * self.page_bytes
 
-    def map_pages(self, pairs: Iterable[tuple[int, int]]) -> None:
-        """Import, map and grant access to pages; every fd is closed, success or not."""
-        cu, P = self.cu, self.page_bytes
+    def map_pages(self, pairs: Iterable[tuple[int, int]], grant: bool = True) -> None:
+        """Import, map and (unless `grant` is False: see `grant_all`) grant access to pages;
+        every fd is closed, success or not.  Native (cuda/rmp_map.cpp, `MAP_THREADS` workers)
+        when `MAP_PATH` is "native" and the library loads, else `_map_pages_python`."""
         pairs = sorted(pairs)
+        lib = _native_map() if MAP_PATH == "native" else None
+        if lib is None:
+            return self._map_pages_python(pairs, grant)
+        bad = [i for i, _ in pairs if not 0 <= i < self.n_pages]
+        if bad:
+            for _, fd in pairs:
+                _close(fd)
+            raise IndexError(f"page {bad[0]} outside 0..{self.n_pages - 1}")
+        idx = [i for i, _ in pairs]
+        try:
+            done = lib.map_pages(self.base, self.page_bytes, idx, [fd for _, fd in pairs],
+                                 self.device, threads=MAP_THREADS, grant=grant)
+        except OSError as e:
+            self.mapped.update(getattr(e, "mapped", ()))
+            raise
+        self.mapped.update(done)
+
+    def _map_pages_python(self, pairs: list[tuple[int, int]], grant: bool = True) -> None:
+        """Reference of the native path: the same driver calls per page through cuda-python."""
+        cu, P = self.cu, self.page_bytes
         done: list[int] = []
         try:
             for n, (i, fd) in enumerate(pairs):
@@ -308,28 +354,43 @@ class CudaMapping:
                 _close(fd)
             raise
         finally:
-            self._grant(done)
+            if grant:
+                self._grant(done)
 
-    def _grant(self, pages: list[int]) -> None:
-        """One cuMemSetAccess per contiguous run of newly mapped pages."""
-        P = self.page_bytes
-        run: list[int] = []
-        for i in sorted(pages) + [None]:
-            if run and (i is None or i != run[-1] + 1):
-                cu_check(self.cu.cuMemSetAccess(self.base + run[0] * P, len(run) * P,
-                                                self._access, 1), "cuMemSetAccess")
-                run = []
-            if i is not None:
-                run.append(i)
+    def grant_all(self) -> None:
+        """cuMemSetAccess over every mapped page, once per run of consecutive pages (after
+        `map_pages(..., grant=False)`; granting a page twice is harmless)."""
+        lib = _native_map() if MAP_PATH == "native" else None
+        if lib is not None:
+            lib.grant(self.base, self.page_bytes, sorted(self.mapped), self.device)
+        else:
+            self._grant(sorted(self.mapped))
 
     def map_page(self, i: int, fd: int) -> None:
         if i in self.mapped:
             self.unmap_page(i)
         self.map_pages([(i, fd)])
 
+    def replace_pages(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Map fresh fds over pages that may be mapped now (same addresses; no GPU work may
+        use them meanwhile)."""
+        pairs = list(pairs)
+        self.unmap_pages([i for i, _ in pairs if i in self.mapped])
+        self.map_pages(pairs)
+
     def unmap_page(self, i: int) -> None:
         self.cu.cuMemUnmap(self.base + i * self.page_bytes, self.page_bytes)
         self.mapped.discard(i)
+
+    def unmap_pages(self, pages: Iterable[int]) -> None:
+        pages = sorted(set(pages) & self.mapped)
+        lib = _native_map() if MAP_PATH == "native" else None
+        if lib is not None and pages:
+            lib.unmap_pages(self.base, self.page_bytes, pages)
+            self.mapped.difference_update(pages)
+            return
+        for i in pages:
+            self.unmap_page(i)
 
     def probe(self, pages: Sequence[int] | None = None) -> list[int]:
         """Pages whose mapping the driver does not know (cuPointerGetAttribute fails), in the
@@ -366,8 +427,7 @@ class CudaMapping:
             return
         ensure_context(self.device)
         self.cu.cuCtxSynchronize()
-        for i in sorted(self.mapped):
-            self.cu.cuMemUnmap(self.base + i * self.page_bytes, self.page_bytes)
+        self.unmap_pages(list(self.mapped))
         self.cu.cuMemAddressFree(self.base, self.size)
         self.mapped.clear()
         self.base = None

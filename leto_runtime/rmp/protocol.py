@@ -41,7 +41,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-VERSION = 1
+# 1: the first protocol.  2: `refresh` (what changed since a mapping was made), "uid" and
+# "version" in attach/allocate/list replies, retired pages marked by localize.
+VERSION = 2
 MAX_MESSAGE = 4 << 20            # bytes of one JSON header; checked before the body is read
 MAX_FDS_PER_MESSAGE = 253        # SCM_MAX_FD: 254 fails with EINVAL (MECHANICS.md §1)
 MESSAGE_TIMEOUT = 5.0            # a started message must be complete within this
@@ -52,7 +54,7 @@ _ANC_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
 
 # Request operations of the state manager socket (the keeper has its own, see keeper.py).
 OPS = ("hello", "allocate", "attach", "list", "localize", "remap", "clear_marks", "release",
-       "inject", "status")
+       "inject", "status", "refresh")
 KINDS = ("model", "process")      # protected model state / unprotected process state
 TIERS = ("device", "host")
 
@@ -438,8 +440,10 @@ def connect(path: str, *, deadline: float) -> socket.socket:
 def raise_nofile_limit() -> tuple[int, int]:
     """Raise the soft RLIMIT_NOFILE to the hard limit (each page is one fd); return (soft, hard).
 
-    Why: SCM_RIGHTS silently drops fds beyond the limit (unix(7)); a pool of 64 GiB in 2 MiB
-    pages is 32,768 fds in the state manager and as many in the keeper.
+    The hard limit is left alone (raising it needs privileges and is the operator's call:
+    `check_nofile` names the fix).  Why: SCM_RIGHTS silently drops fds beyond the limit
+    (unix(7)); a pool of 64 GiB in 2 MiB pages is 32,768 fds in the state manager and as many
+    in the agent's keeper.
     """
     import resource
 
@@ -450,4 +454,23 @@ def raise_nofile_limit() -> tuple[int, int]:
             soft = hard
         except (ValueError, OSError):
             pass
+    return soft, hard
+
+
+def nofile_fix(need: int, hard: int, who: str = "this process") -> str:
+    """How to give `who` `need` fds when the hard RLIMIT_NOFILE (`hard`) is below that."""
+    return (f"{who} needs about {need} open files but the hard RLIMIT_NOFILE is {hard} (every "
+            f"retained page is one fd); raise the hard limit before starting leto-run "
+            f"(`ulimit -Hn {need}` as root, `docker run --ulimit nofile={need}:{need}`, systemd "
+            f"`LimitNOFILE={need}`, or the `nofile` line in /etc/security/limits.conf), or use "
+            f"larger pages (recovery.page_bytes / --page-bytes: twice the page size halves the "
+            f"fds)")
+
+
+def check_nofile(need: int, who: str = "this process") -> tuple[int, int]:
+    """Make room for `need` open files (soft limit raised to the hard one); raise `FdLimit`
+    naming the fix when the hard limit is below `need`.  Returns (soft, hard)."""
+    soft, hard = raise_nofile_limit()
+    if need > soft:
+        raise FdLimit(nofile_fix(need, hard, who), {"need": need, "soft": soft, "hard": hard})
     return soft, hard

@@ -262,24 +262,24 @@ def test_hostile_messages_get_typed_errors_and_server_keeps_serving(slot):
     assert reply(s)["error"]["code"] == "bad_message"
     send_raw(s, json.dumps({"v": 99, "nfds": 0, "op": "list"}).encode())
     assert reply(s)["error"]["code"] == "bad_version"
-    send_raw(s, json.dumps({"v": 1, "nfds": 0, "op": "format_disk"}).encode())
+    send_raw(s, json.dumps({"v": P.VERSION, "nfds": 0, "op": "format_disk"}).encode())
     assert reply(s)["error"]["code"] == "unknown_op"
     for bad in ({"nbytes": "12"}, {"nbytes": True}, {"nbytes": -1}, {"kind": "x", "nbytes": 4},
                 {"shape": [1, "2"], "dtype": "uint8", "nbytes": 4}, {"nbytes": 4, "dtype": "f9"}):
-        send_raw(s, json.dumps({"v": 1, "nfds": 0, "op": "allocate", "name": "q", **bad}).encode())
+        send_raw(s, json.dumps({"v": P.VERSION, "nfds": 0, "op": "allocate", "name": "q", **bad}).encode())
         assert reply(s)["error"]["code"] == "bad_argument", bad
-    send_raw(s, json.dumps({"v": 1, "nfds": 0, "op": "attach", "name": "missing"}).encode())
+    send_raw(s, json.dumps({"v": P.VERSION, "nfds": 0, "op": "attach", "name": "missing"}).encode())
     assert reply(s)["error"]["code"] == "unknown_name"
-    send_raw(s, json.dumps({"v": 1, "nfds": 0, "op": "localize",
+    send_raw(s, json.dumps({"v": P.VERSION, "nfds": 0, "op": "localize",
                             "device_failures": {"keep": [10**6]}}).encode())
     assert reply(s)["error"]["code"] == "bad_argument"
     # fds the header does not announce, or requests that carry fds at all: refused and closed
     r, w = os.pipe()
-    send_raw(s, json.dumps({"v": 1, "nfds": 0, "op": "list"}).encode(), [r, w])
+    send_raw(s, json.dumps({"v": P.VERSION, "nfds": 0, "op": "list"}).encode(), [r, w])
     assert reply(s)["error"]["code"] == "bad_fds"
-    send_raw(s, json.dumps({"v": 1, "nfds": 2, "op": "list"}).encode(), [r])
+    send_raw(s, json.dumps({"v": P.VERSION, "nfds": 2, "op": "list"}).encode(), [r])
     assert reply(s)["error"]["code"] == "bad_fds"
-    send_raw(s, json.dumps({"v": 1, "nfds": 0, "op": "list", "id": 5}).encode())
+    send_raw(s, json.dumps({"v": P.VERSION, "nfds": 0, "op": "list", "id": 5}).encode())
     ok = reply(s)                                      # the same connection still works
     assert ok["ok"] and ok["id"] == 5 and ok["states"][0]["name"] == "keep"
     os.close(r), os.close(w)
@@ -304,8 +304,9 @@ def test_fd_limits_are_enforced(slot):
     # the state manager refuses what would exceed its RLIMIT_NOFILE instead of failing later
     resource.prlimit(slot.proc.pid, resource.RLIMIT_NOFILE, (1000, 1000))
     c = RmpClient(slot.socket)
-    with pytest.raises(P.FdLimit):
+    with pytest.raises(P.FdLimit) as ei:
         c.allocate("huge", 500 * GEOM.page_bytes, tier="host", kind="process")
+    assert "hard RLIMIT_NOFILE is 1000" in ei.value.message and "ulimit -Hn" in ei.value.message
     # a client maps a state of more pages than its own fd limit allows at once (<= 253 at a time)
     n = 300
     c.allocate("wide", n * GEOM.page_bytes, tier="host", kind="process")

@@ -107,7 +107,7 @@ def test_truncated_and_timeouts(pair):
 
 @pytest.mark.parametrize("body, err", [
     (b"\xff\xfe", P.BadMessage), (b"not json", P.BadMessage), (b"[1]", P.BadMessage),
-    (b'{"v": 2, "nfds": 0}', P.BadVersion), (b'{"nfds": 0}', P.BadVersion),
+    (b'{"v": 99, "nfds": 0}', P.BadVersion), (b'{"nfds": 0}', P.BadVersion),
 ])
 def test_bad_bodies_keep_the_stream(pair, body, err):
     a, b = pair
@@ -123,10 +123,10 @@ def test_fd_count_mismatch_closes_what_arrived(pair):
     a, b = pair
     r, w = os.pipe()
     before = open_fds()
-    raw(a, json.dumps({"v": 1, "nfds": 0}).encode(), [r, w])
+    raw(a, json.dumps({"v": P.VERSION, "nfds": 0}).encode(), [r, w])
     with pytest.raises(P.BadFds):
         P.recv_message(b, deadline=soon(), max_fds=0)
-    raw(a, json.dumps({"v": 1, "nfds": 3}).encode(), [r])
+    raw(a, json.dumps({"v": P.VERSION, "nfds": 3}).encode(), [r])
     with pytest.raises(P.BadFds):
         P.recv_message(b, deadline=soon(), max_fds=8)
     assert open_fds() == before
