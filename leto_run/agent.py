@@ -252,7 +252,7 @@ class Agent:
             dump_signal=C.DUMP_SIGNAL, inject_plan=plan,
             sm_socket=self.sms.socket(ident.local_rank) if self.sms else None,
             shadow_epoch=epoch, pg_timeout=cfg.recovery.pg_timeout,
-            chunk_pages=cfg.recovery.chunk_pages)
+            chunk_pages=cfg.recovery.chunk_pages, demote=cfg.recovery.demote)
         env = build_worker_env(os.environ, spec)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -398,7 +398,7 @@ class Agent:
                   if not sp.done}
         for beat in self.hb.drain(set(by_pid)):
             slot, sp = by_pid[beat.pid]
-            if beat.kind in ("inplace", "promoted", "phase"):
+            if beat.kind in ("inplace", "promoted", "phase", "demoted"):
                 if self.inplace:
                     self.inplace.on_datagram(slot, sp, beat)
                 continue

@@ -352,14 +352,19 @@ class LogsConfig:
         return parse_std(getattr(self, name))
 
 
+DEMOTE_MODES = ("replace", "release")
+
+
 @dataclass(frozen=True)
 class RecoveryConfig:
     """Leto's failure handling, and the geometry of the retained memory (DESIGN.md §5, §6).
 
     The geometry (page_bytes, data_pages, tier1, tier2) goes to the state managers; chunk_pages
     and pg_timeout go to the trainers (LETO_CHUNK_PAGES, LETO_PG_TIMEOUT).  `demote` says what
-    happens to the surviving actives of a HOF: `replace` kills them and starts fresh shadows
-    (in-process demotion is not implemented yet)."""
+    happens to the surviving actives of a HOF: `replace` kills them and starts fresh shadows;
+    `release` makes each one release its GPU memory and process group in process and become
+    a shadow of the next generation (imports and CUDA context kept; SIGKILL if it does not
+    confirm within the agent's bound)."""
 
     mode: str = "inplace"                    # inplace | restart (inplace needs leto_runtime.init())
     hang_timeout: float = 60.0               # seconds without a heartbeat => hang; 0 disables
@@ -369,7 +374,7 @@ class RecoveryConfig:
     tier2: int = 1                           # H2: tier-2 parity pages per group
     chunk_pages: int = 0                     # RMU transaction size in pages (0: the runtime picks)
     pg_timeout: float = 600.0                # seconds: trainers' process-group and store waits
-    demote: str = "replace"                  # replace (in-process demotion comes later)
+    demote: str = "replace"                  # replace | release (see the docstring)
 
     def __post_init__(self) -> None:
         if self.mode not in RECOVERY_MODES:
@@ -401,10 +406,10 @@ class RecoveryConfig:
                       example="0 (the runtime picks) or 64")
         _check_number("recovery.pg_timeout", self.pg_timeout, minimum=0, strict=True,
                       example="600")
-        if self.demote != "replace":
-            raise _err("recovery.demote", f"{self.demote!r}: in-process demotion is not "
-                       "implemented yet", "use demote=replace (survivors are killed and fresh "
-                       "shadows started)")
+        if self.demote not in DEMOTE_MODES:
+            raise _err("recovery.demote", f"{self.demote!r} is not a demotion mode",
+                       "use replace (survivors are killed, fresh shadows start) or release "
+                       "(survivors release their GPU memory and become shadows in process)")
 
     @property
     def geometry(self):

@@ -309,8 +309,9 @@ OPTIONS: tuple[Option, ...] = (
            "Seconds the trainers wait for process groups and the store.", "SECONDS",
            fix="use a number of seconds > 0, e.g. 600"),
     _torch("recovery.demote", ("--demote",), conv_str,
-           "What happens to surviving actives of a HOF: replace (killed, fresh shadows).",
-           "replace", fix="use replace"),
+           "What happens to surviving actives of a HOF: replace (killed, fresh shadows) or "
+           "release (they release GPU memory and become shadows in process).",
+           "replace|release", fix="use replace or release"),
 )
 INJECT_OPTION = _leto("inject", ("--inject",), conv_str,
                       "Inject a failure, e.g. kill:rank=1:after=5s, hang:rank=0:step=20, "

@@ -15,16 +15,23 @@ loop (one thread: the agent's main thread, which spawn's parent-death rule requi
   the current generation g (or a HOF another node declared in the worker store, seen by
   `HofWatcher`); for INPLACE it runs the procedure:
     a. declare: set `hof_key(g)` (first writer wins) with {rank, how, node, mono};
-    b. demote (`replace`): SIGKILL the process group of every local active of g, wait for their
-       pidfds (bounded), record them STOPPED (collateral, never new failures);
+    b. demote every local active of g:
+       `replace`: SIGKILL its process group, wait for its pidfd (bounded), record it STOPPED
+       (collateral, never a new failure);
+       `release` (the survivors; a failed one is always killed): send `contract.DEMOTE_SIGNAL`
+       and wait (bounded, DEMOTE_RELEASE_S) for its `demoted` datagram -- it has released its
+       GPU memory and process group and synchronized its device (`leto_runtime.demotion`);
+       one that does not confirm in time is killed as with `replace`;
     c. promote: set `go_key(g + 1, rank)` for every local rank; each shadow becomes its slot's
        active; the agent's generation becomes g + 1 (not a restart: `--max-restarts` unused);
-    d. start fresh shadows of generation g + 2.
+    d. the demoted survivors become their slots' shadows of generation g + 2 (same process);
+       fresh shadows of g + 2 start for the other slots.
 - `collateral(sp)`: a death of an active that belongs to a HOF being recovered in place.
 
-Events (all with generation, rank, pid, mono): shadow_ready, hof, demote, promote, promoted (the
-runtime's wake time), phase, shadow_exit, shadow_respawn, inplace_fallback.
-Every blocking call is bounded: store operations (client timeout), pidfd waits (DEMOTE_WAIT_S).
+Events (all with generation, rank, pid, mono): shadow_ready, hof, demote, demoted, promote,
+promoted (the runtime's wake time), phase, shadow_exit, shadow_respawn, inplace_fallback.
+Every blocking call is bounded: store operations (client timeout), pidfd waits (DEMOTE_WAIT_S),
+the wait for demotions (DEMOTE_RELEASE_S).
 """
 from __future__ import annotations
 
@@ -45,6 +52,7 @@ from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_runtime import contract as C
 
 DEMOTE_WAIT_S = 10.0        # SIGKILLed trainers are gone in ms; D-state stragglers are reported
+DEMOTE_RELEASE_S = 10.0     # demote=release: a survivor reaches a safe point in one step phase
 STORE_TIMEOUT_S = 30.0      # agent's worker-store client: connect and each operation
 WATCH_POLL_S = 0.1          # watcher's poll of the HOF key (a non-blocking check per poll)
 MAX_SHADOW_RESPAWNS = 3     # per generation: a shadow that keeps dying is a script bug
@@ -131,6 +139,7 @@ class InplaceRecovery:
         agent.sel.register(self.wake_r, 1, "hof")   # selectors.EVENT_READ == 1
         self.remote: dict | None = None      # a HOF of the current generation another node declared
         self.declared: set[int] = set()      # generations whose HOF this node recovered
+        self.demoted: list = []              # (slot, sp): survivors demoted in process, to adopt
 
     # ---- round lifecycle -----------------------------------------------------------------
     def new_round(self) -> None:
@@ -177,6 +186,8 @@ class InplaceRecovery:
         elif beat.kind == "promoted":
             a.events.emit("promoted", sp.generation, rank=slot.rank, pid=beat.pid,
                           mono=float(detail.get("mono", beat.mono)), agent_mono=beat.mono)
+        elif beat.kind == "demoted":
+            sp.demoted = detail
         elif beat.kind == "phase":
             reserved = {"event", "mono", "wall", "node", "generation", "rank", "local_rank",
                         "role", "pid"}
@@ -262,6 +273,7 @@ class InplaceRecovery:
         self._declare(g, failures)
         self._demote(g)
         self._promote(g + 1)
+        self._adopt_demoted(g + 2)
         self._spawn_next_shadows()
         a.events.emit("inplace_done", g + 1, seconds=time.monotonic() - t0)
         return d
@@ -284,19 +296,89 @@ class InplaceRecovery:
                       failure_mono=first.mono)
 
     def _demote(self, g: int) -> None:
-        """`replace`: SIGKILL every local active of generation g, wait (bounded), STOPPED.
-        The failed ones still alive (a hang we killed, not yet reaped) are waited for too: no
-        process of generation g may touch retained memory once the go key is set."""
+        """Every local active of generation g is gone or demoted when this returns (module
+        docstring, step b).  The failed ones still alive (a hang we killed, not yet reaped) are
+        waited for too: no process of generation g may touch retained memory once the go key
+        is set."""
         a = self.a
-        victims = [(s, s.active) for s in a.slots
-                   if s.active is not None and s.active.generation == g and s.active.proc.alive]
+        alive = [(s, s.active) for s in a.slots
+                 if s.active is not None and s.active.generation == g and s.active.proc.alive]
+        self.demoted = []
+        kill = alive
+        if a.cfg.recovery.demote == "release":
+            survivors = [(s, sp) for s, sp in alive if not sp.done]
+            self.demoted = self._release(g, survivors)
+            kill = [(s, sp) for s, sp in alive if all(sp is not d for _, d in self.demoted)]
+        self._kill(g, kill)
+
+    def _release(self, g: int, survivors) -> list:
+        """Ask each survivor to demote itself; returns those that confirmed in time."""
+        a = self.a
+        t0 = time.monotonic()
+        for slot, sp in survivors:
+            sp.demoted = None
+            try:
+                sp.proc.send(C.DEMOTE_SIGNAL)
+            except ProcessLookupError:
+                continue
+            a.events.emit("demote", g, rank=slot.rank, role=sp.role.value, pid=sp.proc.pid,
+                          mode="release", mono=t0)
+        deadline = t0 + DEMOTE_RELEASE_S
+        pending = list(survivors)
+        while pending:
+            ms = (deadline - time.monotonic()) * 1000
+            if ms <= 0:
+                break
+            poller = select.poll()
+            poller.register(a.hb.fileno(), select.POLLIN)
+            for _, sp in pending:
+                poller.register(sp.proc.pidfd, select.POLLIN)
+            poller.poll(ms)
+            a._on_beats()            # a `demoted` datagram sets sp.demoted (on_datagram)
+            pending = [(s, sp) for s, sp in pending
+                       if sp.demoted is None and not self._exited(sp)]
+        done = []
+        for slot, sp in survivors:
+            if sp.demoted is None or sp.proc.status is not None:
+                why = ("exited" if sp.proc.status is not None
+                       else f"no confirmation within {DEMOTE_RELEASE_S:g} s")
+                a.log(f"rank {slot.rank} (pid {sp.proc.pid}) was not demoted in process "
+                      f"({why}); replacing it")
+                a.events.emit("demote", g, rank=slot.rank, role=sp.role.value,
+                              pid=sp.proc.pid, mode="replace", reason=why)
+                continue
+            d = sp.demoted
+            a.events.emit("demoted", g, rank=slot.rank, pid=sp.proc.pid,
+                          seconds=d.get("seconds"), agent_seconds=time.monotonic() - t0,
+                          **{k: v for k, v in d.items() if k.startswith("gpu_")
+                             or k in ("views_alive", "left_s", "abort_wait_s", "release_s")})
+            done.append((slot, sp))
+        return done
+
+    def _exited(self, sp) -> bool:
+        """Reap `sp` if its pidfd says it exited (unregistered from the agent's selector first:
+        reaping closes the pidfd)."""
+        p = select.poll()
+        p.register(sp.proc.pidfd, select.POLLIN)
+        if not p.poll(0):
+            return False
+        try:
+            self.a.sel.unregister(sp.proc.pidfd)
+        except (KeyError, ValueError):
+            pass
+        sp.proc.poll_exit()
+        return True
+
+    def _kill(self, g: int, victims) -> None:
+        """`replace`: SIGKILL, wait (bounded), STOPPED."""
+        a = self.a
         for slot, sp in victims:
             kids = sp.proc.snapshot_descendants()
             sp.proc.send_group(signal.SIGKILL)
             kill_pids(kids)
             if not sp.done:
                 a.events.emit("demote", g, rank=slot.rank, role=sp.role.value,
-                              pid=sp.proc.pid, mode=a.cfg.recovery.demote)
+                              pid=sp.proc.pid, mode="replace")
         for _, sp in victims:
             try:
                 a.sel.unregister(sp.proc.pidfd)
@@ -319,6 +401,18 @@ class InplaceRecovery:
             a.log(f"pid {p.pid} did not exit within {DEMOTE_WAIT_S:g} s of SIGKILL; "
                   "the end of the job stops it")
             a.leftovers.append(p)
+
+    def _adopt_demoted(self, gen: int) -> None:
+        """The survivors demoted in process are their slots' shadows of `gen` now (they rewrote
+        their environment to exactly that: `contract.demoted_env`)."""
+        a = self.a
+        for slot, sp in self.demoted:
+            sp.role, sp.generation, sp.epoch, sp.ready = SlotRole.SHADOW, gen, 0, False
+            sp.step, sp.hang_deadline, sp.last_beat = None, None, None
+            slot.procs[SlotRole.SHADOW] = sp
+            a.log(f"rank {slot.rank}: pid {sp.proc.pid} demoted in process to the shadow of "
+                  f"generation {gen}")
+        self.demoted = []
 
     def _promote(self, gen: int) -> None:
         a = self.a
@@ -349,7 +443,8 @@ class InplaceRecovery:
 
     def _spawn_next_shadows(self) -> None:
         for slot in self.a.slots:
-            self._spawn_shadow(slot)
+            if slot.shadow is None:
+                self._spawn_shadow(slot)
 
     # ---- shadows that die ------------------------------------------------------------------
     def on_shadow_exit(self, slot: RankSlot, sp: SlotProcess, status: ExitStatus) -> None:

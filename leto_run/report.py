@@ -50,6 +50,8 @@ class InplaceRecovery:
     injected: str | None
     detect_s: float | None          # injection -> detection
     promote_s: float | None         # detection -> last shadow of g+1 awake (`promoted`)
+    demote: str | None              # how the survivors left: release | replace | mixed | None
+    demote_s: float | None          # release: signal -> the slowest survivor's confirmation
     phases: dict                    # phase name -> seconds (the slowest rank)
     resume: str | None              # finish | redo (from the agree/resume phase)
     resume_step: int | None
@@ -82,6 +84,11 @@ def _inplace(index: int, f: dict, inj: dict | None, events: list[dict]) -> Inpla
             resume, resume_step = e["resume"], e.get("step")
     resumed = _first(nxt, lambda e: e["event"] == "resumed")
     caught = _first(nxt, lambda e: e["event"] == "caught_up")
+    modes = {("replace" if e.get("reason") else e.get("mode")) for e in events
+             if e["event"] == "demote" and e["generation"] == gen and e.get("mode")}
+    modes.discard(None)
+    confirmed = [e["agent_seconds"] for e in events if e["event"] == "demoted"
+                 and e["generation"] == gen and e.get("agent_seconds") is not None]
     failed_step = f.get("step")
     recomputed = None
     if resumed and failed_step is not None and resumed.get("step") is not None:
@@ -90,7 +97,9 @@ def _inplace(index: int, f: dict, inj: dict | None, events: list[dict]) -> Inpla
     return InplaceRecovery(
         index=index, rank=f["rank"], how=f["how"], generation_from=gen, failed_step=failed_step,
         injected=inj.get("spec") if inj else None, detect_s=(t - inj["mono"]) if inj else None,
-        promote_s=(max(woke) - t) if woke else None, phases=phases, resume=resume,
+        promote_s=(max(woke) - t) if woke else None,
+        demote=(modes.pop() if len(modes) == 1 else "mixed") if modes else None,
+        demote_s=max(confirmed) if confirmed else None, phases=phases, resume=resume,
         resume_step=resume_step, resume_s=resumed["mono"] - t if resumed else None,
         resumed_step=resumed.get("step") if resumed else None, recomputed_steps=recomputed,
         caught_up_s=caught["mono"] - t if caught else None,
@@ -156,7 +165,12 @@ def _inplace_lines(r: InplaceRecovery) -> list[str]:
     ph = r.phases.get
     point = (f" ({r.resume} step {r.resume_step})" if r.resume and r.resume_step is not None
              else f" ({r.resume})" if r.resume else "")
-    body = (f"     detection {_ms(r.detect_s)} | promotion +{_ms(r.promote_s)} | attach "
+    demote = ""
+    if r.demote == "release" or (r.demote == "mixed" and r.demote_s is not None):
+        demote = f" | demotion {_ms(r.demote_s)} ({r.demote}, in process)"
+    elif r.demote:
+        demote = f" | demotion: {r.demote}"
+    body = (f"     detection {_ms(r.detect_s)}{demote} | promotion +{_ms(r.promote_s)} | attach "
             f"{_ms(ph('attach'))} | localization {_ms(ph('localize'))} | reconstruction "
             f"{_ms(ph('reconstruct'))} | agreement {_ms(ph('agree'))}{point} | finish "
             f"{_ms(ph('finish'))} | training resumed +{_ms(r.resume_s)}"

@@ -67,6 +67,7 @@ class SlotProcess:
     fired_injections: set[str] = field(default_factory=set)
     epoch: int = 0                          # shadows: LETO_SHADOW_EPOCH it was started with
     ready: bool = False                     # shadows: reached its preinit level
+    demoted: dict | None = None             # demote=release: its `demoted` datagram's detail
 
     def move(self, new: ProcState) -> None:
         if new not in _TRANSITIONS[self.state]:

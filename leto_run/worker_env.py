@@ -57,6 +57,7 @@ class WorkerEnvSpec:
     shadow_epoch: int = 0                 # shadows of a generation restarted together: epoch + 1
     pg_timeout: float = 600.0             # trainers' process-group / store waits, seconds
     chunk_pages: int = 0                  # RMU transaction size in pages (0: the runtime picks)
+    demote: str = "replace"               # replace | release (recovery.demote)
 
 
 def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, str]:
@@ -102,6 +103,7 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
         C.LETO_SHADOW_EPOCH: str(spec.shadow_epoch),
         C.LETO_PG_TIMEOUT: repr(float(spec.pg_timeout)),
         C.LETO_CHUNK_PAGES: str(spec.chunk_pages),
+        C.LETO_DEMOTE: spec.demote,
     })
     if spec.sm_socket:
         env[C.LETO_SM_SOCKET] = spec.sm_socket

@@ -41,6 +41,7 @@ class Context:
     shadow_epoch: int = 0           # shadows of a generation restarted together get epoch + 1
     pg_timeout: float = 600.0       # seconds for process-group formation and store waits
     chunk_pages: int = 0            # RMU transaction size in pages (0: the runtime picks)
+    demote: str = "replace"         # replace | release (what this active does when it survives a HOF)
     master_addr: str | None = None
     master_port: int | None = None
 
@@ -73,6 +74,7 @@ class Context:
             shadow_epoch=i(C.LETO_SHADOW_EPOCH),
             pg_timeout=float(env.get(C.LETO_PG_TIMEOUT, 600) or 600),
             chunk_pages=i(C.LETO_CHUNK_PAGES),
+            demote=env.get(C.LETO_DEMOTE, "replace") if under else "replace",
             master_addr=env.get(C.MASTER_ADDR),
             master_port=int(env[C.MASTER_PORT]) if env.get(C.MASTER_PORT) else None,
         )

@@ -55,6 +55,7 @@ LETO_SM_SOCKET = "LETO_SM_SOCKET"                 # this rank slot's state-manag
 LETO_SHADOW_EPOCH = "LETO_SHADOW_EPOCH"           # shadows of one generation restarted together get a new epoch
 LETO_PG_TIMEOUT = "LETO_PG_TIMEOUT"               # seconds: process-group / store waits of the runtime
 LETO_CHUNK_PAGES = "LETO_CHUNK_PAGES"             # RMU transaction size in pages (0: the runtime picks)
+LETO_DEMOTE = "LETO_DEMOTE"                       # replace | release: what a surviving active of a HOF does
 
 CONTRACT_VERSION = 1
 
@@ -65,6 +66,14 @@ import signal as _signal  # noqa: E402
 
 DUMP_SIGNAL = int(_signal.SIGRTMIN) + 2   # faulthandler dumps every thread's Python stack
 HANG_SIGNAL = int(_signal.SIGRTMIN) + 3   # injected hang: the runtime blocks the main thread
+DEMOTE_SIGNAL = int(_signal.SIGRTMIN) + 4  # demote=release: a surviving active becomes a shadow
+
+
+def demoted_env(generation: int) -> dict[str, str]:
+    """The contract variables a demoted active rewrites in its own environment: it is now the
+    shadow of `generation` (the HOF's g + 2), epoch 0 -- exactly what the agent gives a fresh
+    shadow of that generation (`leto_run.worker_env`), so `Context.from_env()` reads the same."""
+    return {LETO_ROLE: "shadow", LETO_GENERATION: str(generation), LETO_SHADOW_EPOCH: "0"}
 
 # ---- In-place recovery protocol (DESIGN.md §3) ----------------------------------------------
 # Keys live in the job's worker store (MASTER_ADDR/MASTER_PORT, a TCPStore the agents host).
@@ -114,5 +123,8 @@ UNRECOVERABLE_EXIT = 86
 #   promoted  a shadow woke up as the active of its generation (detail JSON {"mono": wake time})
 #   phase     one recovery phase finished (detail JSON {"phase": NAME, "seconds": s, ...});
 #             NAME in attach | localize | reconstruct | agree | finish | resume
+#   demoted   (demote=release) a surviving active released its GPU memory and process group and
+#             is now the shadow of generation g+2 (detail JSON {"seconds": signal to released,
+#             "mono", "generation", "gpu_reserved_before", "gpu_reserved_after", "views_alive"})
 HEARTBEAT_VERSION = 1
 HEARTBEAT_MAX_BYTES = 4096

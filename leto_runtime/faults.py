@@ -26,6 +26,7 @@ import importlib
 
 # the module (the package exports a function of the same name)
 hb = importlib.import_module("leto_runtime.heartbeat")
+from leto_runtime import demotion
 from leto_runtime.context import Context
 
 
@@ -79,6 +80,11 @@ class Faults:
         fire_pages_spec(self.ctx.sm_socket, inj.get("params") or {})
 
     def fire(self, point: str, *, step=None, group=None, chunk=None, garbage=None) -> None:
+        # Every injection point is a tested kill point, hence a safe point to leave the run
+        # when the agent demotes this active (`leto_runtime.demotion`).  Not inside autograd's
+        # backward hooks: an exception there is rewrapped by the engine.
+        if point != "backward":
+            demotion.check()
         if not self.plan:
             return
         hofs = [i for i in self.plan if i.get("kind") != "pages"

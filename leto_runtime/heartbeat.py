@@ -108,6 +108,14 @@ def send(kind: str, step: int | None = None, detail: str | None = None) -> None:
     _send(kind, step, detail)
 
 
+def rebind() -> None:
+    """The environment changed under this process (an in-process demotion made it a shadow of
+    a new generation): datagrams say the new role and generation from now on."""
+    if _state:
+        _state["ctx"] = Context.from_env()
+        _state["plan"] = []
+
+
 def heartbeat(step: int | None = None) -> None:
     """Tell the agent this rank is alive (and at `step`).  Cheap; call once per step."""
     if not _state:

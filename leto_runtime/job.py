@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from leto_runtime import contract as C
+from leto_runtime import demotion
 import importlib
 
 # the module (the package exports a function of the same name)
@@ -114,6 +115,10 @@ class Job:
         self._stepped = True
         self.recovery_info: dict = {}
         self._init_pg()
+        if self.inplace and ctx.demote == "release":
+            demotion.install(ctx)
+            if self.role == "active":
+                demotion.arm(self)
         if self.inplace:
             from leto_runtime import promotion
             detail = None
@@ -257,6 +262,7 @@ class Job:
             from leto_runtime import promotion
             self.recovery_info["woke"] = promotion.wait_for_promotion(self.ctx, self.store)
             self.role = "active"
+            demotion.arm(self)
             hb.heartbeat(None)
             self._materialize()
             promotion.report_phase("attach", self.recovery_info["attach_s"])
@@ -273,6 +279,7 @@ class Job:
             yield t
         if not self._stepped:
             raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
+        demotion.finished()
         hb.done()
 
     def step_seed(self, t: int) -> int:
@@ -298,6 +305,7 @@ class Job:
             from leto_runtime.rmp.reconstruct import Unrecoverable
             if isinstance(e, (RecoveryError, Unrecoverable)):
                 self._unrecoverable(e)
+            demotion.on_error(e)      # the agreement's collective met a dead peer
             raise
         if not ss.created or res.action != "start":
             self._phase("resume", 0.0, step=res.step, action=res.action)
@@ -338,6 +346,37 @@ class Job:
         sys.stdout.flush()
         os._exit(C.UNRECOVERABLE_EXIT)
 
+    # ---- demotion (leto_runtime.demotion) -------------------------------------------------
+    def release(self) -> dict:
+        """Give up this process's hold on the job after a demotion: the parameters' views, the
+        retained mappings, the device memory (synchronized first: no queued kernel may write
+        retained memory afterwards).  Returns figures for the `demoted` datagram.  Fast on
+        purpose (the promotion waits for it): no full garbage collection, which costs
+        hundreds of ms with torch loaded; `release_group()` and the collection follow."""
+        if self.model is not None:
+            for p in self.model.parameters():       # the views go even if the module lives on
+                p.grad = None
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.opt = self.updater = self.model = None
+        ss, self.ss = self.ss, None
+        out = demotion.release_memory(self.device)
+        if ss is not None and ss.client is not None:
+            try:
+                ss.client.close(unmap=True, timeout=1.0)
+            except Exception as e:    # views the script still holds: that mapping stays
+                out["views_alive"] = f"{type(e).__name__}: {e}"
+        return out
+
+    def release_group(self) -> None:
+        """The process group of a generation that is over (already aborted by the demotion's
+        wake thread) is destroyed, so that `init()` can form the next one."""
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as e:        # an aborted group may refuse a clean destroy
+            _log(f"destroying the old process group: {type(e).__name__}: {e}")
+        self.pg = self.store = None
+
     # ---- results -------------------------------------------------------------------------
     def state_digest(self) -> str:
         """sha256 of the used part of params, exp_avg and exp_avg_sq (exactness checks)."""
@@ -350,6 +389,14 @@ class Job:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         n = self.layout.numel
         return {st.name: self.ss.flat(st)[:n].detach().cpu().clone() for st in self.ss.model}
+
+
+def release_current_job() -> tuple[dict, "Job | None"]:
+    """Drop the process's `Job` (an in-process demotion; the next `init()` makes a new one).
+    Returns the release figures and the old job, whose `release_group()` is still due."""
+    global _JOB
+    j, _JOB = _JOB, None
+    return ({} if j is None else j.release()), j
 
 
 class Optimizer:
@@ -379,8 +426,12 @@ class Optimizer:
             raise RuntimeError("opt.step() is called once per step of job.steps()")
         G = j.ss.flat(j.ss.grads)[:j.layout.numel]
         j.faults.fire("grads.allreduce", step=t)
-        if j.pg is not None and j.world_size > 1:
-            dist.all_reduce(G)
-            G.div_(j.world_size)
-        j.updater.step(t, j.pg if j.world_size > 1 else None)
+        try:
+            if j.pg is not None and j.world_size > 1:
+                dist.all_reduce(G)
+                G.div_(j.world_size)
+            j.updater.step(t, j.pg if j.world_size > 1 else None)
+        except Exception as e:
+            demotion.on_error(e)      # a collective met the dead peer of a HOF
+            raise
         j._stepped = True

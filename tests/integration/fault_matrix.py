@@ -12,7 +12,9 @@ gradient protection, at and right after the global synchronization, at every RMU
 (with a partially written chunk and scratch parity where it applies), those combined with
 page loss at the tolerance (16 device pages of the group being updated + 1 host tier-1 parity
 page), two ranks in one iteration, a second HOF during the recovery, hangs, and HOFs in
-successive generations.
+successive generations.  Survivors of a HOF are demoted in process (`--demote release`) on
+seeds 10-19, 30-39, ... (every category, both world sizes) and replaced by fresh shadows on
+the others (LETO_EXACTNESS_DEMOTE=replace|release forces one mode for every seed).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class Schedule:
     injects: list[str] = field(default_factory=list)
     hang_timeout: float = 30.0
     expect_inplace: int = 1          # in-place recoveries that must happen at least
+    demote: str = "replace"          # what survivors do: replace | release (in process)
 
     def leto_args(self) -> list[str]:
         g = GEOMETRY
@@ -62,7 +65,7 @@ class Schedule:
                 "--page-bytes", str(g["page_bytes"]), "--data-pages", str(g["data_pages"]),
                 "--tier1", str(g["tier1"]), "--tier2", str(g["tier2"]),
                 "--chunk-pages", str(g["chunk_pages"]), "--hang-timeout", str(self.hang_timeout),
-                "--max-restarts", "2"]
+                "--max-restarts", "2", "--demote", self.demote]
         for s in self.injects:
             args += ["--inject", s]
         return args
@@ -77,6 +80,7 @@ def schedule(seed: int, pages_per_state: int | None = None) -> Schedule:
     cat = CATEGORIES[seed % len(CATEGORIES)]
     world = 3 if seed % 7 == 6 else 2
     s = Schedule(seed, cat, world)
+    s.demote = os.environ.get("LETO_EXACTNESS_DEMOTE") or ("release" if (seed // 10) % 2 else "replace")
     step = rng.randint(2, 7)
 
     def rmu_kill(rank: int, t: int, gen: int = 0) -> tuple[str, int]:

@@ -5,7 +5,8 @@ job of examples/gpt_inplace.py.  The oracle is the same script under **torchrun*
 fault tolerance at all (plain mode: ordinary tensors, another page size and chunking): every
 loss a rank logged -- including iterations that were redone after a recovery -- and the final
 parameters and AdamW moments of every rank must be bit-identical to it, and the job must have
-recovered in place (the shadows really took over: `promote` events, recovery report).
+recovered in place (the shadows really took over: `promote` events, recovery report); with
+`--demote release` every survivor must have demoted itself in process (`demoted` events).
 
 Reproduce one schedule: `python tests/integration/fault_matrix.py SEED`.
 Seeds: LETO_EXACTNESS_SEEDS (default 50) consecutive seeds from LETO_EXACTNESS_FIRST (0).
@@ -63,6 +64,12 @@ def test_fault_schedule_is_bit_exact(seed, references, tmp_path):
     evs = events(ev)
     promoted = {e["generation"] for e in evs if e["event"] == "promote"}
     assert len(promoted) >= sch.expect_inplace, f"no in-place recovery happened; {why}"
+    if sch.demote == "release":
+        # Every survivor asked to demote itself did so in process (no SIGKILL fallback).
+        asked = [e for e in evs if e["event"] == "demote" and e.get("mode") == "release"]
+        fell_back = [e for e in evs if e["event"] == "demote" and e.get("reason")]
+        done = [e for e in evs if e["event"] == "demoted"]
+        assert not fell_back and len(done) == len(asked), f"{fell_back} {asked} {done}; {why}"
     assert "Recovery report" in p.stderr
 
 

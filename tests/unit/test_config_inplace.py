@@ -29,6 +29,7 @@ def test_defaults_match_design():
     ("chunk_pages", "--chunk-pages", "PET_CHUNK_PAGES", "2", 2),
     ("pg_timeout", "--pg-timeout", "PET_PG_TIMEOUT", "30", 30.0),
     ("demote", "--demote", "PET_DEMOTE", "replace", "replace"),
+    ("demote", "--demote", "PET_DEMOTE", "release", "release"),
 ])
 def test_cli_env_yaml(tmp_path, field, flag, env, value, want):
     assert getattr(load([flag, value, "t.py"]).recovery, field) == want
@@ -48,7 +49,7 @@ def test_cli_env_yaml(tmp_path, field, flag, env, value, want):
     (dict(data_pages=65530), "recovery.data_pages", "65535"),
     (dict(chunk_pages=-1), "recovery.chunk_pages", ">= 0"),
     (dict(pg_timeout=0), "recovery.pg_timeout", "> 0"),
-    (dict(demote="inprocess"), "recovery.demote", "not implemented yet"),
+    (dict(demote="inprocess"), "recovery.demote", "not a demotion mode"),
 ])
 def test_typed_errors_name_the_fix(kw, key, text):
     with pytest.raises(ConfigError) as ei:

@@ -1,0 +1,76 @@
+"""In-process demotion (`--demote release`), real processes and signals, gloo on CPU.
+
+The survivor of a HOF releases its state and becomes the shadow of generation g+2 in the same
+process (`leto_runtime.demotion`); at the next HOF that very process is promoted again.  The
+oracle for the training itself is torchrun (plain mode), bit for bit; the oracle for "in
+process" is the pid: the process promoted in generation 2 is the one spawned as rank 0's
+active of generation 0.
+"""
+from __future__ import annotations
+
+from fault_matrix import GEOMETRY
+from leto_testing import (ROOT, base_env, events, final_digest, leto_cmd, pid_alive, run,
+                          step_losses, torchrun_cmd)
+
+SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
+STEPS = 12
+
+
+def of(evs, name, **match):
+    return [e for e in evs if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+
+def geometry_args() -> list[str]:
+    g = GEOMETRY
+    return ["--page-bytes", str(g["page_bytes"]), "--data-pages", str(g["data_pages"]),
+            "--tier1", str(g["tier1"]), "--tier2", str(g["tier2"]),
+            "--chunk-pages", str(g["chunk_pages"])]
+
+
+def test_survivor_demotes_in_process_and_takes_over_at_the_next_hof(tmp_path):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(STEPS),
+                         "--out", str(ref)), base_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out, ev = tmp_path / "leto", tmp_path / "ev.jsonl"
+    out.mkdir()
+    p = run(leto_cmd("--standalone", "--nproc-per-node", "2", *geometry_args(),
+                     "--demote", "release", "--events", str(ev), "--log-dir", str(tmp_path / "l"),
+                     # rank 1 dies in a backward: rank 0 is demoted (it waits in the all-reduce)
+                     "--inject", "kill:rank=1:step=3:at=backward",
+                     # then rank 1 again, inside an update: rank 0's demoted process takes over
+                     "--inject", "kill:rank=1:step=8:gen=1:at=rmu.update:garbage=1",
+                     SCRIPT, "--steps", str(STEPS), "--out", str(out)),
+            base_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    evs = events(ev)
+    first = of(evs, "spawn", role="active", generation=0, rank=0)[0]["pid"]
+    [asked] = of(evs, "demote", generation=0, mode="release")
+    [done] = of(evs, "demoted", generation=0)
+    assert asked["rank"] == done["rank"] == 0 and done["pid"] == first
+    assert done["agent_seconds"] < 5.0 and not of(evs, "demote", reason=None, mode="replace",
+                                                  rank=0)
+    # The demoted process was not replaced: no fresh shadow of generation 2 for rank 0 ...
+    assert not of(evs, "spawn", role="shadow", generation=2, rank=0)
+    assert of(evs, "spawn", role="shadow", generation=2, rank=1)
+    # ... it reached L3 as that shadow and was promoted at the second HOF.
+    ready = [e for e in of(evs, "shadow_ready", rank=0) if e["pid"] == first]
+    assert ready and ready[0]["generation"] == 2
+    promoted = {e["rank"]: e["pid"] for e in of(evs, "promote", generation=2)}
+    assert promoted[0] == first
+    # Training is bit-exact against torchrun, redone steps included.
+    for rank in (0, 1):
+        want, got = step_losses(ref, rank), step_losses(out, rank)
+        assert sorted(got) == list(range(STEPS))
+        for step, values in got.items():
+            assert values == want[step], f"rank {rank} step {step}"
+        assert final_digest(ref, rank) == final_digest(out, rank)
+    assert "(release, in process)" in p.stderr
+    assert not [e["pid"] for e in of(evs, "spawn") if pid_alive(e["pid"])]
+
+
+def test_demote_option_rejects_unknown_modes():
+    p = run(leto_cmd("--standalone", "--demote", "keep", SCRIPT), base_env(), timeout=60)
+    assert p.returncode == 2
+    assert "recovery.demote" in p.stderr and "release" in p.stderr
