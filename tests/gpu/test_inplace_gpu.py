@@ -50,16 +50,21 @@ CASES = {
     "gloo2-two-ranks-rmu": (2, ["kill:rank=0:step=4:at=rmu.commit:group=0:chunk=2",
                                 "kill:rank=1:step=4:at=rmu.delta:group=1:chunk=0:garbage=1"]),
     "gloo2-sync": (2, ["kill:rank=1:step=5:at=sync"]),
+    # survivors demoted in process (CUDA context kept, device memory released), then the
+    # demoted process itself is promoted at the second HOF
+    "gloo2-release-two-hofs": (2, ["kill:rank=1:step=3:at=backward",
+                                   "kill:rank=1:step=8:gen=1:at=rmu.update:garbage=1"],
+                               ["--demote", "release"]),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_inplace_recovery_on_gpu_is_bit_exact(case, reference, tmp_path):
-    world, injects = CASES[case]
+    world, injects, *extra = CASES[case]
     ref = reference(world)
     ev = tmp_path / "events.jsonl"
     args = ["--standalone", "--nproc-per-node", str(world), *GEOM, "--hang-timeout", "15",
-            "--events", str(ev), "--log-dir", str(tmp_path / "logs")]
+            "--events", str(ev), "--log-dir", str(tmp_path / "logs"), *(extra[0] if extra else [])]
     for s in injects:
         args += ["--inject", s]
     p = run(leto_cmd(*args, SCRIPT, *MODEL, "--out", str(tmp_path)), base_env(), timeout=600)
@@ -72,4 +77,16 @@ def test_inplace_recovery_on_gpu_is_bit_exact(case, reference, tmp_path):
         want, got = step_losses(ref, r), step_losses(tmp_path, r)
         assert sorted(got) == list(range(STEPS))
         assert all(v == want[s] for s, v in got.items()), f"rank {r} losses differ"
-    assert any(e["event"] == "promote" for e in events(ev))
+    evs = events(ev)
+    assert any(e["event"] == "promote" for e in evs)
+    if "--demote" in args:
+        asked = [e for e in evs if e["event"] == "demote" and e.get("mode") == "release"]
+        done = [e for e in evs if e["event"] == "demoted"]
+        print("demoted:", [{k: e.get(k) for k in ("generation", "rank", "agent_seconds",
+                                                   "gpu_reserved_before", "gpu_reserved_after")}
+                           for e in done])
+        assert asked and len(done) == len(asked)
+        first = next(e["pid"] for e in evs if e["event"] == "spawn" and e["role"] == "active"
+                     and e["generation"] == 0 and e["rank"] == 0)
+        assert any(e["event"] == "promote" and e["generation"] == 2 and e["pid"] == first
+                   for e in evs), "the demoted process was not the one promoted later"
