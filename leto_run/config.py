@@ -361,10 +361,11 @@ class RecoveryConfig:
 
     The geometry (page_bytes, data_pages, tier1, tier2) goes to the state managers; chunk_pages
     and pg_timeout go to the trainers (LETO_CHUNK_PAGES, LETO_PG_TIMEOUT).  `demote` says what
-    happens to the surviving actives of a HOF: `replace` kills them and starts fresh shadows;
-    `release` makes each one release its GPU memory and process group in process and become
-    a shadow of the next generation (imports and CUDA context kept; SIGKILL if it does not
-    confirm within the agent's bound)."""
+    happens to the surviving actives of a HOF: `release` (default, the paper's design) makes
+    each one release its GPU memory and process group in process and become a shadow of the
+    next generation (imports and CUDA context kept), and kills and replaces one that cannot
+    (it does not confirm within the agent's bound); `replace` always kills them and starts
+    fresh shadows."""
 
     mode: str = "inplace"                    # inplace | restart (inplace needs leto_runtime.init())
     hang_timeout: float = 60.0               # seconds without a heartbeat => hang; 0 disables
@@ -374,7 +375,7 @@ class RecoveryConfig:
     tier2: int = 1                           # H2: tier-2 parity pages per group
     chunk_pages: int = 0                     # RMU transaction size in pages (0: the runtime picks)
     pg_timeout: float = 600.0                # seconds: trainers' process-group and store waits
-    demote: str = "replace"                  # replace | release (see the docstring)
+    demote: str = "release"                  # release | replace (see the docstring)
 
     def __post_init__(self) -> None:
         if self.mode not in RECOVERY_MODES:

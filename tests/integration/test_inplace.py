@@ -8,8 +8,10 @@ SCRIPT = str(SCRIPTS / "inplace.py")
 
 
 def leto(ev, *args):
-    return leto_cmd("--no-status", "--standalone", "--nproc-per-node", "2",
-                    "--events", str(ev), *args)
+    # The script speaks the protocol without the runtime, so it cannot demote itself in
+    # process: survivors are replaced (tests/integration/test_demotion.py covers `release`).
+    return leto_cmd("--no-status", "--standalone", "--nproc-per-node", "2", "--demote",
+                    "replace", "--events", str(ev), *args)
 
 
 def of(evs, name, **match):

@@ -15,7 +15,7 @@ def load(argv, env=None):
 def test_defaults_match_design():
     r = RecoveryConfig()
     assert (r.page_bytes, r.data_pages, r.tier1, r.tier2) == (2 << 20, 1024, 16, 1)
-    assert (r.chunk_pages, r.pg_timeout, r.demote) == (0, 600.0, "replace")
+    assert (r.chunk_pages, r.pg_timeout, r.demote) == (0, 600.0, "release")
     g = r.geometry
     assert (g.page_bytes, g.data_pages, g.tier1, g.tier2) == (2 << 20, 1024, 16, 1)
     assert g.problems() == []
