@@ -274,7 +274,7 @@ def _native_probe():
 MAP_PATH = os.environ.get("LETO_RMP_MAP", "native")
 MAP_THREADS = int(os.environ.get("LETO_RMP_MAP_THREADS", "1"))
 MAP_BATCH = int(os.environ.get("LETO_RMP_MAP_BATCH", "1024"))
-GRANT_ONCE = os.environ.get("LETO_RMP_GRANT_ONCE", "1") == "1"
+GRANT_ONCE = os.environ.get("LETO_RMP_GRANT_ONCE", "0") == "1"
 
 
 def _native_map():
@@ -356,6 +356,18 @@ class CudaMapping:
         finally:
             if grant:
                 self._grant(done)
+
+    def _grant(self, pages: list[int]) -> None:
+        """One cuMemSetAccess per contiguous run of newly mapped pages (cuda-python)."""
+        P = self.page_bytes
+        run: list[int] = []
+        for i in sorted(pages) + [None]:
+            if run and (i is None or i != run[-1] + 1):
+                cu_check(self.cu.cuMemSetAccess(self.base + run[0] * P, len(run) * P,
+                                                self._access, 1), "cuMemSetAccess")
+                run = []
+            if i is not None:
+                run.append(i)
 
     def grant_all(self) -> None:
         """cuMemSetAccess over every mapped page, once per run of consecutive pages (after
