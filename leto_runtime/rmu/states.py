@@ -4,9 +4,13 @@ Role: name, allocate/attach and describe the memory of data-parallel AdamW train
 
     leto/params  leto/exp_avg  leto/exp_avg_sq  leto/grads   fp32, N elements each, protected
     leto/marker                                               one host page, protected
-    leto/rmu/undo    U: one chunk of params, exp_avg, exp_avg_sq   retained, unprotected
+    leto/rmu/undo    U: one chunk of params, exp_avg, exp_avg_sq, then one chunk of scratch
+                     (the update's g*coef / denominator temporaries)   retained, unprotected
     leto/rmu/parity  Q/Q': two parity buffers (H1 pages) per model state, on the data's device,
                      retained, unprotected (chunk commits make them recoverable, DESIGN.md §6)
+
+On CUDA, U and Q are idle outside the update phase and are lent to the caching allocator for
+activations (`StateSet.lend_ranges`, `leto_runtime.rmu.lend`): peak HBM does not grow by them.
 
 The four N-element states have the same size, hence the same pages and protection groups
 (the state manager cuts groups of D pages from page 0); RMU's chunk j of group g is the same
@@ -164,6 +168,22 @@ class StateSet:
     def undo_pages(self, state_index: int, count: int) -> torch.Tensor:
         return self.undo.pages(state_index * self.chunk_pages, count)
 
+    def scratch(self) -> torch.Tensor:
+        """The update's fp32 scratch chunk (4th chunk of the undo state; contents never read
+        by recovery)."""
+        E = self.geo.page_bytes // 4
+        return self.undo.pages(3 * self.chunk_pages, self.chunk_pages).view(torch.float32) \
+            .view(self.chunk_pages * E)
+
+    def lend_ranges(self) -> list[tuple[int, int]]:
+        """(address, bytes) of the device memory RMU can lend for activations outside the
+        update phase: the undo/scratch state and the parity buffers."""
+        out = []
+        for st in (self.undo, self.qbuf):
+            t = st.pages(0, st.n_pages)
+            out.append((t.data_ptr(), t.numel() * t.element_size()))
+        return out
+
     def chunks(self, g: int) -> list[tuple[int, int]]:
         """(first page within the group, page count) of every chunk of group g."""
         k = self.model[0].groups[g].k
@@ -183,7 +203,7 @@ def open_states(layout: Layout, *, client, geo: Geometry, device: str, chunk_pag
                 attach_only: bool = False) -> StateSet:
     """Allocate (first trainer) or attach (every later one) the states of `layout`."""
     H1, S = geo.tier1, geo.page_bytes
-    undo_bytes = 3 * chunk_pages * S
+    undo_bytes = 4 * chunk_pages * S          # 3 undo chunks + the scratch chunk
     q_bytes = 3 * 2 * H1 * S
     n = layout.nbytes // 4
     if client is None:

@@ -29,8 +29,21 @@ diverges.  It exists to show that exactness comes from the transactions.
 into the chunk being updated and the scratch parity, as a kill in the middle of a kernel would
 leave them.
 
-Calling contract: `Updater(states, cfg)`; per iteration `protect_grads(t)`, `synchronize(t, pg)`
-and `update(t)` in that order (`step(t, pg)` does all three).  `resume(t)` continues an
+Activation lending (paper §5.3, `leto_runtime.rmu.lend`): on CUDA the undo/scratch and parity
+buffers are lent to the caching allocator for activations outside the update phase.  `begin(t)`
+writes the marker (COMPUTE) and then starts lending; `protect_grads(t)` -- the first thing
+`step()` does, before any write to U or Q -- ends it and checks that no tensor created during
+forward/backward is still alive in that memory (`lend.LendingError` otherwise).  U/Q contents
+matter only while the marker says UPDATING, so activations written there are harmless to
+recovery.  `lend=False` (or LETO_LEND=0) turns it off.
+
+Marker writes stay "fence, then host store": stream-ordered writes (cuStreamWriteValue into
+mapped host memory) would save one host round trip per operation; benchmarks/rmu_overhead.py
+reports how much of the update phase the fences cost before that is worth its complexity.
+
+Calling contract: `Updater(states, cfg)`; per iteration `begin(t)`, then `protect_grads(t)`,
+`synchronize(t, pg)` and `update(t)` in that order (`step(t, pg)` does all three); `close()`
+ends lending.  `resume(t)` continues an
 interrupted update from the marker (the caller has repaired the state first: recovery.py).
 """
 from __future__ import annotations
@@ -48,7 +61,7 @@ def _noinject(point: str, **where) -> None:
 
 class Updater:
     def __init__(self, ss: StateSet, cfg: "A.AdamWConfig", *, inject=None, backend: str = "auto",
-                 transactions: bool = True):
+                 transactions: bool = True, lend: bool | None = None):
         from leto_runtime.parity import ParityCode
 
         self.ss, self.cfg, self.backend, self.transactions = ss, cfg, backend, transactions
@@ -63,6 +76,9 @@ class Updater:
         self.E = g.page_bytes // 4                   # fp32 elements per page
         self.cuda = str(ss.device).startswith("cuda")
         self.scratch = None
+        from leto_runtime.rmu import lend as L
+        self.lend_on = self.cuda and (L.wanted(ss.device) if lend is None else bool(lend))
+        self.lender = None
 
     # ---- helpers -------------------------------------------------------------------------
     def code(self, k: int):
@@ -109,10 +125,27 @@ class Updater:
 
     # ---- the iteration -------------------------------------------------------------------
     def begin(self, t: int) -> None:
+        # The marker says COMPUTE before any activation can land in U/Q (lend.py).
         self.marker.write(t=t, phase=Phase.COMPUTE, group=0, chunk=0, sub=0, auth=0,
                           gstate=GState.LOAD)
+        if self.lend_on:
+            if self.lender is None:
+                from leto_runtime.rmu.lend import Lender
+                self.lender = Lender(self.ss.lend_ranges(), self.ss.device)
+            self.lender.enter(t)
+
+    def end_lending(self, t: int) -> None:
+        """Stop lending U/Q; raises lend.LendingError if a live tensor is still in them."""
+        if self.lender is not None:
+            self.lender.leave(t)
+
+    def close(self) -> None:
+        if self.lender is not None:
+            self.lender.close()
+            self.lender = None
 
     def protect_grads(self, t: int) -> None:
+        self.end_lending(t)
         self.inject("grads.protect", step=t)
         for g in range(len(self.ss.grads.groups)):
             self._encode_into_host(self.ss.grads, g)
@@ -150,6 +183,7 @@ class Updater:
         self.update(t)
 
     def update(self, t: int) -> None:
+        self.end_lending(t)
         self.marker.write(t=t, phase=Phase.UPDATING, group=0, chunk=0, sub=0, auth=0,
                           gstate=GState.LOAD)
         self._run(t, start_group=0)
@@ -159,6 +193,7 @@ class Updater:
         rec = self.marker.rec
         if rec.done_step >= t:
             return
+        self.end_lending(t)
         if rec.t != t or rec.phase < Phase.PROTECTED:
             raise RuntimeError(f"cannot finish iteration {t} from marker {rec.describe()}")
         if rec.phase < Phase.UPDATING:
@@ -224,9 +259,8 @@ class Updater:
         gi = ss.model[0].groups[g]
         views = [f[sl] for f in self.flat]
         grad = self.gflat[sl]
-        if self.scratch is None or self.scratch.numel() < grad.numel():
-            self.scratch = torch.empty(ss.chunk_pages * self.E, dtype=torch.float32,
-                                       device=grad.device)
+        if self.scratch is None:
+            self.scratch = ss.scratch()          # RMP memory (lent outside the update)
         where = dict(step=t, group=g, chunk=j)
         if self.transactions:
             self.inject("rmu.undo", **where)
