@@ -1,0 +1,281 @@
+"""Recovery time and ETTR: Leto in place next to torchrun + DCP, in one run (issue 6).
+
+    python -m benchmarks.recovery --preset cpu-smoke|cpu|h200 [--json FILE] [--md FILE]
+    python -m benchmarks.recovery.plot FILE.json [--png FILE]      # the figure, from the JSON
+
+Role: the harness.  One invocation:
+
+1. runs the **reference**: the GPT under torchrun with no fault tolerance and no failures.  It
+   sizes the run (N steps of about (kills + 1) * MTBF seconds) and, after its timed window,
+   measures the cost C of one DCP checkpoint, synchronous and asynchronous (train.py);
+2. computes **Young's interval** K* = sqrt(2 C MTBF) / t_iter for each (metrics.py), MTBF the
+   schedule's spacing of failures;
+3. runs every **system** (systems.py) for the same N steps under the same SIGKILL schedule,
+   delivered by the harness to the victim rank's current trainer (launch.py);
+4. computes per failure I, R and I + R, per run the ETTR against the reference, and the ETTR
+   model evaluated at the compressed MTBF (a check against the measurement) and at the paper's
+   one failure per 10 minutes (the extrapolation); writes the JSON (after every system, so a
+   run cut short keeps what it measured), the Markdown tables and PASS/MISS lines.
+
+Exit status: 0 when the reference and every system ran to completion with every kill measured,
+1 otherwise (the JSON and the launcher log tails say why), 2 on usage errors.  No process
+outlives the harness (launch.py), Ctrl-C included.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+from benchmarks.launch_overhead import machine_info
+from benchmarks.recovery import metrics as M
+from benchmarks.recovery import presets, report, systems
+from benchmarks.recovery.launch import Launch, run_system
+
+MIN_SYSTEM_S = 20.0      # below this much budget left a system is not started
+
+
+def log(msg: str) -> None:
+    print(f"[recovery {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(presets.PRESETS), default="cpu-smoke")
+    p.add_argument("--systems", default=",".join(s.name for s in systems.FAULTED),
+                   help="comma-separated subset of the faulted systems (default: all): "
+                        "%(default)s")
+    p.add_argument("--mtbf", type=float, help="override the preset's seconds between kills")
+    p.add_argument("--kills", type=int, help="override the preset's number of kills")
+    p.add_argument("--budget", type=float, help="override the preset's total time budget (s)")
+    p.add_argument("--work-dir", help="keep logs, step files and checkpoints here "
+                                      "(default: a temp dir, removed at the end)")
+    p.add_argument("--json", metavar="FILE", help="write every figure here")
+    p.add_argument("--md", metavar="FILE", help="write the Markdown report here too")
+    a = p.parse_args(argv)
+    names = [n.strip() for n in a.systems.split(",") if n.strip()]
+    bad = [n for n in names if n not in systems.BY_NAME or n == systems.REFERENCE.name]
+    if bad:
+        p.error(f"--systems: unknown {bad}; choose from "
+                f"{', '.join(s.name for s in systems.FAULTED)}")
+    a.system_list = [systems.BY_NAME[n] for n in names]
+    if a.kills is not None and a.kills < 1:
+        p.error(f"--kills must be >= 1, got {a.kills}")
+    return a
+
+
+def timeline(records: list[dict], t0: float) -> list[list]:
+    """Rank 0's steps for the plot: [step, start, end, checkpoint kind, pid], times from t0."""
+    return [[r["step"], round(r["t0"] - t0, 4), round(r["t1"] - t0, 4), r.get("ckpt"), r["pid"]]
+            for r in sorted(M.steps_of(records), key=lambda r: r["t0"]) if r["rank"] == 0]
+
+
+def of_ev(records: list[dict], ev: str) -> list[dict]:
+    return [r for r in records if r.get("ev") == ev]
+
+
+def leto_events(run_dir: str) -> list[dict]:
+    from leto_run.events import read_events
+    path = os.path.join(run_dir, "events.jsonl")
+    return read_events(path) if os.path.exists(path) else []
+
+
+def leto_phases(events: list[dict]) -> list[dict]:
+    """leto-run's own recovery report (from its event log), one entry per recovery."""
+    from leto_run.report import recoveries
+    return [asdict(r) | {"kind": type(r).__name__} for r in recoveries(events)]
+
+
+def leto_detect_s(events: list[dict], pid: int, t_fault: float) -> float | None:
+    """SIGKILL -> leto-run's `failure_detected` of that pid (same monotonic clock)."""
+    e = next((e for e in events if e["event"] == "failure_detected" and e.get("pid") == pid),
+             None)
+    return None if e is None else e["mono"] - t_fault
+
+
+def launch_summary(ln: Launch) -> dict:
+    return {"argv": ln.argv, "command": shlex.join(ln.argv), "exit_code": ln.exit_code,
+            "timed_out": ln.timed_out, "wall_s": ln.wall_s,
+            "launch_to_first_step_s": (ln.t_first_step - ln.t_launch) if ln.t_first_step else None,
+            "log_tail": ln.log_tail if (ln.exit_code != 0) else ""}
+
+
+def run_reference(preset, work: str, env: dict, timeout: float) -> tuple[dict, list[dict]]:
+    sysm = systems.REFERENCE
+    run_dir = os.path.join(work, sysm.name)
+    argv = systems.argv(sysm, preset, run_dir, calibrate=True)
+    log(f"{sysm.name}: {shlex.join(argv)}")
+    ln = run_system(argv, systems.launcher_env(sysm, env), run_dir, [], timeout,
+                    progress=lambda m: log(f"  {m}"))
+    out = {"system": sysm.name, "label": sysm.label, "launch": launch_summary(ln)}
+    recs = ln.records
+    plan = of_ev(recs, "plan")
+    calib = {r["rank"]: r for r in of_ev(recs, "calib")}
+    t0 = M.t_start(recs)
+    ok = ln.exit_code == 0 and plan and calib and t0 is not None
+    out["ok"] = bool(ok)
+    if not ok:
+        return out, recs
+    n = plan[0]["steps"]
+    # The costs of the slowest rank: a checkpoint ends for everyone when the last rank is done.
+    c_sync = max(c["sync_cost"] for c in calib.values())
+    c_async = max(c["async_cost"] for c in calib.values())
+    out.update(steps=n, tokens_per_step=plan[0]["tokens_per_step"], t_iter=M.step_time(recs), T_ref=M.completion(recs, n - 1) - t0,
+               plan=plan[0], calibration={"sync_cost_s": c_sync, "async_cost_s": c_async,
+                                          "per_rank": calib},
+               timeline=timeline(recs, t0))
+    return out, recs
+
+
+def evaluate(sysm, preset, ln: Launch, ref: dict, ref_recs: list[dict], interval: int | None,
+             cost: float | None) -> dict:
+    recs = ln.records
+    t0 = M.t_start(recs)
+    t_iter = M.step_time(recs)
+    out = {"system": sysm.name, "label": sysm.label, "launcher": sysm.launcher,
+           "mode": sysm.mode, "ckpt": sysm.ckpt, "interval": interval,
+           "ckpt_cost_s": cost, "ckpt_call_s": M.ckpt_cost(recs), "t_iter": t_iter,
+           "launch": launch_summary(ln), "kills": [asdict(k) for k in ln.kills]}
+    delivered = [k for k in ln.kills if k.t_fault is not None]
+    fails = []
+    events = leto_events(ln.run_dir) if sysm.launcher == systems.LETO else []
+    phases = leto_phases(events)
+    for j, k in enumerate(delivered):
+        nxt = delivered[j + 1].t_fault if j + 1 < len(delivered) else None
+        f = M.failure(recs, k.t_fault, t_iter or 0.0, nxt)
+        rel = (lambda t: None if t is None or t0 is None else t - t0)
+        f.update(index=k.index, rank=k.rank, pid=k.pid, at_s=rel(k.t_fault),
+                 resume_at_s=rel(f["t_resume"]), done_at_s=rel(f["t_done"]),
+                 kill_delay_s=k.delay_s)
+        f["breakdown"] = M.restart_breakdown(recs, f)
+        if events:
+            f["breakdown"]["detect_s"] = leto_detect_s(events, k.pid, k.t_fault)
+        if j < len(phases):
+            f["leto_report"] = phases[j]
+        fails.append(f)
+    out["failures"] = fails
+    out["leto_recoveries"] = phases
+    e = M.ettr(recs, ref_recs)
+    out.update(e)
+    n = ref["steps"]
+    done = [f for f in fails if f["recovery"] is not None]
+    out["complete"] = (ln.exit_code == 0 and e["step"] == n - 1 and len(done) == len(ln.kills))
+    if done and t_iter:
+        rec = statistics.mean(f["recovery"] for f in done)
+        init = statistics.mean(f["I"] for f in done)
+        out.update(I_mean=init, R_mean=statistics.mean(f["R"] for f in done), recovery_mean=rec)
+        kw = dict(t_iter_ref=ref["t_iter"], t_iter=t_iter, init_s=init)
+        if sysm.mode == "dcp":
+            kw.update(ckpt=sysm.ckpt, cost_s=cost)
+        else:
+            kw.update(recovery_s=rec)
+        out["model_run"] = M.model_run(steps=n, failures=len(done), T_ref=ref["T_ref"],
+                                       mttf_s=preset.mtbf_s, interval=interval, **kw)
+        out["extrapolated"] = M.model_ettr(mttf_s=M.PAPER_MTTF_S, **kw)
+    out["timeline"] = timeline(recs, t0) if t0 is not None else []
+    return out
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget)
+    t_begin = time.monotonic()
+    budget = preset.budget_s or float("inf")
+    work = a.work_dir or tempfile.mkdtemp(prefix="leto-recovery-")
+    os.makedirs(work, exist_ok=True)
+    env = systems.environment(preset)
+    # SIGTERM (a CI timeout, the device tool) tears down like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
+    res = {"benchmark": "recovery", "command": [sys.executable, "-m", "benchmarks.recovery",
+                                                *(sys.argv[1:] if argv is None else argv)],
+           "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "machine": machine_info(), "preset": asdict(preset),
+           "train_seconds": preset.train_seconds, "schedule": preset.schedule(),
+           "mtbf_s": preset.mtbf_s, "paper_mttf_s": M.PAPER_MTTF_S, "work_dir": work,
+           "reference": None, "systems": {}, "skipped": {}}
+
+    def save():
+        if a.json:
+            with open(a.json, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=1, default=str)
+
+    ok = True
+    try:
+        left = budget - (time.monotonic() - t_begin)
+        ref, ref_recs = run_reference(preset, work, env, min(preset.system_timeout_s, left))
+        res["reference"] = ref
+        save()
+        if not ref["ok"]:
+            log(f"reference failed (exit {ref['launch']['exit_code']}):\n"
+                f"{ref['launch']['log_tail']}")
+            return 1
+        c = ref["calibration"]
+        K = {"sync": M.young_interval(c["sync_cost_s"], preset.mtbf_s, ref["t_iter"]),
+             "async": M.young_interval(c["async_cost_s"], preset.mtbf_s, ref["t_iter"])}
+        cost = {"sync": c["sync_cost_s"], "async": c["async_cost_s"]}
+        res["intervals"] = {k: {"steps": K[k], "cost_s": cost[k], "mtbf_s": preset.mtbf_s,
+                                "t_iter_s": ref["t_iter"]} for k in K}
+        log(f"reference: {ref['steps']} steps, t_iter {ref['t_iter'] * 1e3:.1f} ms, "
+            f"T_ref {ref['T_ref']:.1f} s; checkpoint cost sync {cost['sync'] * 1e3:.0f} ms, "
+            f"async {cost['async'] * 1e3:.0f} ms -> Young interval at MTBF "
+            f"{preset.mtbf_s:g} s: sync {K['sync']}, async {K['async']} steps")
+        save()
+        for sysm in a.system_list:
+            left = budget - (time.monotonic() - t_begin)
+            if left < MIN_SYSTEM_S:
+                res["skipped"][sysm.name] = f"time budget: {left:.0f} s left"
+                log(f"{sysm.name}: skipped ({res['skipped'][sysm.name]})")
+                ok = False
+                continue
+            run_dir = os.path.join(work, sysm.name)
+            k = K[sysm.ckpt] if sysm.mode == "dcp" else None
+            argv_ = systems.argv(sysm, preset, run_dir, steps=ref["steps"], interval=k)
+            log(f"{sysm.name}: {shlex.join(argv_)}")
+            ev = (os.path.join(run_dir, "events.jsonl")
+                  if sysm.launcher == systems.LETO and sysm.recovery == "inplace" else None)
+            ln = run_system(argv_, systems.launcher_env(sysm, env), run_dir, preset.schedule(),
+                            min(preset.system_timeout_s, left), progress=lambda m: log(f"  {m}"),
+                            events_path=ev, nproc=preset.nproc)
+            r = evaluate(sysm, preset, ln, ref, ref_recs, k,
+                         cost[sysm.ckpt] if sysm.mode == "dcp" else None)
+            r["launcher_env_extra"] = {key: v for key, v in
+                                       systems.launcher_env(sysm, {}).items()}
+            res["systems"][sysm.name] = r
+            ok &= r["complete"]
+            log(f"{sysm.name}: exit {ln.exit_code}, ETTR "
+                f"{(r['ettr'] or 0) * 100:.1f}%, recovery I+R "
+                + ", ".join(f"{f['recovery']:.2f} s" if f["recovery"] is not None else "n/a"
+                            for f in r["failures"]))
+            if not r["complete"]:
+                log(f"{sysm.name}: incomplete run; launcher log tail:\n{ln.log_tail}")
+            shutil.rmtree(os.path.join(run_dir, "ckpt"), ignore_errors=True)   # disk, on GPUs
+            save()
+        res["goals"] = report.goals(res)
+        res["wall_s"] = time.monotonic() - t_begin
+        save()
+        md = report.markdown(res)
+        print(md)
+        if a.md:
+            with open(a.md, "w", encoding="utf-8") as f:
+                f.write(md + "\n")
+        return 0 if ok else 1
+    finally:
+        if not a.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
