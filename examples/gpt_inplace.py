@@ -83,7 +83,7 @@ def main() -> None:
     for step in job.steps(a.steps):
         idx, targets = batch(a.seed, step, job.rank, a.batch_size, cfg, job.device)
         with job.autocast(), exact():
-            _, loss = model(idx, targets)
+            loss = model(idx, targets)[1]   # the logits die here, not after opt.step()
         value = loss.item()
         if log:
             log.write(json.dumps({"step": step, "gen": gen, "loss": float(value).hex()}) + "\n")

@@ -107,6 +107,7 @@ class Agent:
         self.worker_pipes: set[int] = set()
         self.pending_revokes: list[tuple[int, int]] = []
         self.resumed_gens: set[int] = set()
+        self.resuming: dict[int, set[int]] = {}   # generation -> local ranks that beat a step
         self.leftovers: list = []             # Procs that outlived a bounded wait: stopped at the end
         self.attempt_base_gen = 0             # generation at which the current attempt started
         self.inplace = InplaceRecovery(self) if cfg.recovery.mode == "inplace" else None
@@ -421,7 +422,11 @@ class Agent:
             self.status.changed()
             if beat.step is None or sp.generation == 0:
                 continue
-            if sp.generation not in self.resumed_gens:
+            # Training has resumed once every local rank of the generation runs a step again
+            # (they meet at the next collective): the slowest rank's recovery is the cost.
+            seen = self.resuming.setdefault(sp.generation, set())
+            seen.add(slot.rank)
+            if sp.generation not in self.resumed_gens and len(seen) >= len(self.slots):
                 self.resumed_gens.add(sp.generation)
                 self.events.emit("resumed", sp.generation, rank=slot.rank, role=sp.role.value,
                                  step=beat.step, mono=beat.mono)

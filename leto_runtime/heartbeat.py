@@ -17,7 +17,8 @@ generation they name (`gen`, default 0).  Under the runtime API (`leto_runtime.j
 `contract.INJECT_POINTS` itself (RMU operations, recovery phases, page losses with their kill).
 
 `send(kind, step, detail)` is the raw datagram API that `leto_runtime.promotion` builds on
-(kinds: `contract` "Heartbeat datagram").  Nothing here blocks.
+(kinds: `contract` "Heartbeat datagram").  Beats never block; a control datagram waits at most
+CONTROL_SEND_S for room in the agent's queue.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from leto_runtime import contract as C
 from leto_runtime.context import Context
 
 _state: dict = {}
+CONTROL_SEND_S = 2.0     # longest a control datagram waits for room in the agent's queue
 
 
 def _setup() -> dict:
@@ -56,10 +58,22 @@ def _send(kind: str, step: int | None, detail: str | None = None) -> None:
     ctx: Context = _state["ctx"]
     msg = {"v": C.HEARTBEAT_VERSION, "kind": kind, "rank": ctx.rank, "role": ctx.role,
            "gen": ctx.generation, "pid": os.getpid(), "step": step, "detail": detail}
-    try:
-        sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), ctx.heartbeat_socket)
-    except (BlockingIOError, FileNotFoundError, ConnectionRefusedError, OSError):
-        pass   # the agent is gone or busy; the parent-death signal handles the former
+    data = json.dumps(msg, separators=(",", ":")).encode()
+    # A Unix datagram queue holds only net.unix.max_dgram_qlen (often 10) messages; while the
+    # agent is busy (spawning shadows during a recovery) it fills.  A lost beat only makes
+    # the agent more cautious, but a lost control datagram (demoted, promoted, phase, ...)
+    # loses a protocol step or a report figure: those are retried, bounded.
+    deadline = None if kind == "beat" else time.monotonic() + CONTROL_SEND_S
+    while True:
+        try:
+            sock.sendto(data, ctx.heartbeat_socket)
+            return
+        except BlockingIOError:
+            if deadline is None or time.monotonic() >= deadline:
+                return
+            time.sleep(0.001)
+        except (FileNotFoundError, ConnectionRefusedError, OSError):
+            return   # the agent is gone; the parent-death signal handles that
 
 
 def _block_forever(reason: str) -> None:
@@ -102,7 +116,7 @@ def _fire_step_injections(step: int) -> None:
 
 
 def send(kind: str, step: int | None = None, detail: str | None = None) -> None:
-    """Send one datagram of `kind` (see contract) to the agent; never blocks, never raises."""
+    """Send one datagram of `kind` (see contract) to the agent; never raises; a control datagram waits at most CONTROL_SEND_S for room."""
     if not _state:
         _setup()
     _send(kind, step, detail)

@@ -59,7 +59,8 @@ from leto_runtime.faults import Faults
 from leto_runtime.rmu import adamw as A
 from leto_runtime.rmu.marker import Phase
 from leto_runtime.rmu.recovery import Progress, RecoveryError, prepare
-from leto_runtime.rmu.states import Geometry, Layout, open_states, pick_chunk_pages
+from leto_runtime.rmu.states import (GRADS, MARKER, MODEL, QBUF, UNDO, Geometry, Layout,
+                                     open_states, pick_chunk_pages)
 from leto_runtime.rmu.updater import Updater
 
 _JOB: "Job | None" = None
@@ -186,7 +187,53 @@ class Job:
         self.layout = None
         if self.role != "shadow":
             self._materialize()
+        elif self.inplace:
+            self._preattach()
         return model
+
+    def _preattach(self) -> None:
+        """Shadow: map the retained states now, while waiting (issue: "the retained state mapped
+        but never written"), so that promotion only refreshes what changed since.  Skipped,
+        with attach at promotion, when the active has not created them yet."""
+        from leto_runtime.rmp.client import RmpClient
+        t0 = time.monotonic()
+        client = None
+        try:
+            client = RmpClient(self.ctx.sm_socket, timeout=self.ctx.pg_timeout)
+            have = {s["name"] for s in client.list()}
+            if not {*MODEL, GRADS, MARKER, UNDO, QBUF} <= have:
+                client.close()
+                return
+            self._materialize(client=client, attach_only=True)
+        except Exception as e:
+            _log(f"pre-attach skipped ({type(e).__name__}: {e}); attaching at promotion")
+            self.ss = None
+            if client is not None:
+                try:
+                    client.close(unmap=True, timeout=1.0)
+                except Exception:
+                    pass
+            return
+        self.recovery_info["preattach_s"] = time.monotonic() - t0
+
+    def _attach_at_promotion(self) -> dict:
+        """Promoted shadow: bring the pre-attached mappings up to date (one round trip plus the
+        changed pages), or attach now.  Returns the attach phase's fields."""
+        if self.ss is None:
+            self._materialize()
+            return {"preattached": False}
+        t0 = time.monotonic()
+        rep = self.ss.client.refresh()
+        if rep.views_invalid:         # a state was re-created under its name: map afresh
+            old = self.ss.client
+            self._materialize()
+            try:
+                old.close(unmap=True, timeout=1.0)
+            except Exception:
+                pass
+        self.recovery_info["attach_s"] = time.monotonic() - t0
+        return {"preattached": True, "changed_pages": sum(rep.changed.values()),
+                "dropped_pages": sum(rep.dropped.values()), "remapped": bool(rep.views_invalid)}
 
     def _geometry(self, client) -> Geometry:
         if client is None:
@@ -198,10 +245,9 @@ class Job:
             page = -(-page // gran) * gran
         return Geometry(g["data_pages"], g["tier1"], g["tier2"], page)
 
-    def _materialize(self) -> None:
+    def _materialize(self, client=None, attach_only: bool = False) -> None:
         t0 = time.monotonic()
-        client = None
-        if self.inplace:
+        if self.inplace and client is None:
             from leto_runtime.rmp.client import RmpClient
             client = RmpClient(self.ctx.sm_socket, timeout=self.ctx.pg_timeout)
         geo = self._geometry(client)
@@ -209,7 +255,7 @@ class Job:
         self.layout = Layout.of(named, geo.page_bytes)
         chunk = pick_chunk_pages(self.ctx.chunk_pages, geo)
         self.ss = open_states(self.layout, client=client, geo=geo, device=str(self.device),
-                              chunk_pages=chunk)
+                              chunk_pages=chunk, attach_only=attach_only)
         P = self.ss.flat(self.ss.model[0])
         G = self.ss.flat(self.ss.grads)
         for slot in self.layout.params:
@@ -264,8 +310,8 @@ class Job:
             self.role = "active"
             demotion.arm(self)
             hb.heartbeat(None)
-            self._materialize()
-            promotion.report_phase("attach", self.recovery_info["attach_s"])
+            fields = self._attach_at_promotion()
+            promotion.report_phase("attach", self.recovery_info["attach_s"], **fields)
         start = self._prepare()
         for t in range(start, total):
             if not self._stepped:
@@ -353,6 +399,8 @@ class Job:
         retained memory afterwards).  Returns figures for the `demoted` datagram.  Fast on
         purpose (the promotion waits for it): no full garbage collection, which costs
         hundreds of ms with torch loaded; `release_group()` and the collection follow."""
+        if self.updater is not None:
+            self.updater.close()      # lending ends: no pool segment is left in RMU's buffers
         if self.model is not None:
             for p in self.model.parameters():       # the views go even if the module lives on
                 p.grad = None

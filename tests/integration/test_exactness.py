@@ -65,11 +65,15 @@ def test_fault_schedule_is_bit_exact(seed, references, tmp_path):
     promoted = {e["generation"] for e in evs if e["event"] == "promote"}
     assert len(promoted) >= sch.expect_inplace, f"no in-place recovery happened; {why}"
     if sch.demote == "release":
-        # Every survivor asked to demote itself did so in process (no SIGKILL fallback).
+        # Every survivor asked to demote itself did so in process, or died meanwhile (the
+        # schedule may kill it too): none had to be SIGKILLed for want of a confirmation.
         asked = [e for e in evs if e["event"] == "demote" and e.get("mode") == "release"]
-        fell_back = [e for e in evs if e["event"] == "demote" and e.get("reason")]
+        died = [e for e in evs if e["event"] == "demote" and e.get("reason") == "exited"]
+        fell_back = [e for e in evs if e["event"] == "demote" and e.get("reason")
+                     and e.get("reason") != "exited"]
         done = [e for e in evs if e["event"] == "demoted"]
-        assert not fell_back and len(done) == len(asked), f"{fell_back} {asked} {done}; {why}"
+        assert not fell_back and len(done) + len(died) == len(asked), \
+            f"{fell_back} {asked} {done}; {why}"
     assert "Recovery report" in p.stderr
 
 
