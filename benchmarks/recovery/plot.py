@@ -67,6 +67,7 @@ def plot(res: dict, png: str) -> None:
             label += f"  (ETTR {100 * r['ettr']:.1f}%)"
         ax.set_title(label, fontsize=9, loc="left")
         ax.set_ylabel("K tok/s", fontsize=8)
+        ax.set_ylim(bottom=0)
     axes[-1, 0].set_xlabel("time since the first step (s)")
     from matplotlib.patches import Patch
     fig.legend(handles=[Patch(color="C3", alpha=0.25, label="recovery (I)"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 LETO_RECOVERY_EXTRA_S = 1.0     # "Leto's HOF recovery <= 1 s plus the interrupted iteration"
 SPEEDUP_GOAL = 10.0             # ">= 10x faster recovery than torchrun + DCP (async)"
+NOISE = 0.15                    # a DCP run's plain step this far from the reference's: load changed
 
 
 def _s(x, nd=2) -> str:
@@ -102,6 +103,14 @@ def markdown(res: dict) -> str:
                 f"| {_s(f['I'])} | {_s(f['R'])} | {_s(f['recovery'])} | {_breakdown(f)} |")
     for name, why in res.get("skipped", {}).items():
         lines.append(f"\n{name}: skipped ({why})")
+    noisy = [r["label"] for r in res["systems"].values()
+             if r.get("mode") == "dcp" and r.get("t_iter") and ref.get("t_iter")
+             and abs(r["t_iter"] / ref["t_iter"] - 1) > NOISE]
+    if noisy:
+        lines.append(f"\nWARNING: the plain step of {', '.join(noisy)} differs from the "
+                     f"reference's by more than {100 * NOISE:.0f}% (same program): the machine's "
+                     "load changed between the runs, so their ETTR against this reference is "
+                     "not meaningful (and a kill may have missed a run that ended early).")
     lines += ["", _extrapolation_note(res), ""]
     for g in res.get("goals", []):
         lines.append(f"- {'PASS' if g['ok'] else 'MISS'} {g['goal']}: {g['detail']}")

@@ -40,7 +40,7 @@ from benchmarks.recovery import metrics as M
 from benchmarks.recovery import presets, report, systems
 from benchmarks.recovery.launch import Launch, run_system
 
-MIN_SYSTEM_S = 20.0      # below this much budget left a system is not started
+MIN_SYSTEM_S = 20.0      # a system is not started with less budget left (or 1.5 x the training)
 
 
 def log(msg: str) -> None:
@@ -57,6 +57,8 @@ def parse_args(argv):
     p.add_argument("--mtbf", type=float, help="override the preset's seconds between kills")
     p.add_argument("--kills", type=int, help="override the preset's number of kills")
     p.add_argument("--budget", type=float, help="override the preset's total time budget (s)")
+    p.add_argument("--leto-args", help="override the preset's extra leto-run options (both "
+                                       "modes), e.g. \"--page-bytes 2097152 --hang-timeout 120\"")
     p.add_argument("--work-dir", help="keep logs, step files and checkpoints here "
                                       "(default: a temp dir, removed at the end)")
     p.add_argument("--json", metavar="FILE", help="write every figure here")
@@ -191,7 +193,8 @@ def _interrupt(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget)
+    preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget,
+                         leto_args=None if a.leto_args is None else tuple(shlex.split(a.leto_args)))
     t_begin = time.monotonic()
     budget = preset.budget_s or float("inf")
     work = a.work_dir or tempfile.mkdtemp(prefix="leto-recovery-")
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
         for sysm in a.system_list:
             left = budget - (time.monotonic() - t_begin)
-            if left < MIN_SYSTEM_S:
+            if left < max(MIN_SYSTEM_S, 1.5 * preset.train_seconds):
                 res["skipped"][sysm.name] = f"time budget: {left:.0f} s left"
                 log(f"{sysm.name}: skipped ({res['skipped'][sysm.name]})")
                 ok = False
