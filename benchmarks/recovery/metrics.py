@@ -134,6 +134,14 @@ def failure(records: list[dict], t_fault: float, t_iter: float,
     elif resumed > i + 1:
         t_done, how = t_resume, "finish"                 # completed during recovery
     else:
+        # Back, but the next failure struck before iteration i+1 was reached again (a
+        # rollback longer than the time between failures): I is known, R only from below.
+        out.update(t_resume=t_resume, resumed_step=resumed, I=t_resume - t_fault,
+                   recomputed_steps=max(0, i + 1 - resumed), resume="rollback, not caught up",
+                   R_at_least=(None if t_next_fault is None
+                               else max(0.0, t_next_fault - t_resume - t_remain)),
+                   new_pids=sorted({r["pid"] for r in after}),
+                   new_incarnations=sorted({incarnation(r) for r in after}))
         return out
     I = t_resume - t_fault
     R = t_done - t_resume - t_remain

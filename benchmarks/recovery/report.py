@@ -100,7 +100,10 @@ def markdown(res: dict) -> str:
             lines.append(
                 f"| {r['label']} | {f['index'] + 1} | {f['rank']} | {_s(f['at_s'])} "
                 f"| {f['interrupted_step']} | {f['resumed_step']} | {f['resume'] or '-'} "
-                f"| {_s(f['I'])} | {_s(f['R'])} | {_s(f['recovery'])} | {_breakdown(f)} |")
+                f"| {_s(f['I'])} | "
+                + (f">= {_s(f['R_at_least'])}" if f.get("R_at_least") is not None
+                   else _s(f['R']))
+                + f" | {_s(f['recovery'])} | {_breakdown(f)} |")
     for name, why in res.get("skipped", {}).items():
         lines.append(f"\n{name}: skipped ({why})")
     noisy = [r["label"] for r in res["systems"].values()

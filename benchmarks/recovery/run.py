@@ -173,7 +173,8 @@ def evaluate(sysm, preset, ln: Launch, ref: dict, ref_recs: list[dict], interval
     out["complete"] = (ln.exit_code == 0 and e["step"] == n - 1 and len(done) == len(ln.kills))
     if done and t_iter:
         rec = statistics.mean(f["recovery"] for f in done)
-        init = statistics.mean(f["I"] for f in done)
+        # I is known for every failure the group came back from, caught up or not.
+        init = statistics.mean(f["I"] for f in fails if f["I"] is not None)
         out.update(I_mean=init, R_mean=statistics.mean(f["R"] for f in done), recovery_mean=rec)
         kw = dict(t_iter_ref=ref["t_iter"], t_iter=t_iter, init_s=init)
         if sysm.mode == "dcp":
