@@ -5,11 +5,14 @@ GPU (if CUDA is visible): one protection group of the default shape (D=1024 data
   * copy: `dst.copy_(src)` of one contiguous 2 GiB buffer; bandwidth counts bytes read + written;
   * encode (each kernel variant): data bytes / time;
   * delta update of 1 and of 64 changed pages (time, changed bytes / time);
+  * delta update of a contiguous 32-page run (an RMU chunk), pagewise kernel vs the syndrome
+    path (old ^ new into a lent scratch, encode kernel with shifted coefficients, fold);
   * decode of 16 lost data pages: wall time including the host-side 16x16 inverse, and the kernel;
   * syndrome scrub of the 1040 pages; tier-2 encode.
   GPU times: CUDA events around each call, after warm-up, median of --reps.
 CPU (always): single-core (torch.set_num_threads(1)) encode throughput at m=16 of the C++
-kernels for each vector ISA the CPU has, and of the NumPy reference; delta update of 1 page.
+kernels for each vector ISA the CPU has, and of the NumPy reference; delta update of 1 page; the
+same 32-page-run delta comparison as on the GPU (D=1024, m=16, 64 KiB pages).
 
 Usage: python benchmarks/parity_bench.py [--no-gpu] [--no-cpu] [--reps 10] [--json out.json]
        [--sass out_dir]   (dump the SASS instruction mix of the encode kernel with cuobjdump)
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from leto_runtime.parity import ParityCode, ProtectionGroup, _ext, backends, gf16  # noqa: E402
+from leto_runtime.parity import ParityCode, ProtectionGroup, _ext, backends, delta, gf16  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 results: dict = {"rows": []}
@@ -122,6 +125,7 @@ def bench_gpu(reps: int) -> None:
         t = gpu_time(lambda: code.update(p1, idx, olds, new[:n]), reps)
         row("gpu", f"delta update, {n} changed page(s)", t * 1e3, "ms",
             f"{n * S / t / 1e9:.0f} GB/s of changed data; re-encode = {results['encode'][best]['seconds'] * 1e3:.2f} ms")
+    run_delta_rows("gpu", code, data, p1, new, lambda f: gpu_time(f, reps), dev)
     code.encode(data, out=p1)  # the timed updates were applied repeatedly: make p1 consistent again
 
     pages = data + list(p1)
@@ -154,6 +158,27 @@ def bench_gpu(reps: int) -> None:
     row("gpu", "scrub syndromes over 1040 pages", t * 1e3, "ms")
 
 
+def run_delta_rows(section: str, code: ParityCode, data, parity, new, timer, dev, n: int = 32,
+                   first: int = 320) -> None:
+    """Delta of the contiguous run first..first+n-1 (an RMU chunk): the pagewise delta kernel
+    vs the syndrome path (delta.py), same run, same pages (old and new stacked, as in RMU); a
+    lent scratch of n + m pages."""
+    idx = range(first, first + n)
+    olds = torch.stack([data[j] for j in idx])     # stacked, as RMU's undo copy and chunk are
+    news = torch.stack(list(new[:n]))
+    scratch = torch.empty((n + code.m) * code.page_bytes, dtype=torch.uint8, device=dev)
+    tp = timer(lambda: code.update(parity, idx, olds, news, method="pagewise"))
+    ts = timer(lambda: code.update(parity, idx, olds, news, method="syndrome", scratch=scratch))
+    auto = delta.choose(code.backend_for(dev).name, code.m, code.m, list(idx))
+    S = code.page_bytes
+    row(section, f"delta, contiguous {n}-page run, pagewise kernel", tp * 1e3, "ms",
+        f"{n * S / tp / 1e9:.2f} GB/s of changed data")
+    row(section, f"delta, contiguous {n}-page run, syndrome path", ts * 1e3, "ms",
+        f"{n * S / ts / 1e9:.2f} GB/s; {tp / ts:.2f}x pagewise; auto picks {auto.method}")
+    results.setdefault("delta_run", {})[section] = dict(pages=n, page_bytes=S, m=code.m, pagewise_s=tp,
+                                                        syndrome_s=ts, ratio=tp / ts, auto=auto.method)
+
+
 def bench_cpu(reps: int) -> None:
     torch.set_num_threads(1)
     results["cpu"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, single thread"
@@ -180,6 +205,8 @@ def bench_cpu(reps: int) -> None:
     new = torch.randint(0, 256, (1, S), dtype=torch.uint8)
     t = cpu_time(lambda: code.update(out, [5], data[[5]], new), reps)
     row("cpu", f"C++ delta update, 1 page [{best}], 1 core", S / t / 1e9, "GB/s", f"{t * 1e3:.2f} ms")
+    newr = torch.randint(0, 256, (32, S), dtype=torch.uint8)
+    run_delta_rows("cpu", code, data, out, newr, lambda f: cpu_time(f, reps), torch.device("cpu"))
     Dr, Sr = 64, 1 * MiB
     rdata = torch.randint(0, 256, (Dr, Sr), dtype=torch.uint8)
     rcode = ParityCode(Dr, m, Sr, backend="reference")

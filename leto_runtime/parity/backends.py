@@ -9,6 +9,9 @@ when it has to fall back to the reference).
     delta_update(outs, olds, news, coef, page_bytes)
         outs[i] ^= sum_l coef[i][l] * (olds[l] ^ news[l])        (news[l] None: olds[l] is the delta)
 
+Delta updates of a contiguous run of pages may instead go through syndrome_mix (delta.py picks;
+`max_outputs` says how many outputs one syndrome_mix call takes).
+
 Calling contract: pages are validated 1-D uint8 tensors of `page_bytes` bytes on one device (the
 code object does that); outputs are written in place; work is queued on the current CUDA
 stream for CUDA pages (nothing synchronizes).  The kernels cover exponents t = -7..8, i.e. codes
@@ -37,6 +40,7 @@ class ReferenceBackend:
     """NumPy on the host; CUDA pages are copied to the host and the results back."""
 
     name = "reference"
+    max_outputs = None          # syndrome_mix outputs per call: unbounded
 
     @staticmethod
     def _np(t: Page) -> Optional[np.ndarray]:
@@ -95,6 +99,7 @@ class _KernelBackend:
 
 class CpuBackend(_KernelBackend):
     name = "cpu"
+    max_outputs = None
 
     def syndrome_mix(self, pages, outs, coef, ts, page_bytes) -> None:
         cpu = torch.device("cpu")
@@ -108,6 +113,7 @@ class CpuBackend(_KernelBackend):
 
 class CudaBackend(_KernelBackend):
     name = "cuda"
+    max_outputs = 16            # the CUDA syndrome_mix launcher takes 1..16 outputs
 
     def __init__(self, ext) -> None:
         super().__init__(ext)

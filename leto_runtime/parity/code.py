@@ -3,6 +3,7 @@
     code = ParityCode(k=1024, m=16, page_bytes=2 << 20, backend="auto")
     parity = code.encode(data)                    # (m, S) uint8 tensor on data's device
     code.update(parity, j, old, new)              # parity ^= G[:, j] * (old ^ new), in place
+    code.update(q_new, range(f, f + n), old, new, base=q_old, scratch=buf)   # q_new = q_old ^ delta
     rebuilt = code.decode(pages_with_None_for_lost)   # {position: page}; > m lost -> TooManyErasures
     report = code.scrub(data_and_parity)          # all syndromes zero <=> consistent; locates bad pages
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from . import backends, gf16, reference
+from . import delta as _delta
 from .errors import PageShapeError, TooManyErasures
 
 Pages = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -70,6 +72,36 @@ def _indices(index, k: int) -> list[int]:
     return idx
 
 
+def _targets(parity, par: list, base, rows: int, page_bytes: int, dev):
+    """(parity, base) for delta.py: stacked tensors where both are (one XOR over all rows), else
+    page lists; base None when absent or when it is the parity itself (then: in place)."""
+    if base is None:
+        return (parity if isinstance(parity, torch.Tensor) else par), None
+    bpages, bdev = _as_pages(base, rows, page_bytes, "base")
+    if bdev != dev:
+        raise PageShapeError(f"base is on {bdev}, pages on {dev}")
+    if [b.data_ptr() for b in bpages] == [p.data_ptr() for p in par]:
+        return (parity if isinstance(parity, torch.Tensor) else par), None
+    if isinstance(parity, torch.Tensor) and isinstance(base, torch.Tensor):
+        return parity, base
+    return par, bpages
+
+
+def _copy_pages(dst, src, page_bytes: int) -> None:
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        _delta.u8(dst).copy_(_delta.u8(src))
+        return
+    for d, s_ in zip(dst, src):
+        _delta.u8(d).copy_(_delta.u8(s_))
+
+
+def _check_scratch(scratch, dev) -> None:
+    if scratch is None:
+        return
+    if not isinstance(scratch, torch.Tensor) or not scratch.is_contiguous() or scratch.device != dev:
+        raise PageShapeError(f"scratch must be a contiguous tensor on {dev}")
+
+
 @dataclass(frozen=True)
 class ScrubReport:
     """Result of a syndrome scrub.
@@ -106,6 +138,7 @@ class ParityCode:
             raise ValueError(f"backend must be one of {backends.BACKENDS}, got {backend!r}")
         self.k, self.m, self.page_bytes, self.backend = int(k), int(m), int(page_bytes), backend
         self.exponents = gf16.exponents(self.m)
+        self._last_plan: Optional[_delta.DeltaPlan] = None
 
     def __repr__(self) -> str:
         return f"ParityCode(k={self.k}, m={self.m}, page_bytes={self.page_bytes}, backend={self.backend!r})"
@@ -136,24 +169,53 @@ class ParityCode:
                                            self.exponents, self.page_bytes)
         return ret
 
-    def update(self, parity: Pages, index, old: Pages, new: Pages) -> None:
-        """Data pages `index` (int or list) changed from `old` to `new`: patch `parity` in place."""
+    def update(self, parity: Pages, index, old: Pages, new: Pages, *, scratch: Optional[torch.Tensor] = None,
+               base: Optional[Pages] = None, method: str = "auto") -> None:
+        """Data pages `index` (int or list) changed from `old` to `new`: patch `parity` in place.
+
+        A contiguous run of pages (index = first, first+1, ...) long enough goes through the
+        encode kernel on old ^ new (delta.py; `method` 'auto' | 'pagewise' | 'syndrome' forces
+        one; LETO_PARITY_DELTA sets the default).  `scratch`: optional contiguous tensor (any dtype, on the pages' device, overlapping
+        none of the other arguments) for old ^ new (count pages) and the temp (m pages) that
+        path needs; what does not fit is allocated.  `base`: when given, parity = base ^ delta
+        (parity is only written: saves a copy of the old parity into it).
+        """
         idx = _indices(index, self.k)
         olds, dev = _as_pages(old, len(idx), self.page_bytes, "old")
         news, ndev = _as_pages(new, len(idx), self.page_bytes, "new")
-        self._delta(parity, idx, olds, news, dev, ndev)
+        stacked = (old if isinstance(old, torch.Tensor) else None, new if isinstance(new, torch.Tensor) else None)
+        self._delta(parity, idx, olds, news, dev, ndev, stacked, scratch, base, method)
 
-    def update_delta(self, parity: Pages, index, delta: Pages) -> None:
+    def update_delta(self, parity: Pages, index, delta: Pages, *, scratch: Optional[torch.Tensor] = None,
+                     base: Optional[Pages] = None, method: str = "auto") -> None:
         """Like update() with delta = old ^ new given directly."""
         idx = _indices(index, self.k)
         deltas, dev = _as_pages(delta, len(idx), self.page_bytes, "delta")
-        self._delta(parity, idx, deltas, [None] * len(idx), dev, dev)
+        self._delta(parity, idx, deltas, [None] * len(idx), dev, dev, (None, None), scratch, base, method)
 
-    def _delta(self, parity, idx, olds, news, dev, ndev) -> None:
+    def last_delta_plan(self) -> Optional[_delta.DeltaPlan]:
+        """How the last update() / update_delta() was computed (method and reason)."""
+        return self._last_plan
+
+    def _delta(self, parity, idx, olds, news, dev, ndev, stacked, scratch, base, method) -> None:
         par, pdev = _as_pages(parity, self.m, self.page_bytes, "parity")
         if not (pdev == dev == ndev):
             raise PageShapeError(f"parity on {pdev}, old on {dev}, new on {ndev}: use one device")
-        self.backend_for(dev).delta_update(par, olds, news, self.G[:, idx], self.page_bytes)
+        par_obj, base_obj = _targets(parity, par, base, self.m, self.page_bytes, dev)
+        be = self.backend_for(dev)
+        plan = _delta.choose(be.name, self.m, self.m, idx, have_delta=all(n is None for n in news),
+                             method=_delta.method_from_env(method))
+        self._last_plan = plan
+        if plan.method == "syndrome":
+            _check_scratch(scratch, dev)
+            deltas, used = _delta.materialize(olds, news, *stacked, self.page_bytes, scratch, dev)
+            _delta.syndrome_delta(be, [(par_obj, self.m)], _delta.shifted_encode_matrix(self.k, self.m, plan.first),
+                                  self.exponents, deltas, self.page_bytes, scratch=scratch, scratch_used=used,
+                                  bases=[base_obj])
+            return
+        if base_obj is not None:
+            _copy_pages(par_obj, base_obj, self.page_bytes)
+        be.delta_update(par, olds, news, self.G[:, idx], self.page_bytes)
 
     def decode(self, pages: Sequence[Optional[torch.Tensor]],
                out: Optional[Mapping[int, torch.Tensor]] = None) -> dict[int, torch.Tensor]:
@@ -230,6 +292,7 @@ class ProtectionGroup:
         self.tier1 = ParityCode(D, H1, page_bytes, backend=backend)
         self.tier2 = ParityCode(H1, H2, page_bytes, backend=backend)
         self.D, self.H1, self.H2, self.page_bytes = D, H1, H2, page_bytes
+        self._last_plan: Optional[_delta.DeltaPlan] = None
 
     def __repr__(self) -> str:
         return f"ProtectionGroup(D={self.D}, H1={self.H1}, H2={self.H2}, page_bytes={self.page_bytes})"
@@ -239,8 +302,10 @@ class ProtectionGroup:
         p1 = self.tier1.encode(data, p1_out)
         return p1, self.tier2.encode(p1, p2_out)
 
-    def update(self, p1: Pages, p2: Pages, index, old: Pages, new: Pages) -> None:
-        """Data pages changed: patch both tiers in one pass (tier 2 with G2 * G1[:, index])."""
+    def update(self, p1: Pages, p2: Pages, index, old: Pages, new: Pages, *,
+               scratch: Optional[torch.Tensor] = None, method: str = "auto") -> None:
+        """Data pages changed: patch both tiers in one pass (tier 2 with G2 * G1[:, index]).
+        A long enough contiguous run goes through the encode kernel (see ParityCode.update)."""
         idx = _indices(index, self.D)
         olds, dev = _as_pages(old, len(idx), self.page_bytes, "old")
         news, ndev = _as_pages(new, len(idx), self.page_bytes, "new")
@@ -248,9 +313,23 @@ class ProtectionGroup:
         b, bdev = _as_pages(p2, self.H2, self.page_bytes, "p2")
         if not (dev == ndev == adev == bdev):
             raise PageShapeError("old, new, p1 and p2 must be on one device")
+        be = self.tier1.backend_for(dev)
+        plan = _delta.choose(be.name, self.H1, self.H1 + self.H2, idx, method=_delta.method_from_env(method))
+        self._last_plan = plan
+        if plan.method == "syndrome":
+            _check_scratch(scratch, dev)
+            stacked = (old if isinstance(old, torch.Tensor) else None, new if isinstance(new, torch.Tensor) else None)
+            deltas, used = _delta.materialize(olds, news, *stacked, self.page_bytes, scratch, dev)
+            targets = [(p1 if isinstance(p1, torch.Tensor) else a, self.H1),
+                       (p2 if isinstance(p2, torch.Tensor) else b, self.H2)]
+            _delta.syndrome_delta(be, targets, _delta.shifted_group_matrix(self.D, self.H1, self.H2, plan.first),
+                                  self.tier1.exponents, deltas, self.page_bytes, scratch=scratch,
+                                  scratch_used=used, max_outputs=be.max_outputs,
+                                  tier2=(gf16.encode_matrix(self.H1, self.H2), gf16.exponents(self.H2)))
+            return
         g1 = self.tier1.G[:, idx]
         coef = np.concatenate([g1, gf16.mat_mul(self.tier2.G, g1)])
-        self.tier1.backend_for(dev).delta_update(a + b, olds, news, coef, self.page_bytes)
+        be.delta_update(a + b, olds, news, coef, self.page_bytes)
 
     def update_tier2(self, p2: Pages, index, old: Pages, new: Pages) -> None:
         """Tier-1 pages `index` changed from `old` to `new`: patch tier 2."""
