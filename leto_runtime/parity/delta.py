@@ -51,6 +51,8 @@ class DeltaCosts:
     fixed: float            # per syndrome call: extra launches / allocation
 
 
+CUDA_AUTO = False      # flip once tests/gpu + benchmarks/parity_bench.py have run the syndrome path
+
 COSTS = {
     # C++ kernels, 1 core, AVX-512 (2-vCPU dev VM, 64 KiB pages, m = 16; benchmarks/parity_bench.py
     # "delta" rows): page-multiply ~6 us; Horner ~11 us per page (16 exponents); the mix epilogue
@@ -117,6 +119,11 @@ def choose(backend: str, m: int, rows: int, index: Sequence[int], *, have_delta:
     if method != "auto":
         return DeltaPlan(method, first if method == "syndrome" else None, count, f"forced {method}",
                          pagewise, syndrome)
+    if backend == "cuda" and not CUDA_AUTO:
+        # Not yet run on a GPU: until the GPU tests and parity_bench's delta rows have, CUDA keeps
+        # the pagewise kernel the exactness runs on the H200 used (force with LETO_PARITY_DELTA).
+        return DeltaPlan("pagewise", None, count, "syndrome path not yet validated on a GPU "
+                         "(LETO_PARITY_DELTA=syndrome forces it)", pagewise, syndrome)
     if syndrome < pagewise:
         why = (f"contiguous run of {count} pages: syndrome path ~{syndrome:.0f} < pagewise ~{pagewise:.0f} "
                f"page-multiplies ({backend})")

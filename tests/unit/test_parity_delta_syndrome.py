@@ -176,10 +176,22 @@ def test_choose_needs_a_contiguous_ascending_run():
     assert delta.run_start(range(7, 40)) == 7 and delta.run_start([4]) == 4
 
 
+@pytest.fixture
+def cuda_auto(monkeypatch):
+    monkeypatch.setattr(delta, "CUDA_AUTO", True)
+
+
+def test_cuda_keeps_the_validated_kernel_until_the_gpu_ran_the_syndrome_path():
+    plan = delta.choose("cuda", 16, 16, list(range(64, 96)))
+    assert plan.method == "pagewise" and "not yet validated" in plan.reason
+    assert delta.choose("cuda", 16, 16, list(range(64, 96)), method="syndrome").method == "syndrome"
+
+
 @pytest.mark.parametrize("backend", ["cpu", "cuda", "reference"])
-def test_choose_crossover(backend):
+def test_choose_crossover(backend, cuda_auto):
     """Short runs stay pagewise (the rows x m mix is a fixed cost), long runs go to the encode
-    kernel; RMU's 32-page chunk at m = 16 takes the syndrome path on every backend."""
+    kernel; RMU's 32-page chunk at m = 16 takes the syndrome path on every backend (CUDA: once
+    enabled, `delta.CUDA_AUTO`)."""
     assert delta.choose(backend, 16, 16, [100]).method == "pagewise"
     assert delta.choose(backend, 16, 16, list(range(4))).method == "pagewise"
     plan = delta.choose(backend, 16, 16, list(range(64, 96)))
