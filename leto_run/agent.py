@@ -26,7 +26,7 @@ from torch.distributed.elastic.utils import store as store_util
 
 from leto_run import errors as E
 from leto_run.config import JobConfig, signal_number
-from leto_run.decisions import Action, Decision, decide_group, hang_verdict
+from leto_run.decisions import Action, Decision, blame_hangs, decide_group, hang_verdict
 from leto_run.events import EventLog
 from leto_run.failures import FailureRecord, failure_from_exit, format_root_cause
 from leto_run.guardian import start_guardian
@@ -419,6 +419,7 @@ class Agent:
                 sp.hang_deadline = None          # finished its loop; exiting is not a hang
                 continue
             sp.on_beat(beat.step, beat.mono, self.cfg.recovery.hang_timeout)
+            sp.in_collective = beat.detail == "collective"   # waiting for peers from now on
             self.status.changed()
             if beat.step is None or sp.generation == 0:
                 continue
@@ -459,29 +460,34 @@ class Agent:
 
     def _check_hangs(self, now: float) -> None:
         timeout = self.cfg.recovery.hang_timeout
+        silent = {}
         for slot in self.slots:
             for sp in slot.all():
                 if sp.done or (self.inplace and self.inplace.collateral(sp)):
                     continue
                 hung, why = hang_verdict(now, sp.hang_deadline, sp.last_beat, timeout)
-                if not hung:
-                    continue
-                self.events.emit("hang_detected", sp.generation, rank=slot.rank,
-                                 role=sp.role.value, pid=sp.proc.pid, step=sp.step, reason=why)
-                self.log(f"rank {slot.rank} ({sp.role.value}, pid {sp.proc.pid}) hung at step "
-                         f"{sp.step}: {why}; dumping its Python stacks, then killing it")
-                sp.proc.send(C.DUMP_SIGNAL)
-                # faulthandler writes from its C signal handler; a short pause lets the dump
-                # reach the log before SIGKILL.
-                time.sleep(0.3)
-                self.events.emit("stack_dump", sp.generation, rank=slot.rank, role=sp.role.value,
-                                 pid=sp.proc.pid)
-                sp.proc.send_group(signal.SIGKILL)
-                sp.move(ProcState.FAILED)
-                self._record_failure(slot, sp, -signal.SIGKILL, f"hang: {why}", now,
-                                     note=f"hang detected: {why}; Python stacks were dumped "
-                                          "to this rank's stderr")
-                self.status.changed()
+                if hung:
+                    silent[sp.proc.pid] = (slot, sp, why)
+        blamed, _ = blame_hangs({pid: v[1].in_collective for pid, v in silent.items()})
+        for pid, (slot, sp, why) in silent.items():
+            if pid not in blamed:
+                continue             # waits in a collective for the rank blamed now
+            self.events.emit("hang_detected", sp.generation, rank=slot.rank,
+                             role=sp.role.value, pid=sp.proc.pid, step=sp.step, reason=why)
+            self.log(f"rank {slot.rank} ({sp.role.value}, pid {sp.proc.pid}) hung at step "
+                     f"{sp.step}: {why}; dumping its Python stacks, then killing it")
+            sp.proc.send(C.DUMP_SIGNAL)
+            # faulthandler writes from its C signal handler; a short pause lets the dump
+            # reach the log before SIGKILL.
+            time.sleep(0.3)
+            self.events.emit("stack_dump", sp.generation, rank=slot.rank, role=sp.role.value,
+                             pid=sp.proc.pid)
+            sp.proc.send_group(signal.SIGKILL)
+            sp.move(ProcState.FAILED)
+            self._record_failure(slot, sp, -signal.SIGKILL, f"hang: {why}", now,
+                                 note=f"hang detected: {why}; Python stacks were dumped "
+                                      "to this rank's stderr")
+            self.status.changed()
 
     def _fire_timers(self, now: float) -> None:
         due = [t for t in self.timers if t[0] <= now]

@@ -64,6 +64,18 @@ def hang_verdict(now: float, deadline: float | None, last_beat: float | None,
     return True, f"no heartbeat for {now - last_beat:.1f} s (--hang-timeout {timeout:g} s)"
 
 
+def blame_hangs(silent: dict) -> tuple[set, str]:
+    """Which of the processes past their heartbeat deadline hung, given {key: in_collective}
+    (its last beat said it was entering a collective).  A rank blocked in a collective is
+    waiting for a peer: while another silent rank is not in one, that one is blamed and the
+    waiters are left to fail (or be demoted) once it is gone.  If every silent rank is in a
+    collective, all are blamed (a collective that hangs by itself)."""
+    outside = {k for k, in_coll in silent.items() if not in_coll}
+    if outside and len(outside) < len(silent):
+        return outside, "the other silent ranks are blocked in a collective, waiting for it"
+    return set(silent), "every silent rank" if len(silent) > 1 else "the only silent rank"
+
+
 @dataclass(frozen=True)
 class SlotView:
     """What `decide_inplace` needs to know about one local slot."""

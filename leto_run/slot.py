@@ -68,6 +68,7 @@ class SlotProcess:
     epoch: int = 0                          # shadows: LETO_SHADOW_EPOCH it was started with
     ready: bool = False                     # shadows: reached its preinit level
     demoted: dict | None = None             # demote=release: its `demoted` datagram's detail
+    in_collective: bool = False             # its last beat: entering a collective (blame_hangs)
 
     def move(self, new: ProcState) -> None:
         if new not in _TRANSITIONS[self.state]:

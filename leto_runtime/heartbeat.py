@@ -139,6 +139,15 @@ def heartbeat(step: int | None = None) -> None:
     _send("beat", step)
 
 
+def collective(step: int | None = None) -> None:
+    """A beat that says: this rank now waits for its peers in a collective.  If it stays silent
+    there while a peer stays silent outside one, the agent blames the peer for the hang
+    (`leto_run.decisions.blame_hangs`), so this rank is demoted, not killed as the culprit."""
+    if not _state:
+        _setup()
+    _send("beat", step, "collective")
+
+
 def done() -> None:
     """The training loop finished: the time until exit (saving, teardown) is not a hang."""
     if _state:

@@ -383,6 +383,7 @@ class Job:
         dev = self.device if self.backend == "nccl" else torch.device("cpu")
         t = torch.tensor(mine.to_list(), dtype=torch.int64, device=dev)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
+        hb.collective(None)
         dist.all_gather(out, t)
         return [Progress(*x.tolist()) for x in out]
 
@@ -476,6 +477,7 @@ class Optimizer:
         j.faults.fire("grads.allreduce", step=t)
         try:
             if j.pg is not None and j.world_size > 1:
+                hb.collective(t)
                 dist.all_reduce(G)
                 G.div_(j.world_size)
             j.updater.step(t, j.pg if j.world_size > 1 else None)

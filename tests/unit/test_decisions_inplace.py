@@ -48,3 +48,16 @@ def test_fallbacks_say_why():
         assert d.action == Action.FALL_BACK and words in d.reason, (kw, d)
     d = decide_inplace("restart", 0, [KILL], ready())
     assert d.action == Action.FALL_BACK and "restart" in d.reason
+
+
+def test_blame_hangs_spares_ranks_waiting_in_a_collective():
+    from leto_run.decisions import blame_hangs
+    # rank 0 hung at the start of a step; rank 1 waits for it in the gradient all-reduce
+    blamed, why = blame_hangs({100: False, 101: True})
+    assert blamed == {100} and "collective" in why
+    # both stuck inside collectives (a collective that hangs by itself): both are blamed
+    assert blame_hangs({100: True, 101: True})[0] == {100, 101}
+    # both silent outside collectives, and the lone silent rank
+    assert blame_hangs({100: False, 101: False})[0] == {100, 101}
+    assert blame_hangs({101: True})[0] == {101}
+    assert blame_hangs({})[0] == set()
