@@ -54,11 +54,12 @@ def test_survivor_demotes_in_process_and_takes_over_at_the_next_hof(tmp_path):
     # The demoted process was not replaced: no fresh shadow of generation 2 for rank 0 ...
     assert not of(evs, "spawn", role="shadow", generation=2, rank=0)
     assert of(evs, "spawn", role="shadow", generation=2, rank=1)
-    # ... it reached L3 as that shadow and was promoted at the second HOF.
-    ready = [e for e in of(evs, "shadow_ready", rank=0) if e["pid"] == first]
-    assert ready and ready[0]["generation"] == 2
+    # ... it ran as that shadow and was promoted at the second HOF: the agent promoted it, and
+    # the runtime in it woke up as generation 2's rank 0.  (Whether it reached L3 before the
+    # second HOF depends on rank 1's fresh shadow, which forms the group with it.)
     promoted = {e["rank"]: e["pid"] for e in of(evs, "promote", generation=2)}
     assert promoted[0] == first
+    assert [e["pid"] for e in of(evs, "promoted", generation=2, rank=0)] == [first]
     # Training is bit-exact against torchrun, redone steps included.
     for rank in (0, 1):
         want, got = step_losses(ref, rank), step_losses(out, rank)
