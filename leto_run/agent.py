@@ -468,7 +468,10 @@ class Agent:
                 hung, why = hang_verdict(now, sp.hang_deadline, sp.last_beat, timeout)
                 if hung:
                     silent[sp.proc.pid] = (slot, sp, why)
-        blamed, _ = blame_hangs({pid: v[1].in_collective for pid, v in silent.items()})
+        moving = any(s.active is not None and not s.active.done
+                     and s.active.proc.pid not in silent for s in self.slots)
+        blamed, _ = blame_hangs({pid: v[1].in_collective for pid, v in silent.items()},
+                                others_progressing=moving)
         for pid, (slot, sp, why) in silent.items():
             if pid not in blamed:
                 continue             # waits in a collective for the rank blamed now

@@ -64,15 +64,19 @@ def hang_verdict(now: float, deadline: float | None, last_beat: float | None,
     return True, f"no heartbeat for {now - last_beat:.1f} s (--hang-timeout {timeout:g} s)"
 
 
-def blame_hangs(silent: dict) -> tuple[set, str]:
+def blame_hangs(silent: dict, others_progressing: bool = False) -> tuple[set, str]:
     """Which of the processes past their heartbeat deadline hung, given {key: in_collective}
-    (its last beat said it was entering a collective).  A rank blocked in a collective is
-    waiting for a peer: while another silent rank is not in one, that one is blamed and the
-    waiters are left to fail (or be demoted) once it is gone.  If every silent rank is in a
-    collective, all are blamed (a collective that hangs by itself)."""
+    (its last beat said it was entering a collective).  A rank blocked in a collective waits
+    for a peer, so it is not blamed while a peer on this node still makes progress
+    (`others_progressing`: beating within its deadline, or still starting up, which is never
+    a hang) or while another silent rank is outside a collective -- that one is blamed, and
+    the waiters fail (or are demoted) once it is gone.  Only when every silent rank is in a
+    collective and nothing else moves are they all blamed (a collective that hangs by itself)."""
     outside = {k for k, in_coll in silent.items() if not in_coll}
     if outside and len(outside) < len(silent):
         return outside, "the other silent ranks are blocked in a collective, waiting for it"
+    if not outside and others_progressing:
+        return set(), "the silent ranks wait in a collective for peers that still make progress"
     return set(silent), "every silent rank" if len(silent) > 1 else "the only silent rank"
 
 

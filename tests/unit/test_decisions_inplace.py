@@ -61,3 +61,7 @@ def test_blame_hangs_spares_ranks_waiting_in_a_collective():
     assert blame_hangs({100: False, 101: False})[0] == {100, 101}
     assert blame_hangs({101: True})[0] == {101}
     assert blame_hangs({})[0] == set()
+    # rank 0 waits in the first agreement for rank 1, which is slow but beating: not a hang
+    assert blame_hangs({100: True}, others_progressing=True)[0] == set()
+    assert blame_hangs({100: True, 101: False}, others_progressing=True)[0] == {101}
+    assert blame_hangs({100: False}, others_progressing=True)[0] == {100}
