@@ -22,8 +22,8 @@ loop (one thread: the agent's main thread, which spawn's parent-death rule requi
        and wait (bounded, DEMOTE_RELEASE_S) for its `demoted` datagram -- it has released its
        GPU memory and process group and synchronized its device (`leto_runtime.demotion`);
        one that does not confirm in time is killed as with `replace`;
-    c. promote: set `go_key(g + 1, rank)` for every local rank; each shadow becomes its slot's
-       active; the agent's generation becomes g + 1 (not a restart: `--max-restarts` unused);
+    c. promote: set `go_key(g + 1, rank)` for every local rank and send PROMOTE_SIGNAL to each
+       ready shadow (it then checks the key at once); each shadow becomes its slot's active; the agent's generation becomes g + 1 (not a restart: `--max-restarts` unused);
     d. the demoted survivors become their slots' shadows of generation g + 2 (same process);
        fresh shadows of g + 2 start for the other slots.
 - `collateral(sp)`: a death of an active that belongs to a HOF being recovered in place.
@@ -180,6 +180,7 @@ class InplaceRecovery:
                 self._spawn_shadow(slot)
         elif beat.kind == "inplace":
             sp.ready = True
+            sp.wake = bool(detail.get("wake"))
             a.events.emit("shadow_ready", sp.generation, rank=slot.rank, pid=beat.pid,
                           role=sp.role.value, epoch=sp.epoch, level=detail.get("level"),
                           seconds=detail.get("seconds"), mono=beat.mono)
@@ -408,6 +409,7 @@ class InplaceRecovery:
         a = self.a
         for slot, sp in self.demoted:
             sp.role, sp.generation, sp.epoch, sp.ready = SlotRole.SHADOW, gen, 0, False
+            sp.wake = False           # until its readiness datagram of the new generation
             sp.step, sp.hang_deadline, sp.last_beat = None, None, None
             slot.procs[SlotRole.SHADOW] = sp
             a.log(f"rank {slot.rank}: pid {sp.proc.pid} demoted in process to the shadow of "
@@ -424,6 +426,8 @@ class InplaceRecovery:
                 a.log(f"cannot set the go key of rank {slot.rank}: {type(e).__name__}: {e}")
         for slot in a.slots:
             sp = slot.procs.pop(SlotRole.SHADOW)
+            if sp.ready and sp.wake:    # its runtime handles the signal (it said so)
+                sp.proc.send(C.PROMOTE_SIGNAL)
             sp.role = SlotRole.ACTIVE
             slot.procs[SlotRole.ACTIVE] = sp
             a.events.emit("promote", gen, rank=slot.rank, local_rank=slot.local_rank,

@@ -67,6 +67,7 @@ import signal as _signal  # noqa: E402
 DUMP_SIGNAL = int(_signal.SIGRTMIN) + 2   # faulthandler dumps every thread's Python stack
 HANG_SIGNAL = int(_signal.SIGRTMIN) + 3   # injected hang: the runtime blocks the main thread
 DEMOTE_SIGNAL = int(_signal.SIGRTMIN) + 4  # demote=release: a surviving active becomes a shadow
+PROMOTE_SIGNAL = int(_signal.SIGRTMIN) + 5  # the go key of a ready shadow is set: look now
 
 
 def demoted_env(generation: int) -> dict[str, str]:

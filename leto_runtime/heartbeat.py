@@ -148,6 +148,13 @@ def collective(step: int | None = None) -> None:
     _send("beat", step, "collective")
 
 
+def left_collective(step: int | None = None) -> None:
+    """The collective `collective()` announced returned: a silent rank from now on is not
+    waiting for its peers."""
+    if _state:
+        _send("beat", step, None)
+
+
 def done() -> None:
     """The training loop finished: the time until exit (saving, teardown) is not a hang."""
     if _state:

@@ -124,6 +124,7 @@ class Job:
             from leto_runtime import promotion
             detail = None
             if self.role == "shadow":
+                promotion.install_wake()
                 detail = {"level": "L3", "seconds": time.monotonic() - t0}
             promotion.announce_inplace(detail)
         hb.heartbeat(None) if self.role != "shadow" else None
@@ -290,6 +291,15 @@ class Job:
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(bwd)
 
+    def _inject(self, point: str, **where) -> None:
+        """The updater's points: injection, and around the global synchronization (a
+        collective among several ranks) the beats that tell the agent who waits for whom."""
+        if point == "sync" and self.world_size > 1:
+            hb.collective(where.get("step"))
+        elif point == "sync.after" and self.world_size > 1:
+            hb.left_collective(where.get("step"))
+        self.faults.fire(point, **where)
+
     def adamw(self, model: torch.nn.Module, config: "A.AdamWConfig | None" = None, **kw) -> "Optimizer":
         """The RMU-backed AdamW over `model`'s retained parameters (`config` or its fields)."""
         if model is not self.model:
@@ -385,6 +395,7 @@ class Job:
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         hb.collective(None)
         dist.all_gather(out, t)
+        hb.left_collective(None)
         return [Progress(*x.tolist()) for x in out]
 
     def _unrecoverable(self, e: Exception) -> None:
@@ -458,7 +469,7 @@ class Optimizer:
 
     def _bind(self) -> None:
         j = self.job
-        j.updater = Updater(j.ss, self.config, inject=j.faults.fire,
+        j.updater = Updater(j.ss, self.config, inject=j._inject,
                             transactions=j.transactions)
 
     @property
@@ -479,6 +490,7 @@ class Optimizer:
             if j.pg is not None and j.world_size > 1:
                 hb.collective(t)
                 dist.all_reduce(G)
+                hb.left_collective(t)
                 G.div_(j.world_size)
             j.updater.step(t, j.pg if j.world_size > 1 else None)
         except Exception as e:

@@ -15,9 +15,10 @@ call in this order:
     report_phase("attach", seconds, pages=n)          # one datagram per recovery phase
 
 Calling contract: every blocking call has a timeout: the store client's (ctx.pg_timeout) for
-connecting, and `wait_for_promotion` waits in slices of at most `slice_s` seconds (a timed-out
-slice prints c10d warnings, hence long slices) until the agent sets `go_key(generation, rank)`,
-which it does only after every older process of this rank is gone.  It waits as long as the
+connecting, and `wait_for_promotion` checks the store (non-blocking) at least every
+WAKE_POLL_S and at once on the agent's PROMOTE_SIGNAL (`install_wake()` first), until the agent
+sets `go_key(generation, rank)`, which it does only after every older process of this rank is
+gone.  It waits as long as the
 shadow is not needed; the agent kills the shadow when the job ends or restarts.  A store that
 goes away (the job restarted) raises `torch.distributed.DistNetworkError`.  Datagrams never block
 and are dropped silently outside Leto.
@@ -27,6 +28,8 @@ from __future__ import annotations
 import datetime
 import importlib
 import json
+import signal
+import threading
 import time
 
 import torch.distributed as dist
@@ -51,22 +54,39 @@ def worker_store(ctx: Context, timeout: float | None = None) -> "dist.TCPStore":
 def announce_inplace(detail: dict | None = None) -> None:
     """Datagram `inplace`: this slot runs in place (active), or this shadow reached its preinit
     level (detail {"level": "L3", "seconds": preinit seconds})."""
+    if detail is not None and _wake_installed:
+        detail = {**detail, "wake": True}
     heartbeat.send("inplace", None, None if detail is None else json.dumps(detail))
 
 
-def wait_for_promotion(ctx: Context, store, slice_s: float = 60.0) -> float:
+_woken = threading.Event()
+_wake_installed = False
+WAKE_POLL_S = 0.5          # the store is checked at least this often (the signal is the fast path)
+
+
+def install_wake() -> None:
+    """Shadow, before it announces readiness: the agent's PROMOTE_SIGNAL ends a wait at once.
+    The readiness datagram then says so ("wake": true); the agent signals only such shadows
+    (the signal's default action would end any other process)."""
+    global _wake_installed
+    signal.signal(C.PROMOTE_SIGNAL, lambda signum, frame: _woken.set())
+    _wake_installed = True
+
+
+def wait_for_promotion(ctx: Context, store, slice_s: float = WAKE_POLL_S) -> float:
     """Block until the agent promotes this shadow (go key of its generation and rank is set);
-    return the monotonic wake time, after sending the `promoted` datagram."""
+    return the monotonic wake time, after sending the `promoted` datagram.
+
+    Why not `store.wait`: a TCPStore client whose wait timed out can miss the key set after
+    (seen: a shadow woke 152 s after its go key, through two 60 s slices).  Non-blocking checks
+    cannot; the agent's PROMOTE_SIGNAL makes them immediate, and the slow poll is the safety
+    net (a few requests a second per shadow, never a burst on the store)."""
     key = C.go_key(ctx.generation, ctx.rank)
-    step = datetime.timedelta(seconds=max(0.1, min(slice_s, ctx.pg_timeout)))
     while True:
-        try:
-            store.wait([key], step)
+        if store.check([key]):      # DistNetworkError: the store is gone (restart or end)
             break
-        except dist.DistNetworkError:
-            raise                 # the store is gone: the job restarted or ended
-        except dist.DistStoreError:
-            continue              # a slice timed out; keep waiting (bounded slices)
+        _woken.wait(slice_s)
+        _woken.clear()
     woke = time.monotonic()
     heartbeat.send("promoted", None, json.dumps({"mono": woke}))
     return woke
