@@ -312,6 +312,19 @@ def run_rmu(a, dev, name) -> dict:
                  "rmu_buffers_mib": sum(n for _, n in ss.lend_ranges()) / 2**20,
                  "chunk_pages": chunk, "groups": len(ss.model[0].groups)}
         res = measure(name, dev, a, begin, compute, update, extra=extra)
+        # One more iteration with the updater's laps on (each syncs the stream): where the
+        # update phase goes.  Not part of the timed means above.
+        up.profile = {}
+        begin(a.warmup + a.iters)
+        compute(a.warmup + a.iters)
+        sync(dev)
+        update(a.warmup + a.iters)
+        sync(dev)
+        res["update_breakdown_ms"] = {k: round(v, 2) for k, v in sorted(up.profile.items(), key=lambda kv: -kv[1])}
+        res["fused_adamw"] = up.fused is not None
+        up.profile = None
+        log(f"{name}: update phase breakdown (ms, profiled iteration): {res['update_breakdown_ms']}; "
+            f"fused AdamW kernel: {'on' if up.fused is not None else 'off'}")
         if up.lender is not None:
             st = up.lender.stats()
             res["lend"] = {k: st[k] for k in ("region_bytes", "region_peak", "overflow_peak",

@@ -14,6 +14,16 @@ struct SyndromeArgs {
   int64_t page_bytes;           // multiple of 1024
   uint32_t group_mask;          // set by the launcher: thread groups whose exponents are used
   uint32_t col_mask;            // set by the launcher: t columns with a non-zero coefficient
+  // Batch: blockIdx.y picks problem y of `batch`; pages, outs (and bases) then hold batch
+  // consecutive arrays of n, m_out (m_out) addresses, all mixed with the same coefficients.
+  int batch;
+  // Optional: outs = bases ^ mix (bases read, outs written; may be the same pages).
+  const uint8_t* const* bases;
+  // Optional (scaled != 0): S_t *= scale[t] before the mix (t = -7..8 -> index 0..15).  A run of
+  // pages starting at position f has S_t(run at f) = x^(f t) S_t(run at 0): the delta of a chunk
+  // then takes the code's own (baked) encode matrix instead of a per-chunk shifted one.
+  int scaled;
+  uint32_t scale[16];
 };
 
 // masks.m[i][t][b] = all-ones if bit b of coef[i][t] is set (coef columns t = -7..8).
@@ -40,7 +50,8 @@ enum Variant {
   kVariantUnrolled = 5
 };
 
-// out_i = sum_t coef[i*16 + t] * sum_j x^(j (t-7)) page_j  (coef on the host).  Throws on error.
+// out_i = [base_i ^] sum_t coef[i*16 + t] * [scale_t *] sum_j x^(j (t-7)) page_j  (coef on the
+// host), for each of args.batch problems.  Throws on error.
 void syndrome_mix(const SyndromeArgs& args, const uint16_t* coef, int variant, cudaStream_t stream);
 // out_i ^= sum_l coef[i][l] * (a_l ^ b_l).  Throws on error.
 void delta_update(const DeltaArgs& args, cudaStream_t stream);

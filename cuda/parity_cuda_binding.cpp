@@ -19,14 +19,18 @@ void check_ptrs(const torch::Tensor& t, const char* what) {
 }
 
 void syndrome_mix(const torch::Tensor& pages, const torch::Tensor& outs, const torch::Tensor& coef,
-                  int64_t page_bytes, int64_t variant) {
+                  int64_t page_bytes, int64_t variant, const std::optional<torch::Tensor>& bases,
+                  int64_t batch, const std::optional<torch::Tensor>& scale) {
   check_ptrs(pages, "pages");
   check_ptrs(outs, "outs");
   TORCH_CHECK(pages.device() == outs.device(), "pages and outs on different devices");
   TORCH_CHECK(page_bytes > 0 && page_bytes % 1024 == 0, "page_bytes must be a multiple of 1024");
-  const int64_t m_out = outs.numel();
+  TORCH_CHECK(batch >= 1 && batch <= 65535, "batch must be 1..65535");
+  TORCH_CHECK(pages.numel() % batch == 0 && outs.numel() % batch == 0,
+              "pages and outs must hold batch equal-sized address arrays");
+  const int64_t m_out = outs.numel() / batch;
   TORCH_CHECK(m_out >= 1 && m_out <= 16, "1..16 outputs");
-  TORCH_CHECK(pages.numel() < (1 << 30), "too many pages");
+  TORCH_CHECK(pages.numel() / batch < (1 << 30), "too many pages");
   TORCH_CHECK(!coef.is_cuda() && coef.scalar_type() == torch::kInt32 && coef.is_contiguous() &&
                   coef.numel() == m_out * 16,
               "coef must be a contiguous int32 CPU tensor of shape (outputs, 16)");
@@ -36,10 +40,23 @@ void syndrome_mix(const torch::Tensor& pages, const torch::Tensor& outs, const t
   const c10::cuda::CUDAGuard guard(pages.device());
   SyndromeArgs a{};
   a.pages = reinterpret_cast<const uint8_t* const*>(pages.data_ptr<int64_t>());
-  a.n = static_cast<int>(pages.numel());
+  a.n = static_cast<int>(pages.numel() / batch);
   a.outs = reinterpret_cast<uint8_t* const*>(outs.data_ptr<int64_t>());
   a.m_out = static_cast<int>(m_out);
   a.page_bytes = page_bytes;
+  a.batch = static_cast<int>(batch);
+  if (bases) {
+    check_ptrs(*bases, "bases");
+    TORCH_CHECK(bases->device() == outs.device() && bases->numel() == outs.numel(),
+                "bases must list one page per output, on the outputs' device");
+    a.bases = reinterpret_cast<const uint8_t* const*>(bases->data_ptr<int64_t>());
+  }
+  if (scale) {
+    TORCH_CHECK(!scale->is_cuda() && scale->scalar_type() == torch::kInt32 && scale->is_contiguous() &&
+                    scale->numel() == 16, "scale must be a contiguous int32 CPU tensor of 16 GF(2^16) values");
+    a.scaled = 1;
+    for (int t = 0; t < 16; ++t) a.scale[t] = static_cast<uint32_t>(scale->data_ptr<int32_t>()[t]) & 0xFFFFu;
+  }
   try {
     leto_cuda::syndrome_mix(a, c.data(), static_cast<int>(variant), c10::cuda::getCurrentCUDAStream().stream());
   } catch (const std::runtime_error& e) {
@@ -102,8 +119,10 @@ std::vector<int64_t> rmp_probe_unmapped(uint64_t base, int64_t page_bytes, int64
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "Leto parity codec, CUDA kernels (see cuda/README.md)";
-  m.def("syndrome_mix", &syndrome_mix, "outs[i] = sum_t coef[i][t] * sum_j x^(j t) pages[j], t = -7..8",
-        py::arg("pages"), py::arg("outs"), py::arg("coef"), py::arg("page_bytes"), py::arg("variant") = 0);
+  m.def("syndrome_mix", &syndrome_mix,
+        "outs[i] = [bases[i] ^] sum_t coef[i][t] * [scale[t] *] sum_j x^(j t) pages[j], t = -7..8, per batch",
+        py::arg("pages"), py::arg("outs"), py::arg("coef"), py::arg("page_bytes"), py::arg("variant") = 0,
+        py::arg("bases") = py::none(), py::arg("batch") = 1, py::arg("scale") = py::none());
   m.def("delta_update", &delta_update, "outs[i] ^= sum_l coef[i][l] * (a[l] ^ b[l])");
   m.def("coef_is_baked", &coef_is_baked, "whether these mix coefficients take the compiled-in path");
   m.def("rmp_probe_unmapped", &rmp_probe_unmapped,

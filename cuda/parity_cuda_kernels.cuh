@@ -259,6 +259,20 @@ __device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks&
   if ((a.group_mask >> GI) & 1u) page_loop<C, GI, true>(a, smem, acc);
   else page_loop<C, GI, false>(a, smem, acc);
 
+  // Run-time scale of each syndrome (a run of pages that starts at position f: x^(f t)).
+  if (a.scaled) {
+    static_for<4>([&](auto k) {
+      constexpr int ti = group_t(GI, LETO_CV(k)) - leto_gf::kTLo;
+      const uint32_t c = a.scale[ti];
+      uint32_t z[16], prod[1][16];
+#pragma unroll
+      for (int r = 0; r < 16; ++r) { z[r] = acc[LETO_CV(k)][r]; prod[0][r] = 0u; }
+      leto_gf::mac_shift_xor<1>(prod, z, [&](int, int b) -> uint32_t { return 0u - ((c >> b) & 1u); });
+#pragma unroll
+      for (int r = 0; r < 16; ++r) acc[LETO_CV(k)][r] = prod[0][r];
+    });
+  }
+
   // Exchange: syn[(t*16 + r) * kCols + col]; consecutive columns -> consecutive banks.
   uint32_t* syn = reinterpret_cast<uint32_t*>(smem);
   static_for<4>([&](auto k) {
@@ -300,6 +314,10 @@ __device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks&
   static_for<4>([&](auto o) {
     if (i0 + LETO_CV(o) < a.m_out) {
       uint8_t* dst = a.outs[i0 + LETO_CV(o)] + off;
+      if (a.bases) {
+        const uint8_t* src = a.bases[i0 + LETO_CV(o)] + off;
+        static_for<16>([&](auto r) { out[LETO_CV(o)][LETO_CV(r)] ^= *reinterpret_cast<const uint32_t*>(src + LETO_CV(r) * 64); });
+      }
       static_for<16>([&](auto r) { *reinterpret_cast<uint32_t*>(dst + LETO_CV(r) * 64) = out[LETO_CV(o)][LETO_CV(r)]; });
     }
   });
@@ -307,8 +325,12 @@ __device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks&
 
 template <class C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
-    syndrome_mix_kernel(const SyndromeArgs a, const __grid_constant__ MixMasks masks) {
+    syndrome_mix_kernel(const SyndromeArgs a_in, const __grid_constant__ MixMasks masks) {
   extern __shared__ __align__(16) uint8_t smem[];
+  SyndromeArgs a = a_in;             // problem blockIdx.y of the batch
+  a.pages += static_cast<int64_t>(blockIdx.y) * a.n;
+  a.outs += static_cast<int64_t>(blockIdx.y) * a.m_out;
+  if (a.bases) a.bases += static_cast<int64_t>(blockIdx.y) * a.m_out;
   // The group index is warp-uniform, so each warp runs one compile-time specialisation: its
   // exponents are constants and the rotation can be renamed.
   switch (thread_group()) {
@@ -375,7 +397,7 @@ inline void launch_sm(const SyndromeArgs& a, const MixMasks& masks, cudaStream_t
   }();
   (void)attr;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
-  const dim3 grid((blocks + C::NB - 1) / C::NB);
+  const dim3 grid((blocks + C::NB - 1) / C::NB, a.batch < 1 ? 1 : a.batch);
   kern<<<grid, C::kThreads, C::kSmem, stream>>>(a, masks);
   check(cudaGetLastError(), "syndrome_mix kernel launch");
 }

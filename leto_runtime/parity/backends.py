@@ -110,6 +110,17 @@ class CpuBackend(_KernelBackend):
         c = torch.from_numpy(np.ascontiguousarray(coef, dtype=np.int32))
         self.ext.delta_update(self._ptrs(outs, cpu), self._ptrs(olds, cpu), self._ptrs(news, cpu), c, page_bytes)
 
+    def prepared_delta(self, outs, olds, news, coef, page_bytes):
+        """delta_update with these fixed pages and coefficients, as a call with nothing left to
+        look up (the RMU marker patches the same block's parity twice per record)."""
+        cpu = torch.device("cpu")
+        args = (torch.tensor([p.data_ptr() for p in outs], dtype=torch.int64),
+                torch.tensor([p.data_ptr() for p in olds], dtype=torch.int64),
+                torch.tensor([p.data_ptr() for p in news], dtype=torch.int64),
+                torch.from_numpy(np.ascontiguousarray(coef, dtype=np.int32)).clone(), page_bytes)
+        assert all(t.device == cpu for t in (*outs, *olds, *news))
+        return lambda: self.ext.delta_update(*args)
+
 
 class CudaBackend(_KernelBackend):
     name = "cuda"
@@ -124,6 +135,24 @@ class CudaBackend(_KernelBackend):
         dev = outs[0].device
         self.ext.syndrome_mix(self._ptrs(pages, dev), self._ptrs(outs, dev), self._window(coef, ts),
                               page_bytes, self.ext.VARIANTS[self.variant])
+
+    def syndrome_mix_batch(self, pages: Sequence[Sequence[Page]], outs: Sequence[Sequence[torch.Tensor]],
+                           coef: np.ndarray, ts: Sequence[int], page_bytes: int, *,
+                           bases: Optional[Sequence[Sequence[torch.Tensor]]] = None,
+                           scale: Optional[np.ndarray] = None) -> None:
+        """One launch for len(pages) independent problems with the same coefficients:
+        outs[y][i] = [bases[y][i] ^] sum_t coef[i][t] [scale[t]] S_t(pages[y])."""
+        dev = outs[0][0].device
+        flat = lambda ls: [p for pl in ls for p in pl]  # noqa: E731
+        sc = None
+        if scale is not None:
+            w = np.zeros(len(gf16.KERNEL_T), dtype=np.int32)
+            for t, c in zip(ts, scale):
+                w[t - gf16.T_LO_MIN] = int(c)
+            sc = torch.from_numpy(w)
+        self.ext.syndrome_mix(self._ptrs(flat(pages), dev), self._ptrs(flat(outs), dev), self._window(coef, ts),
+                              page_bytes, self.ext.VARIANTS[self.variant],
+                              None if bases is None else self._ptrs(flat(bases), dev), len(pages), sc)
 
     def delta_update(self, outs, olds, news, coef, page_bytes) -> None:
         dev = outs[0].device

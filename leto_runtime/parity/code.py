@@ -193,6 +193,40 @@ class ParityCode:
         deltas, dev = _as_pages(delta, len(idx), self.page_bytes, "delta")
         self._delta(parity, idx, deltas, [None] * len(idx), dev, dev, (None, None), scratch, base, method)
 
+    def update_delta_many(self, parities: Sequence[Pages], index, deltas: Sequence[Pages], *,
+                          bases: Sequence[Pages], method: str = "auto") -> None:
+        """update_delta(parities[y], index, deltas[y], base=bases[y]) for several independent
+        page sets (RMU: params, exp_avg, exp_avg_sq of one chunk).  On CUDA a contiguous run goes
+        through one batched syndrome launch with the code's own encode matrix, the run's offset
+        applied as a per-syndrome scale (delta.run_scale) and parity = base ^ delta written in the
+        kernel's epilogue; otherwise one update_delta per set."""
+        idx = _indices(index, self.k)
+        if len(parities) != len(deltas) or len(bases) != len(deltas):
+            raise PageShapeError(f"{len(parities)} parities, {len(deltas)} deltas, {len(bases)} bases: "
+                                 "give one of each per page set")
+        checked = [_as_pages(d, len(idx), self.page_bytes, "delta") for d in deltas]
+        dev = checked[0][1]
+        be = self.backend_for(dev)
+        plan = _delta.choose(be.name, self.m, self.m, idx, have_delta=True, method=_delta.method_from_env(method))
+        if plan.method == "syndrome" and hasattr(be, "syndrome_mix_batch"):
+            outs, bl = [], []
+            for par, base in zip(parities, bases):
+                pp, pdev = _as_pages(par, self.m, self.page_bytes, "parity")
+                bp, bdev = _as_pages(base, self.m, self.page_bytes, "base")
+                if not (pdev == bdev == dev):
+                    raise PageShapeError(f"parity on {pdev}, base on {bdev}, delta on {dev}: use one device")
+                outs.append(pp)
+                bl.append(bp)
+            if any(c[1] != dev for c in checked):
+                raise PageShapeError("the deltas are on different devices")
+            be.syndrome_mix_batch([c[0] for c in checked], outs, gf16.encode_matrix(self.k, self.m),
+                                  self.exponents, self.page_bytes, bases=bl,
+                                  scale=_delta.run_scale(self.m, plan.first))
+            self._last_plan = plan
+            return
+        for par, d, base in zip(parities, deltas, bases):
+            self.update_delta(par, idx, d, base=base, method=method)
+
     def last_delta_plan(self) -> Optional[_delta.DeltaPlan]:
         """How the last update() / update_delta() was computed (method and reason)."""
         return self._last_plan

@@ -16,8 +16,9 @@ Role: PARITY.md's delta rule, p_i ^= sum_j G[i][j] (old_j ^ new_j), computed two
   a fixed ~rows x m page-multiplies: the path pays once the run is longer than about m pages.
 
 GF arithmetic is exact, so both give the bytes of a full re-encode.  ``choose`` (pure) picks
-the cheaper one from per-backend cost constants (see COSTS for where they come from; the
-CUDA ones are estimates from docs/BENCHMARKS.md, not measurements).  LETO_PARITY_DELTA forces one.
+the cheaper one from per-backend cost constants (see COSTS for where they come from).
+LETO_PARITY_DELTA forces one.  ``run_scale`` gives the same shift as a per-syndrome scale, which
+the CUDA kernel applies itself (code.update_delta_many: the code's own, compiled-in matrix).
 
 Calling contract: ``syndrome_delta`` takes validated pages (code.py checks them), queues work on
 the current CUDA stream for CUDA pages, and never synchronizes.
@@ -51,7 +52,10 @@ class DeltaCosts:
     fixed: float            # per syndrome call: extra launches / allocation
 
 
-CUDA_AUTO = False      # flip once tests/gpu + benchmarks/parity_bench.py have run the syndrome path
+# The syndrome path on CUDA was validated bit for bit on the H200 (tests/gpu/test_rmu_fused_gpu.py:
+# forced syndrome vs pagewise vs full re-encode, the batched/scaled/base form RMU uses; 2026-11-29).
+# False sends CUDA back to the pagewise kernel (an escape hatch; LETO_PARITY_DELTA forces either).
+CUDA_AUTO = True
 
 COSTS = {
     # C++ kernels, 1 core, AVX-512 (2-vCPU dev VM, 64 KiB pages, m = 16; benchmarks/parity_bench.py
@@ -62,12 +66,12 @@ COSTS = {
     # NumPy reference: the mix (log/antilog gathers) dominates both paths; the syndrome Horner on
     # bit-planes is cheap next to it.  Measured on the dev VM (16 KiB pages, m = 8 / 16).
     "reference": DeltaCosts(pagewise_fixed=0.0, horner=0.6, mix=1.0, xor=0.1, fold=0.1, fixed=2.0),
-    # CUDA on H200 - ESTIMATED from docs/BENCHMARKS.md, not measured: pagewise delta = 0.084 ms
-    # for 1 page, 1.13 ms for 64 (16 rows) -> 1.1 us per page-multiply, ~61 fixed; full encode
-    # of 1024 pages 1.13 ms -> Horner ~1.0 per page; run-time mix epilogue ~19% of a nobake
-    # encode (1.45 ms) ~ 0.28 ms for 16 x 16 pairs -> ~1.1 per pair; XOR pass 6 MiB per 2 MiB
-    # page at ~4.2 TB/s -> 1.4; fold 6 MiB per row -> 1.4; 2 extra launches ~10 us -> 9.
-    "cuda": DeltaCosts(pagewise_fixed=61.0, horner=1.0, mix=1.1, xor=1.4, fold=1.4, fixed=9.0),
+    # CUDA on the H200, 2 MiB pages, m = 16 (2026-11-29 19:07 UTC, page-multiply = 1.1 us from the
+    # pagewise kernel's 1.13 ms for 64 pages x 16 rows): full encode of 1024 pages 2.09 ms -> Horner
+    # 1.9 per page; one 128-page run 0.39 ms with the compiled-in mix and 0.67 ms with a run-time
+    # (shifted) one -> ~1.6 per (row, exponent) pair; XOR pass and fold ~1.4 per page (6 MiB moved
+    # per 2 MiB page at ~4 TB/s); ~9 per call in launches.  Crossover ~30 pages.
+    "cuda": DeltaCosts(pagewise_fixed=61.0, horner=1.9, mix=1.6, xor=1.4, fold=1.4, fixed=9.0),
 }
 
 
@@ -120,10 +124,8 @@ def choose(backend: str, m: int, rows: int, index: Sequence[int], *, have_delta:
         return DeltaPlan(method, first if method == "syndrome" else None, count, f"forced {method}",
                          pagewise, syndrome)
     if backend == "cuda" and not CUDA_AUTO:
-        # Not yet run on a GPU: until the GPU tests and parity_bench's delta rows have, CUDA keeps
-        # the pagewise kernel the exactness runs on the H200 used (force with LETO_PARITY_DELTA).
-        return DeltaPlan("pagewise", None, count, "syndrome path not yet validated on a GPU "
-                         "(LETO_PARITY_DELTA=syndrome forces it)", pagewise, syndrome)
+        return DeltaPlan("pagewise", None, count, "syndrome path switched off on CUDA "
+                         "(delta.CUDA_AUTO; LETO_PARITY_DELTA=syndrome forces it)", pagewise, syndrome)
     if syndrome < pagewise:
         why = (f"contiguous run of {count} pages: syndrome path ~{syndrome:.0f} < pagewise ~{pagewise:.0f} "
                f"page-multiplies ({backend})")
@@ -131,6 +133,15 @@ def choose(backend: str, m: int, rows: int, index: Sequence[int], *, have_delta:
     why = (f"run of {count} pages too short: pagewise ~{pagewise:.0f} <= syndrome path ~{syndrome:.0f} "
            f"page-multiplies ({backend}; the {rows}x{n_t} mix is a fixed cost)")
     return DeltaPlan("pagewise", None, count, why, pagewise, syndrome)
+
+
+@lru_cache(maxsize=1024)
+def run_scale(m: int, first: int) -> np.ndarray:
+    """x^(first t) for t in T(m): the syndromes of a run at `first` are those of the same pages
+    at position 0 times these (the diagonal of shifted_encode_matrix's shift; read-only)."""
+    out = gf16.EXP[np.mod(first * np.asarray(gf16.exponents(m), dtype=np.int64), gf16.ORDER)].astype(np.uint16)
+    out.flags.writeable = False
+    return out
 
 
 @lru_cache(maxsize=1024)

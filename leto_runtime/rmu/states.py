@@ -4,8 +4,9 @@ Role: name, allocate/attach and describe the memory of data-parallel AdamW train
 
     leto/params  leto/exp_avg  leto/exp_avg_sq  leto/grads   fp32, N elements each, protected
     leto/marker                                               one host page, protected
-    leto/rmu/undo    U: one chunk of params, exp_avg, exp_avg_sq, then one chunk of scratch
-                     (the update's g*coef / denominator temporaries)   retained, unprotected
+    leto/rmu/undo    U: one chunk of params, exp_avg, exp_avg_sq, then three chunks for the
+                     chunk's delta pages (CUDA fused update) / the update's scratch (g*coef,
+                     denominator, old ^ new of the torch-ops path)   retained, unprotected
     leto/rmu/parity  Q/Q': two parity buffers (H1 pages) per model state, on the data's device,
                      retained, unprotected (chunk commits make them recoverable, DESIGN.md §6)
 
@@ -168,9 +169,14 @@ class StateSet:
     def undo_pages(self, state_index: int, count: int) -> torch.Tensor:
         return self.undo.pages(state_index * self.chunk_pages, count)
 
+    def delta_pages(self, state_index: int, count: int) -> torch.Tensor:
+        """Where the fused CUDA update writes old ^ new of chunk pages of model state
+        `state_index` (chunks 3..5 of the undo state; never read by recovery)."""
+        return self.undo.pages((3 + state_index) * self.chunk_pages, count)
+
     def scratch(self) -> torch.Tensor:
-        """The update's fp32 scratch chunk (4th chunk of the undo state; contents never read
-        by recovery)."""
+        """The update's fp32 scratch chunk (4th chunk of the undo state, shared with the first
+        delta chunk; contents never read by recovery)."""
         E = self.geo.page_bytes // 4
         return self.undo.pages(3 * self.chunk_pages, self.chunk_pages).view(torch.float32) \
             .view(self.chunk_pages * E)
@@ -191,19 +197,28 @@ class StateSet:
         return [(j, min(c, k - j)) for j in range(0, k, c)]
 
 
+CHUNK_BYTES_MAX = 512 << 20
+
+
 def pick_chunk_pages(requested: int, geo: Geometry) -> int:
-    """RMU transaction size: the request, else about 1/16 of a group (>= 1 page, <= 64 MiB)."""
+    """RMU transaction size: the request, else a quarter of a group (>= 1 page, <= 512 MiB).
+
+    Large chunks because every chunk costs two stream synchronizations, two marker writes and
+    a fixed share of the parity kernel (its epilogue); on the H200 a 1.42B-parameter update took
+    115 ms with 128-page chunks and 99 ms with 256 (benchmarks/rmu_overhead.py, 2026-11-29).  The
+    undo and delta buffers (6 chunks) are lent to activations outside the update, so their size
+    does not raise the peak (docs/BENCHMARKS.md)."""
     if requested > 0:
         return min(requested, geo.data_pages)
-    target = max(1, geo.data_pages // 16)
-    return max(1, min(target, (64 << 20) // geo.page_bytes))
+    target = max(1, geo.data_pages // 4)
+    return max(1, min(target, CHUNK_BYTES_MAX // geo.page_bytes))
 
 
 def open_states(layout: Layout, *, client, geo: Geometry, device: str, chunk_pages: int,
                 attach_only: bool = False) -> StateSet:
     """Allocate (first trainer) or attach (every later one) the states of `layout`."""
     H1, S = geo.tier1, geo.page_bytes
-    undo_bytes = 4 * chunk_pages * S          # 3 undo chunks + the scratch chunk
+    undo_bytes = 6 * chunk_pages * S          # 3 undo chunks + 3 delta chunks (one is the scratch)
     q_bytes = 3 * 2 * H1 * S
     n = layout.nbytes // 4
     if client is None:

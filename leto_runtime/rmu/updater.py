@@ -48,6 +48,8 @@ interrupted update from the marker (the caller has repaired the state first: rec
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from leto_runtime.rmu import adamw as A
@@ -79,8 +81,27 @@ class Updater:
         from leto_runtime.rmu import lend as L
         self.lend_on = self.cuda and (L.wanted(ss.device) if lend is None else bool(lend))
         self.lender = None
+        # CUDA: one fused kernel for AdamW that also writes the chunk's delta pages (fused.py;
+        # None when it is off or did not pass its bit-exactness self-check on this device).
+        from leto_runtime.rmu.fused import Fused
+        self.fused = Fused.for_device(ss.device, cfg) if self.cuda and transactions else None
+        # Phase breakdown for benchmarks (benchmarks/rmu_overhead.py): a dict turns it on; every
+        # lap then synchronizes the stream, so only profiled iterations pay for it.
+        self.profile: dict | None = None
+        self._lap_t = 0.0
 
     # ---- helpers -------------------------------------------------------------------------
+    def lap(self, name: str) -> None:
+        """Profiling only: charge the time since the previous lap to `name`."""
+        if self.profile is None:
+            return
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()
+        now = time.perf_counter()
+        if self._lap_t:
+            self.profile[name] = self.profile.get(name, 0.0) + (now - self._lap_t) * 1e3
+        self._lap_t = now
+
     def code(self, k: int):
         c = self._codes.get(k)
         if c is None:
@@ -145,12 +166,17 @@ class Updater:
             self.lender = None
 
     def protect_grads(self, t: int) -> None:
+        self._lap_t = 0.0          # profiling: the update phase starts here
+        self.lap("")
         self.end_lending(t)
+        self.lap("lending check")
         self.inject("grads.protect", step=t)
         for g in range(len(self.ss.grads.groups)):
             self._encode_into_host(self.ss.grads, g)
         self.fence()
+        self.lap("gradient parity")
         self.marker.write(t=t, phase=Phase.PROTECTED)
+        self.lap("markers")
 
     def local_norm(self) -> torch.Tensor:
         """This rank's gradient norm (pure data parallelism: every rank holds the full,
@@ -173,8 +199,10 @@ class Updater:
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pg)
         coef = (A.clip_coef(norm[0], self.cfg.clip_grad_norm)
                 if self.cfg.clip_grad_norm is not None else torch.ones((), dtype=torch.float32))
+        self.lap("global sync")
         self.marker.write(t=t, phase=Phase.SYNCED, coef_bits=Record.bits(coef), coef_t=t)
         self.inject("sync.after", step=t)
+        self.lap("markers")
         return coef
 
     def step(self, t: int, pg=None) -> None:
@@ -213,6 +241,7 @@ class Updater:
             self._group(t, g, coef, lr)
         self.inject("rmu.done", step=t)
         self.marker.write(phase=Phase.DONE, group=0, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
+        self.lap("markers")
 
     def _group(self, t: int, g: int, coef: torch.Tensor, lr: float) -> None:
         ss, m = self.ss, self.marker
@@ -224,7 +253,9 @@ class Updater:
             for i, st in enumerate(ss.model):
                 ss.q(i, 0).copy_(st.tier1(g))
             self.fence()
+            self.lap("parity load/write-back")
             rec = m.write(gstate=GState.CHUNKS, chunk=0, sub=0, auth=0)
+            self.lap("markers")
         if rec.gstate == GState.CHUNKS:
             chunks = ss.chunks(g)
             for j in range(rec.chunk, len(chunks)):
@@ -240,13 +271,17 @@ class Updater:
             for i, st in enumerate(ss.model):
                 st.tier1(g).copy_(ss.q(i, rec.auth))
             self.fence()
+            self.lap("parity load/write-back")
             rec = m.write(gstate=GState.TIER2)
+            self.lap("markers")
         if rec.gstate == GState.TIER2:
             self.inject("rmu.tier2", step=t, group=g)
             for i, st in enumerate(ss.model):
                 self._tier2_from(st, g, ss.q(i, rec.auth))
             self.fence()
+            self.lap("tier-2 parity")
             m.write(group=g + 1, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
+            self.lap("markers")
 
     def _elems(self, g: int, first: int, count: int) -> slice:
         p0 = self.ss.model[0].groups[g].first + first
@@ -267,23 +302,38 @@ class Updater:
             for i in range(3):
                 ss.undo_pages(i, count).copy_(ss.model[i].pages(gi.first + first, count))
             self.fence()
+            self.lap("undo copy")
             m.write(chunk=j, sub=1)
+            self.lap("markers")
         auth = m.rec.auth
         self.inject("rmu.update", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
-        A.adamw_chunk_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, cfg=self.cfg,
-                       coef=coef, scratch=self.scratch[:grad.numel()])
+        if self.fused is not None and self.transactions:
+            deltas = [ss.delta_pages(i, count) for i in range(3)]
+            self.fused.step_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, coef=coef,
+                             deltas=deltas)
+        else:
+            deltas = None
+            A.adamw_chunk_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, cfg=self.cfg,
+                           coef=coef, scratch=self.scratch[:grad.numel()])
+        self.lap("adamw")
         if not self.transactions:
             return          # ablation: no commit, so no chunk progress either
         self.inject("rmu.delta", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
-        idx = list(range(first, first + count))
-        for i, st in enumerate(ss.model):
-            q_new = ss.q(i, 1 - auth)
-            q_new.copy_(ss.q(i, auth))
-            self.code(gi.k).update(q_new, idx, ss.undo_pages(i, count),
-                                   st.pages(gi.first + first, count))
+        idx = range(first, first + count)
+        code = self.code(gi.k)
+        # Q' = Q ^ delta, written straight into the scratch parity buffer (no copy of Q).
+        if deltas is not None:
+            code.update_delta_many([ss.q(i, 1 - auth) for i in range(3)], idx, deltas,
+                                   bases=[ss.q(i, auth) for i in range(3)])
+        else:
+            for i, st in enumerate(ss.model):
+                code.update(ss.q(i, 1 - auth), idx, ss.undo_pages(i, count),
+                            st.pages(gi.first + first, count), base=ss.q(i, auth), scratch=self.scratch)
         self.inject("rmu.commit", **where)
         self.fence()
+        self.lap("chunk parity delta")
         m.write(chunk=j + 1, sub=0, auth=1 - auth)
+        self.lap("markers")
 
     def _garbage(self, g: int, first: int, count: int, scratch_buf: int) -> None:
         """What a kill inside a kernel leaves: part of the chunk and of the scratch parity

@@ -181,9 +181,12 @@ def cuda_auto(monkeypatch):
     monkeypatch.setattr(delta, "CUDA_AUTO", True)
 
 
-def test_cuda_keeps_the_validated_kernel_until_the_gpu_ran_the_syndrome_path():
+def test_cuda_auto_is_on_and_switching_it_off_keeps_the_pagewise_kernel(monkeypatch):
+    assert delta.CUDA_AUTO      # validated on the H200 (tests/gpu/test_rmu_fused_gpu.py)
+    assert delta.choose("cuda", 16, 16, list(range(0, 256))).method == "syndrome"
+    monkeypatch.setattr(delta, "CUDA_AUTO", False)
     plan = delta.choose("cuda", 16, 16, list(range(64, 96)))
-    assert plan.method == "pagewise" and "not yet validated" in plan.reason
+    assert plan.method == "pagewise" and "switched off" in plan.reason
     assert delta.choose("cuda", 16, 16, list(range(64, 96)), method="syndrome").method == "syndrome"
 
 
@@ -223,3 +226,28 @@ def test_update_uses_the_syndrome_path_for_rmu_chunks():
     d[32:64] = new
     assert torch.equal(p, code.encode(d))
     assert isinstance(backends.cpu_backend(), backends.CpuBackend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_update_delta_many_equals_reencode_of_each_set(backend):
+    """RMU's batched chunk delta (params, exp_avg, exp_avg_sq): each parity = base ^ delta of
+    its own set, equal to a full re-encode (CPU/reference: one update_delta per set)."""
+    k, m, S, first, count = 24, 6, 4 * KiB, 9, 7
+    code = ParityCode(k, m, S, backend=backend)
+    rng = np.random.default_rng(11)
+    datas = [rand(rng, k, S) for _ in range(3)]
+    bases = [code.encode(d) for d in datas]
+    deltas = [rand(rng, count, S) for _ in range(3)]
+    outs = [torch.empty_like(b) for b in bases]
+    code.update_delta_many(outs, range(first, first + count), deltas, bases=bases)
+    for d, dl, o in zip(datas, deltas, outs):
+        d[first:first + count] ^= dl
+        assert torch.equal(o, code.encode(d))
+    with pytest.raises(Exception, match="one of each"):
+        code.update_delta_many(outs[:2], range(first, first + count), deltas, bases=bases)
+
+
+def test_run_scale_is_the_shift_of_the_shifted_matrix():
+    k, m, first = 40, 9, 13
+    M = gf16.encode_matrix(k, m)
+    assert np.array_equal(gf16.mul(M, delta.run_scale(m, first)[None, :]), delta.shifted_encode_matrix(k, m, first))

@@ -1,0 +1,82 @@
+// Torch face of the fused AdamW chunk kernel (adamw_cuda.cu): checks tensors, takes the current
+// stream and device, converts the Python scalars like torch does.  Reference:
+// leto_runtime/rmu/adamw.py `adamw_chunk_`.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <optional>
+
+#include "adamw_cuda.h"
+
+namespace {
+
+void check(const torch::Tensor& t, const torch::Tensor& like, const char* name, torch::ScalarType dt) {
+  TORCH_CHECK(t.is_cuda() && t.device() == like.device(), "adamw_fused: ", name, " must be on ", like.device());
+  TORCH_CHECK(t.scalar_type() == dt && t.dim() == 1 && t.is_contiguous() && t.numel() == like.numel(),
+              "adamw_fused: ", name, " must be a contiguous 1-D tensor of ", like.numel(), " elements of ", dt);
+}
+
+void adamw_fused(torch::Tensor p, torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
+                 const std::optional<torch::Tensor>& coef, const std::optional<std::vector<torch::Tensor>>& deltas,
+                 double decay, double beta1, double beta2, double eps, double bc2_sqrt, double step_size,
+                 bool has_decay, int64_t variant) {
+  check(p, p, "p", torch::kFloat32);
+  check(m, p, "m", torch::kFloat32);
+  check(v, p, "v", torch::kFloat32);
+  check(g, p, "g", torch::kFloat32);
+  leto_rmu::AdamWArgs a{};
+  a.p = p.data_ptr<float>();
+  a.m = m.data_ptr<float>();
+  a.v = v.data_ptr<float>();
+  a.g = g.data_ptr<float>();
+  a.n = p.numel();
+  if (coef) {
+    TORCH_CHECK(coef->is_cuda() && coef->device() == p.device() && coef->scalar_type() == torch::kFloat32 &&
+                    coef->numel() == 1, "adamw_fused: coef must be a 1-element fp32 tensor on ", p.device());
+    a.coef = coef->data_ptr<float>();
+  }
+  if (deltas) {
+    TORCH_CHECK(deltas->size() == 3, "adamw_fused: deltas must be 3 tensors (params, exp_avg, exp_avg_sq)");
+    uint32_t** outs[3] = {&a.dp, &a.dm, &a.dv};
+    for (int i = 0; i < 3; ++i) {
+      const auto& d = (*deltas)[i];
+      TORCH_CHECK(d.is_cuda() && d.device() == p.device() && d.is_contiguous() &&
+                      d.numel() * d.element_size() == a.n * 4,
+                  "adamw_fused: each delta must be a contiguous tensor of ", a.n * 4, " bytes on ", p.device());
+      *outs[i] = reinterpret_cast<uint32_t*>(d.data_ptr());
+    }
+  }
+  // Python floats become fp32 the way c10::Scalar::to<float> converts a double (round to nearest).
+  leto_rmu::AdamWScalars& s = a.s;
+  s.decay = static_cast<float>(decay);
+  s.w1 = static_cast<float>(1.0 - beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.w2 = static_cast<float>(1.0 - beta2);
+  // `v.sqrt() / x` multiplies by the reciprocal of the CPU scalar x, taken in double and then
+  // rounded (tests/gpu/test_rmu_fused_gpu.py: 1.0f / float(x) differs for x = sqrt(1 - 0.999)).
+  s.inv_bc2 = static_cast<float>(1.0 / bc2_sqrt);
+  s.inv_bc2_f = 1.0f / static_cast<float>(bc2_sqrt);
+  s.eps = static_cast<float>(eps);
+  s.nstep = static_cast<float>(-step_size);
+  s.has_coef = coef ? 1 : 0;
+  s.has_decay = has_decay ? 1 : 0;
+  const c10::cuda::CUDAGuard guard(p.device());
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device().index());
+  try {
+    leto_rmu::adamw_fused(a, static_cast<int>(variant), sms, c10::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::runtime_error& e) {
+    TORCH_CHECK(false, "leto rmu CUDA: ", e.what());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "Leto RMU fused AdamW chunk kernel (see cuda/adamw_cuda.cu)";
+  m.def("adamw_fused", &adamw_fused, "in-place AdamW of one chunk, optionally writing old ^ new",
+        py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("coef"), py::arg("deltas"),
+        py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("bc2_sqrt"),
+        py::arg("step_size"), py::arg("has_decay"), py::arg("variant") = 0);
+}

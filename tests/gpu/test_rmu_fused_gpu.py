@@ -1,0 +1,161 @@
+"""The RMU's CUDA fast path on a GPU: the fused AdamW kernel (leto_runtime/rmu/fused.py) against
+torch.optim.AdamW(foreach=False) itself, the syndrome delta path (parity/delta.py) against a full
+re-encode, and a whole Updater with both against the torch-ops + pagewise path it replaces --
+every comparison bit for bit.  Skipped without CUDA (tests/gpu/conftest.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leto_runtime.parity import ParityCode
+from leto_runtime.rmu import fused as F
+from leto_runtime.rmu.adamw import (AdamWConfig, adamw_chunk_, clip_coef, grad_sq_norm, lr_at,
+                                    total_norm_from_sq)
+
+MiB = 1 << 20
+SIZES = (4, 7, 132, 4099, 1_000_003)
+
+
+def test_some_variant_passes_the_self_check_and_is_picked():
+    ext = F.load()
+    cfg = AdamWConfig(lr=2.2e-4, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0)
+    dev = torch.device("cuda")
+    res = {v: F.Fused(ext, cfg, v).self_check(dev) for v in range(16)}
+    print("\nfused AdamW variants vs adamw_chunk_:", {v: (r or "identical") for v, r in res.items()})
+    picked = F.Fused.for_device(dev, cfg)
+    assert picked is not None, F.why_not
+    assert res[picked.variant] == ""
+    order = [0, 8, *[v for v in range(16) if v not in (0, 8)]]
+    assert picked.variant == next(v for v in order if res[v] == "")
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_fused_bitwise_equal_to_torch_adamw(clip, wd):
+    dev = torch.device("cuda")
+    steps = 20
+    cfg = AdamWConfig(lr=3e-3, betas=(0.9, 0.95), weight_decay=wd, clip_grad_norm=clip,
+                      warmup_steps=3, total_steps=steps, min_lr=3e-4)
+    f = F.Fused.for_device(dev, cfg)
+    assert f is not None, F.why_not
+    gen = torch.Generator().manual_seed(99)
+    init = [torch.randn(n, generator=gen).to(dev) for n in SIZES]
+    params = [torch.nn.Parameter(x.clone()) for x in init]
+    oracle = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                               weight_decay=cfg.weight_decay, foreach=False, fused=False)
+    P = [x.clone() for x in init]
+    M = [torch.zeros_like(x) for x in init]
+    V = [torch.zeros_like(x) for x in init]
+    for t in range(steps):
+        scale = 0.05 if t % 3 else 0.0005
+        grads = [(torch.randn(n, generator=gen) * scale).to(dev) for n in SIZES]
+        lr = lr_at(cfg, t)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=False)
+        oracle.param_groups[0]["lr"] = lr
+        oracle.step()
+        coef = clip_coef(total_norm_from_sq(grad_sq_norm(grads)), clip) if clip is not None else None
+        for i in range(len(SIZES)):
+            old = [P[i].clone(), M[i].clone(), V[i].clone()]
+            d = [torch.empty(SIZES[i], dtype=torch.int32, device=dev) for _ in range(3)]
+            f.step_(P[i], M[i], V[i], grads[i], step=t + 1, lr=lr, coef=coef, deltas=d if i % 2 else None)
+            if i % 2:
+                for o, x, dd in zip(old, (P[i], M[i], V[i]), d):
+                    assert torch.equal(dd, o.view(torch.int32) ^ x.view(torch.int32))
+        for i, p in enumerate(params):
+            assert torch.equal(P[i], p.detach()), (t, i, "param")
+            assert torch.equal(M[i], oracle.state[p]["exp_avg"]), (t, i, "exp_avg")
+            assert torch.equal(V[i], oracle.state[p]["exp_avg_sq"]), (t, i, "exp_avg_sq")
+
+
+@pytest.mark.parametrize("k,m,first,count", [(1024, 16, 0, 64), (1024, 16, 960, 64), (1024, 16, 333, 128),
+                                             (664, 16, 600, 64), (64, 4, 5, 7), (8, 16, 7, 1)])
+def test_syndrome_delta_equals_reencode_on_cuda(k, m, first, count, monkeypatch):
+    dev = torch.device("cuda")
+    S = 64 * 1024
+    code = ParityCode(k, m, S, backend="cuda")
+    gen = torch.Generator(device=dev).manual_seed(k + first)
+    data = torch.randint(0, 256, (k, S), dtype=torch.uint8, device=dev, generator=gen)
+    q = code.encode(data)
+    new = torch.randint(0, 256, (count, S), dtype=torch.uint8, device=dev, generator=gen)
+    delta = data[first:first + count] ^ new
+    data[first:first + count] = new
+    want = code.encode(data)
+    for method in ("syndrome", "pagewise"):
+        out = torch.empty_like(q)
+        code.update_delta(out, range(first, first + count), delta, base=q, method=method)
+        assert code.last_delta_plan().method == method
+        assert torch.equal(out, want), method
+        inplace = q.clone()
+        code.update(inplace, range(first, first + count), delta ^ new, new, method=method)
+        assert torch.equal(inplace, want), method
+
+
+def _run_updater(monkeypatch, fused: bool, delta_method: str, steps: int = 4):
+    from leto_runtime.rmu.marker import Phase
+    from leto_runtime.rmu.states import Geometry, Layout, open_states
+    from leto_runtime.rmu.updater import Updater
+
+    monkeypatch.setenv("LETO_RMU_FUSED", "1" if fused else "0")
+    monkeypatch.setenv("LETO_PARITY_DELTA", delta_method)
+    dev = torch.device("cuda")
+    geo = Geometry(16, 16, 1, 2 * MiB)
+    layout = Layout.of([("a", (3_000_001,)), ("b", (777, 1311)), ("c", (5,))], geo.page_bytes)
+    ss = open_states(layout, client=None, geo=geo, device=str(dev), chunk_pages=5)
+    up = Updater(ss, AdamWConfig(lr=1e-3, clip_grad_norm=1.0, weight_decay=0.1, total_steps=10),
+                 backend="auto", lend=False)
+    assert (up.fused is not None) == fused, F.why_not
+    gen = torch.Generator().manual_seed(3)
+    P = ss.flat(ss.model[0])
+    P[:layout.numel].copy_(torch.randn(layout.numel, generator=gen).to(dev))
+    up.encode_all([*ss.model, ss.grads])
+    up.marker.write(initialized=1, t=-1, phase=Phase.DONE)
+    G = ss.flat(ss.grads)
+    for t in range(steps):
+        up.begin(t)
+        G[:layout.numel].copy_((torch.randn(layout.numel, generator=gen) * 0.01).to(dev))
+        up.step(t)
+    torch.cuda.synchronize()
+    states = [ss.flat(s).clone() for s in ss.model]
+    parity = [torch.cat([s.tier1(g).clone() for g in range(len(s.groups))]) for s in ss.model]
+    codes = {gi.k: ParityCode(gi.k, 16, geo.page_bytes, backend="cuda") for gi in ss.model[0].groups}
+    fresh = [torch.cat([codes[gi.k].encode(s.group_pages(g)).cpu() for g, gi in enumerate(s.groups)])
+             for s in ss.model]
+    up.close()
+    return states, parity, fresh
+
+
+def test_updater_fast_path_equals_torch_ops_path(monkeypatch):
+    fast = _run_updater(monkeypatch, True, "syndrome")
+    slow = _run_updater(monkeypatch, False, "pagewise")
+    for a, b in zip(fast[0], slow[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(fast[1], slow[1]):
+        assert torch.equal(a.cpu(), b.cpu())
+    for a, b in zip(fast[1], fast[2]):          # the retained parity is the encode of the state
+        assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("k,first,count", [(1024, 0, 128), (1024, 896, 128), (1024, 333, 64), (664, 640, 24),
+                                           (664, 128, 128), (16, 5, 5)])
+def test_batched_scaled_delta_equals_reencode_on_cuda(k, first, count):
+    """The RMU chunk delta: one launch for three page sets, the code's own encode matrix with
+    the run's offset as a per-syndrome scale, parity = base ^ delta in the epilogue."""
+    dev = torch.device("cuda")
+    S = 64 * 1024
+    code = ParityCode(k, 16, S, backend="cuda")
+    gen = torch.Generator(device=dev).manual_seed(k * 7 + first)
+    datas = [torch.randint(0, 256, (k, S), dtype=torch.uint8, device=dev, generator=gen) for _ in range(3)]
+    bases = [code.encode(d) for d in datas]
+    deltas = [torch.randint(0, 256, (count, S), dtype=torch.uint8, device=dev, generator=gen) for _ in range(3)]
+    outs = [torch.empty_like(b) for b in bases]
+    code.update_delta_many(outs, range(first, first + count), deltas, bases=bases, method="syndrome")
+    for d, dl, o in zip(datas, deltas, outs):
+        d[first:first + count] ^= dl
+        assert torch.equal(o, code.encode(d))
+    # in place (outs are the bases)
+    code.update_delta_many(bases, range(first, first + count), deltas, bases=bases, method="syndrome")
+    for b, o in zip(bases, outs):
+        assert torch.equal(b, o)
