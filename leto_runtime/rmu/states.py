@@ -205,7 +205,7 @@ def pick_chunk_pages(requested: int, geo: Geometry) -> int:
 
     Large chunks because every chunk costs two stream synchronizations, two marker writes and
     a fixed share of the parity kernel (its epilogue); on the H200 a 1.42B-parameter update took
-    115 ms with 128-page chunks and 99 ms with 256 (benchmarks/rmu_overhead.py, 2026-11-29).  The
+    120 ms with 128-page chunks and 99 ms with 256 (benchmarks/rmu_overhead.py, 2026-11-29 19:04 UTC).  The
     undo and delta buffers (6 chunks) are lent to activations outside the update, so their size
     does not raise the peak (docs/BENCHMARKS.md)."""
     if requested > 0:
