@@ -225,7 +225,7 @@ def _decode_with_q(ss: StateSet, i: int, loss: GroupLoss, auth: int, updater) ->
     st = ss.model[i]
     g = st.groups[loss.index]
     rows = list(st.group_pages(loss.index).unbind(0))
-    q = list(ss.q(i, auth).unbind(0))
+    q = list(ss.q(i, auth, loss.index).unbind(0))
     lost_d = [p - g.first for p in loss.data]
     pages = [None if j in lost_d else rows[j] for j in range(g.k)] + \
             [None if r in loss.p1 else q[r] for r in range(len(q))]

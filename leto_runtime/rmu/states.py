@@ -7,8 +7,11 @@ Role: name, allocate/attach and describe the memory of data-parallel AdamW train
     leto/rmu/undo    U: one chunk of params, exp_avg, exp_avg_sq, then three chunks for the
                      chunk's delta pages (CUDA fused update) / the update's scratch (g*coef,
                      denominator, old ^ new of the torch-ops path)   retained, unprotected
-    leto/rmu/parity  Q/Q': two parity buffers (H1 pages) per model state, on the data's device,
-                     retained, unprotected (chunk commits make them recoverable, DESIGN.md §6)
+    leto/rmu/parity  Q/Q': three parity buffers (H1 pages) per model state, on the data's device,
+                     retained, unprotected (chunk commits make them recoverable, DESIGN.md §6).
+                     Group g's pair (auth 0/1) is buffers (2g, 2g+1) mod 3, so the buffer of
+                     group g+1's load, (2g+2) mod 3, is one group g never touches: the updater
+                     prefetches g+1's host parity into it while g's chunks run.
 
 On CUDA, U and Q are idle outside the update phase and are lent to the caching allocator for
 activations (`StateSet.lend_ranges`, `leto_runtime.rmu.lend`): peak HBM does not grow by them.
@@ -160,10 +163,11 @@ class StateSet:
         """The fp32 flat view of a model/grad state (N elements used)."""
         return st.tensor(dtype="float32", shape=[self.layout.nbytes // 4])
 
-    def q(self, state_index: int, buf: int) -> torch.Tensor:
-        """Parity buffer `buf` (0/1) of model state `state_index`: (H1, S) uint8 on the device."""
-        H1, S = self.geo.tier1, self.geo.page_bytes
-        pos = (state_index * 2 + buf) * H1
+    def q(self, state_index: int, buf: int, group: int) -> torch.Tensor:
+        """Parity buffer `buf` (0/1, the marker's `auth` numbering) of protection group `group`
+        of model state `state_index`: (H1, S) uint8 on the device."""
+        H1 = self.geo.tier1
+        pos = (state_index * 3 + (2 * group + buf) % 3) * H1
         return self.qbuf.pages(pos, H1)
 
     def undo_pages(self, state_index: int, count: int) -> torch.Tensor:
@@ -219,7 +223,7 @@ def open_states(layout: Layout, *, client, geo: Geometry, device: str, chunk_pag
     """Allocate (first trainer) or attach (every later one) the states of `layout`."""
     H1, S = geo.tier1, geo.page_bytes
     undo_bytes = 6 * chunk_pages * S          # 3 undo chunks + 3 delta chunks (one is the scratch)
-    q_bytes = 3 * 2 * H1 * S
+    q_bytes = 3 * 3 * H1 * S
     n = layout.nbytes // 4
     if client is None:
         mk = lambda name, nb, prot, dtype=None, shape=None, dev=device: LocalState(  # noqa: E731

@@ -89,6 +89,10 @@ class Updater:
         # lap then synchronizes the stream, so only profiled iterations pay for it.
         self.profile: dict | None = None
         self._lap_t = 0.0
+        # CUDA: the next group's host parity is copied into its load buffer on a side stream
+        # while this group's chunks run (states.StateSet.q); (t, group, event) of that copy.
+        self._side = torch.cuda.Stream(device=ss.device) if self.cuda else None
+        self._prefetched: tuple | None = None
 
     # ---- helpers -------------------------------------------------------------------------
     def lap(self, name: str) -> None:
@@ -250,26 +254,31 @@ class Updater:
             rec = m.write(group=g, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
         if rec.gstate == GState.LOAD:
             self.inject("rmu.load", step=t, group=g)
-            for i, st in enumerate(ss.model):
-                ss.q(i, 0).copy_(st.tier1(g))
+            pre, self._prefetched = self._prefetched, None
+            if pre is not None and pre[:2] == (t, g):
+                torch.cuda.current_stream().wait_event(pre[2])
+            else:
+                for i, st in enumerate(ss.model):
+                    ss.q(i, 0, g).copy_(st.tier1(g))
             self.fence()
             self.lap("parity load/write-back")
             rec = m.write(gstate=GState.CHUNKS, chunk=0, sub=0, auth=0)
             self.lap("markers")
         if rec.gstate == GState.CHUNKS:
+            self._prefetch(t, g + 1)
             chunks = ss.chunks(g)
             for j in range(rec.chunk, len(chunks)):
                 self._chunk(t, g, j, chunks[j], coef, lr)
             if not self.transactions:        # ablation: parity re-encoded after the fact
                 for i, st in enumerate(ss.model):
-                    q = ss.q(i, m.rec.auth)
+                    q = ss.q(i, m.rec.auth, g)
                     q.copy_(self.code(st.groups[g].k).encode(st.group_pages(g)))
                 self.fence()
             rec = m.write(gstate=GState.WRITEBACK)
         if rec.gstate == GState.WRITEBACK:
             self.inject("rmu.writeback", step=t, group=g)
             for i, st in enumerate(ss.model):
-                st.tier1(g).copy_(ss.q(i, rec.auth))
+                st.tier1(g).copy_(ss.q(i, rec.auth, g))
             self.fence()
             self.lap("parity load/write-back")
             rec = m.write(gstate=GState.TIER2)
@@ -277,11 +286,26 @@ class Updater:
         if rec.gstate == GState.TIER2:
             self.inject("rmu.tier2", step=t, group=g)
             for i, st in enumerate(ss.model):
-                self._tier2_from(st, g, ss.q(i, rec.auth))
+                self._tier2_from(st, g, ss.q(i, rec.auth, g))
             self.fence()
             self.lap("tier-2 parity")
             m.write(group=g + 1, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
             self.lap("markers")
+
+    def _prefetch(self, t: int, g: int) -> None:
+        """Queue the load of group g's host parity into its buffer on the side stream (CUDA).
+        Safe without marker changes: the buffer is none of group g-1's (states.StateSet.q),
+        nothing writes the host parity of g before g's own write-back, and a trainer that
+        resumes at g's LOAD copies it again itself."""
+        if self._side is None or g >= len(self.ss.model[0].groups):
+            return
+        self._side.wait_stream(torch.cuda.current_stream())     # the buffer's last users
+        with torch.cuda.stream(self._side):
+            for i, st in enumerate(self.ss.model):
+                self.ss.q(i, 0, g).copy_(st.tier1(g), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self._side)
+        self._prefetched = (t, g, ev)
 
     def _elems(self, g: int, first: int, count: int) -> slice:
         p0 = self.ss.model[0].groups[g].first + first
@@ -323,12 +347,12 @@ class Updater:
         code = self.code(gi.k)
         # Q' = Q ^ delta, written straight into the scratch parity buffer (no copy of Q).
         if deltas is not None:
-            code.update_delta_many([ss.q(i, 1 - auth) for i in range(3)], idx, deltas,
-                                   bases=[ss.q(i, auth) for i in range(3)])
+            code.update_delta_many([ss.q(i, 1 - auth, g) for i in range(3)], idx, deltas,
+                                   bases=[ss.q(i, auth, g) for i in range(3)])
         else:
             for i, st in enumerate(ss.model):
-                code.update(ss.q(i, 1 - auth), idx, ss.undo_pages(i, count),
-                            st.pages(gi.first + first, count), base=ss.q(i, auth), scratch=self.scratch)
+                code.update(ss.q(i, 1 - auth, g), idx, ss.undo_pages(i, count),
+                            st.pages(gi.first + first, count), base=ss.q(i, auth, g), scratch=self.scratch)
         self.inject("rmu.commit", **where)
         self.fence()
         self.lap("chunk parity delta")
@@ -346,7 +370,7 @@ class Updater:
             half = max(1, pages.numel() // 2)
             noise = torch.randint(0, 256, (half,), generator=gen, dtype=torch.uint8)
             pages.view(-1)[:half].copy_(noise.to(pages.device))
-            q = ss.q(i, scratch_buf)
+            q = ss.q(i, scratch_buf, g)
             qn = torch.randint(0, 256, (q.numel() // 3,), generator=gen, dtype=torch.uint8)
             q.view(-1)[:qn.numel()].copy_(qn.to(q.device))
         self.fence()

@@ -101,9 +101,10 @@ def _run_updater(monkeypatch, fused: bool, delta_method: str, steps: int = 4):
     monkeypatch.setenv("LETO_RMU_FUSED", "1" if fused else "0")
     monkeypatch.setenv("LETO_PARITY_DELTA", delta_method)
     dev = torch.device("cuda")
-    geo = Geometry(16, 16, 1, 2 * MiB)
+    geo = Geometry(3, 16, 1, 2 * MiB)        # 8 pages: groups of 3, 3, 2 (the load prefetch runs)
     layout = Layout.of([("a", (3_000_001,)), ("b", (777, 1311)), ("c", (5,))], geo.page_bytes)
-    ss = open_states(layout, client=None, geo=geo, device=str(dev), chunk_pages=5)
+    ss = open_states(layout, client=None, geo=geo, device=str(dev), chunk_pages=2)
+    assert [gi.k for gi in ss.model[0].groups] == [3, 3, 2]
     up = Updater(ss, AdamWConfig(lr=1e-3, clip_grad_norm=1.0, weight_decay=0.1, total_steps=10),
                  backend="auto", lend=False)
     assert (up.fused is not None) == fused, F.why_not
@@ -120,6 +121,7 @@ def _run_updater(monkeypatch, fused: bool, delta_method: str, steps: int = 4):
     torch.cuda.synchronize()
     states = [ss.flat(s).clone() for s in ss.model]
     parity = [torch.cat([s.tier1(g).clone() for g in range(len(s.groups))]) for s in ss.model]
+    assert up._prefetched is None            # every prefetched load was consumed
     codes = {gi.k: ParityCode(gi.k, 16, geo.page_bytes, backend="cuda") for gi in ss.model[0].groups}
     fresh = [torch.cat([codes[gi.k].encode(s.group_pages(g)).cpu() for g, gi in enumerate(s.groups)])
              for s in ss.model]
