@@ -37,6 +37,13 @@ forward/backward is still alive in that memory (`lend.LendingError` otherwise). 
 matter only while the marker says UPDATING, so activations written there are harmless to
 recovery.  `lend=False` (or LETO_LEND=0) turns it off.
 
+CUDA fast path (same transactions, same bits): `fused.Fused` updates a chunk's params and moments
+in one kernel that also writes the delta pages old ^ new (into the undo state's delta chunks), and
+`ParityCode.update_delta_many` turns the three states' deltas into Q' = Q ^ delta in one batched
+parity launch.  The next group's host parity is loaded on a side stream while the current
+group's chunks run, into a buffer the current group never touches (`StateSet.q(..., group)`).
+`profile = {}` makes every `lap()` synchronize and charge the time to a phase (benchmarks).
+
 Marker writes stay "fence, then host store": stream-ordered writes (cuStreamWriteValue into
 mapped host memory) would save one host round trip per operation; benchmarks/rmu_overhead.py
 reports how much of the update phase the fences cost before that is worth its complexity.
