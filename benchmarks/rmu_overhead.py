@@ -31,7 +31,11 @@ too.  The baselines run in one child process (cache emptied between them), each 
 its own (one lending pool per process).
 
     python benchmarks/rmu_overhead.py [--model gpu_1b|small|tiny] [--batch-size B] [--seq T]
-        [--warmup W] [--iters N] [--variants a,b,...] [--json FILE] [--md FILE]
+        [--accum K] [--warmup W] [--iters N] [--variants a,b,...] [--json FILE] [--md FILE]
+
+--accum K runs K micro-batches per iteration (gradient accumulation): the update phase is the
+same, the compute phase K times longer -- how a large global batch puts RMU's fixed update cost
+against more compute (the paper's Table 1 has 12.6 s of compute per 47 ms of update).
 
 Default on CUDA: gpu_1b (1.42B parameters), batch 8 x 2048, 3 warm-up + 10 timed iterations.
 On CPU (smoke): tiny, batch 4, 1 + 2 iterations, states in host memfd pages; the figures then
@@ -110,13 +114,15 @@ def make_batch(cfg, a, dev, t):
 
 
 def forward_backward(model, cfg, a, dev, t):
-    idx, tgt = make_batch(cfg, a, dev, t)
-    ac = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else \
-        torch.autocast("cpu", enabled=False)
-    with ac:
-        logits, loss = model(idx, tgt)
-    del logits                    # nothing but the scalar loss outlives the compute phase
-    loss.backward()
+    """The compute phase of iteration t: a.accum micro-batches, gradients accumulated."""
+    for k in range(a.accum):
+        idx, tgt = make_batch(cfg, a, dev, t * a.accum + k)
+        ac = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else \
+            torch.autocast("cpu", enabled=False)
+        with ac:
+            logits, loss = model(idx, tgt)
+        del logits                    # nothing but the scalar loss outlives the compute phase
+        loss.backward()
     return loss
 
 
@@ -397,6 +403,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--model", default=None, help="GPTConfig preset (default gpu_1b / tiny)")
     ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--accum", type=int, default=1,
+                    help="micro-batches per iteration (gradient accumulation): the compute phase "
+                         "runs this many forward/backward passes, as large global batches do")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (block size)")
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--iters", type=int, default=None)
@@ -424,7 +433,7 @@ def main(argv=None) -> int:
     if base:
         groups.append(",".join(base))
     groups += [v for v in variants if v not in BASELINES]
-    fwd = ["--device", a.device, "--model", a.model, "--batch-size", str(a.batch_size),
+    fwd = ["--device", a.device, "--model", a.model, "--batch-size", str(a.batch_size), "--accum", str(a.accum),
            "--warmup", str(a.warmup), "--iters", str(a.iters), "--data-pages", str(a.data_pages),
            "--chunk-pages", str(a.chunk_pages)] + (["--seq", str(a.seq)] if a.seq else [])
     results, ok = [], True
@@ -448,9 +457,9 @@ def main(argv=None) -> int:
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
             "torch": torch.__version__, "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name(0) if cuda else None,
-            "model": a.model, "batch_size": a.batch_size, "seq": a.seq,
+            "model": a.model, "batch_size": a.batch_size, "accum": a.accum, "seq": a.seq,
             "warmup": a.warmup, "iters": a.iters}
-    print(f"RMU overhead ({a.model}, batch {a.batch_size}, {meta['gpu'] or 'CPU'}, "
+    print(f"RMU overhead ({a.model}, batch {a.batch_size} x {a.accum} micro-batches, {meta['gpu'] or 'CPU'}, "
           f"{a.iters} timed iterations after {a.warmup})\n\n{md}\n")
     for line in v:
         print(line)

@@ -14,13 +14,14 @@ from leto_testing import ROOT, base_env
 def test_rmu_overhead_cpu_smoke(tmp_path):
     out = tmp_path / "rmu.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "rmu_overhead.py"),
-                        "--device", "cpu", "--model", "tiny", "--batch-size", "2",
+                        "--device", "cpu", "--model", "tiny", "--batch-size", "2", "--accum", "2",
                         "--warmup", "1", "--iters", "1",
                         "--variants", "reference,sync_snapshot,async_snapshot,rmu",
                         "--json", str(out)], env=base_env(), cwd=str(ROOT),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     data = json.loads(out.read_text())
+    assert data["meta"]["accum"] == 2 and "x 2 micro-batches" in p.stdout
     got = [r["variant"] for r in data["results"]]
     assert got == ["reference", "sync_snapshot", "async_snapshot", "rmu"]
     for r in data["results"]:
