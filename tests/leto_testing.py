@@ -72,3 +72,18 @@ def step_losses(d: Path, rank: int) -> dict[int, set[str]]:
 def final_digest(d: Path, rank: int) -> str:
     """sha256 of a rank's final parameters and AdamW moments (examples/gpt_inplace.py --out D)."""
     return json.loads((d / f"final_{rank}.json").read_text())["digest"]
+
+
+def adamw_oracle(init, cfg):
+    """torch.optim.AdamW(foreach=False, fused=False) over copies of `init` (the oracle RMU's
+    AdamW is held to bit for bit), plus fresh copies P and zero moments M, V for the code under
+    test: (params, oracle, P, M, V)."""
+    import torch
+
+    params = [torch.nn.Parameter(x.clone()) for x in init]
+    oracle = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                               weight_decay=cfg.weight_decay, foreach=False, fused=False)
+    P = [x.clone() for x in init]
+    M = [torch.zeros_like(x) for x in init]
+    V = [torch.zeros_like(x) for x in init]
+    return params, oracle, P, M, V

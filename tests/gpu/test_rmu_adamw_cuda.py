@@ -8,6 +8,7 @@ import torch
 
 from leto_runtime.rmu.adamw import (AdamWConfig, adamw_chunk_, clip_coef, grad_sq_norm, lr_at,
                                     total_norm_from_sq)
+from leto_testing import adamw_oracle
 
 SIZES = (1, 7, 129, 4099, 1_000_003)   # odd sizes and offsets: vectorized and unrolled kernel paths
 
@@ -26,12 +27,7 @@ def test_cuda_bitwise_equal_to_torch_adamw(clip, wd):
                       warmup_steps=3, total_steps=steps, min_lr=3e-4)
     gen = torch.Generator().manual_seed(99)
     init = [torch.randn(n, generator=gen).to(dev) for n in SIZES]
-    params = [torch.nn.Parameter(x.clone()) for x in init]
-    oracle = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                               weight_decay=cfg.weight_decay, foreach=False, fused=False)
-    P = [x.clone() for x in init]
-    M = [torch.zeros_like(x) for x in init]
-    V = [torch.zeros_like(x) for x in init]
+    params, oracle, P, M, V = adamw_oracle(init, cfg)
     scratch = torch.empty(max(SIZES), device=dev)
     for t in range(steps):
         grads = _grads(gen, t, dev)

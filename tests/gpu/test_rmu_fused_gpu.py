@@ -11,6 +11,7 @@ from leto_runtime.parity import ParityCode
 from leto_runtime.rmu import fused as F
 from leto_runtime.rmu.adamw import (AdamWConfig, adamw_chunk_, clip_coef, grad_sq_norm, lr_at,
                                     total_norm_from_sq)
+from leto_testing import adamw_oracle
 
 MiB = 1 << 20
 SIZES = (4, 7, 132, 4099, 1_000_003)
@@ -40,12 +41,7 @@ def test_fused_bitwise_equal_to_torch_adamw(clip, wd):
     assert f is not None, F.why_not
     gen = torch.Generator().manual_seed(99)
     init = [torch.randn(n, generator=gen).to(dev) for n in SIZES]
-    params = [torch.nn.Parameter(x.clone()) for x in init]
-    oracle = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                               weight_decay=cfg.weight_decay, foreach=False, fused=False)
-    P = [x.clone() for x in init]
-    M = [torch.zeros_like(x) for x in init]
-    V = [torch.zeros_like(x) for x in init]
+    params, oracle, P, M, V = adamw_oracle(init, cfg)
     for t in range(steps):
         scale = 0.05 if t % 3 else 0.0005
         grads = [(torch.randn(n, generator=gen) * scale).to(dev) for n in SIZES]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from leto_runtime.rmu.adamw import (AdamWConfig, adamw_chunk_, clip_coef, grad_sq_norm, lr_at,
                                     total_norm_from_sq)
+from leto_testing import adamw_oracle
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 # Odd sizes: tails shorter than every vector width; 40_009 > 32768 so TensorIterator also splits
@@ -35,12 +36,7 @@ def test_bitwise_equal_to_torch_adamw(clip, wd, use_scratch):
     gen = torch.Generator().manual_seed(1234)
     init = [torch.randn(n, generator=gen) for n in SIZES]
 
-    params = [torch.nn.Parameter(x.clone()) for x in init]
-    oracle = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                               weight_decay=cfg.weight_decay, foreach=False, fused=False)
-    P = [x.clone() for x in init]
-    M = [torch.zeros_like(x) for x in init]
-    V = [torch.zeros_like(x) for x in init]
+    params, oracle, P, M, V = adamw_oracle(init, cfg)
     scratch = torch.empty(max(SIZES)) if use_scratch else None
     clipped = unclipped = 0
 
