@@ -27,3 +27,8 @@ def test_rmu_overhead_cpu_smoke(tmp_path):
     for r in data["results"]:
         assert r["compute_ms"] > 0 and r["update_ms"] > 0 and r["iters"] == 1
     assert "| rmu |" in p.stdout and "RMU update <= 2x" in p.stdout
+    rmu = data["results"][-1]
+    # the profiled iteration charges every phase of the update (one lap per operation)
+    assert {"gradient parity", "global sync", "parity load/write-back", "undo copy", "adamw",
+            "chunk parity delta", "tier-2 parity", "markers"} <= set(rmu["update_breakdown_ms"])
+    assert rmu["fused_adamw"] is False         # CPU: the torch ops (fused.py is CUDA only)

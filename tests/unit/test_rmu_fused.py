@@ -1,0 +1,34 @@
+"""leto_runtime/rmu/fused.py off the GPU: the fast path is never taken where it cannot be
+checked (CPU devices, LETO_RMU_FUSED=0), the reason is recorded, and the Updater then runs the
+torch-ops AdamW.  The kernel itself is tested against torch.optim.AdamW on the GPU
+(tests/gpu/test_rmu_fused_gpu.py)."""
+from __future__ import annotations
+
+import torch
+
+from leto_runtime.rmu import fused as F
+from leto_runtime.rmu.adamw import AdamWConfig
+from leto_runtime.rmu.states import Geometry, Layout, open_states
+from leto_runtime.rmu.updater import Updater
+
+CFG = AdamWConfig(lr=1e-3, clip_grad_norm=1.0)
+
+
+def test_no_fast_path_on_cpu_and_the_reason_is_kept():
+    assert F.Fused.for_device("cpu", CFG) is None
+    assert F.why_not == "not a CUDA device"
+
+
+def test_switch_off_is_honoured_before_anything_is_built(monkeypatch):
+    monkeypatch.setenv("LETO_RMU_FUSED", "0")
+    assert not F.wanted()
+    assert F.Fused.for_device(torch.device("cuda", 0), CFG) is None
+    assert F.why_not == "LETO_RMU_FUSED=0"
+
+
+def test_updater_on_cpu_uses_the_torch_ops():
+    geo = Geometry(8, 4, 1, 4096)
+    ss = open_states(Layout.of([("w", (5000,))], geo.page_bytes), client=None, geo=geo, device="cpu",
+                     chunk_pages=2)
+    up = Updater(ss, CFG, backend="cpu")
+    assert up.fused is None and up._side is None      # no fused kernel, no prefetch stream
