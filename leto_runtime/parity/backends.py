@@ -114,11 +114,11 @@ class CpuBackend(_KernelBackend):
         """delta_update with these fixed pages and coefficients, as a call with nothing left to
         look up (the RMU marker patches the same block's parity twice per record)."""
         cpu = torch.device("cpu")
+        assert all(t.device == cpu for t in (*outs, *olds, *news))
         args = (torch.tensor([p.data_ptr() for p in outs], dtype=torch.int64),
                 torch.tensor([p.data_ptr() for p in olds], dtype=torch.int64),
                 torch.tensor([p.data_ptr() for p in news], dtype=torch.int64),
                 torch.from_numpy(np.ascontiguousarray(coef, dtype=np.int32)).clone(), page_bytes)
-        assert all(t.device == cpu for t in (*outs, *olds, *news))
         return lambda: self.ext.delta_update(*args)
 
 
@@ -132,9 +132,7 @@ class CudaBackend(_KernelBackend):
         self.variant = os.environ.get("LETO_PARITY_CUDA_VARIANT", "auto")
 
     def syndrome_mix(self, pages, outs, coef, ts, page_bytes) -> None:
-        dev = outs[0].device
-        self.ext.syndrome_mix(self._ptrs(pages, dev), self._ptrs(outs, dev), self._window(coef, ts),
-                              page_bytes, self.ext.VARIANTS[self.variant])
+        self.syndrome_mix_batch([pages], [outs], coef, ts, page_bytes)
 
     def syndrome_mix_batch(self, pages: Sequence[Sequence[Page]], outs: Sequence[Sequence[torch.Tensor]],
                            coef: np.ndarray, ts: Sequence[int], page_bytes: int, *,
