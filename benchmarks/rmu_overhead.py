@@ -132,6 +132,39 @@ def adamw_cfg(a):
                        warmup_steps=2, total_steps=a.warmup + a.iters + 10)
 
 
+def kernel_trace(dev, fn, top: int = 14) -> dict:
+    """Run fn() once under torch.profiler (CUDA only): device time per kernel/copy name (top
+    `top`, ms), the union of all device activity (busy_ms) and the wall time (wall_ms).  Where
+    wall exceeds busy the device waited on the host (launch gaps, fences)."""
+    if dev.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        wall = time.perf_counter() - t0
+    spans, by = [], {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        s, t = e.time_range.start, e.time_range.end
+        spans.append((s, t))
+        by[e.name[:90]] = by.get(e.name[:90], 0.0) + (t - s) / 1e3
+    spans.sort()
+    busy, end = 0.0, None
+    for s, t in spans:
+        if end is None or s > end:
+            busy += t - s
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    top_k = dict(sorted(((k, round(v, 3)) for k, v in by.items()), key=lambda kv: -kv[1])[:top])
+    return {"wall_ms": round(wall * 1e3, 2), "busy_ms": round(busy / 1e3, 2), "kernels_ms": top_k}
+
+
 def measure(name, dev, a, begin, compute, update, after=None, extra=None) -> dict:
     times, peak_used = [], 0
     base = a._base_used
@@ -256,6 +289,12 @@ def _baseline(a, dev, name, hostbuf) -> dict:
                       extra={"snapshot_gib": total * 4 / GiB if host is not None else 0})
         if side is not None:
             side.synchronize()
+        if a.trace and name == "reference":
+            t = a.warmup + a.iters
+            begin(t)
+            compute(t)
+            res["update_trace"] = kernel_trace(dev, lambda: update(t))
+            log(f"{name}: update trace {res['update_trace']}")
         return res
 
 
@@ -329,6 +368,12 @@ def run_rmu(a, dev, name) -> dict:
         res["update_breakdown_ms"] = {k: round(v, 2) for k, v in sorted(up.profile.items(), key=lambda kv: -kv[1])}
         res["fused_adamw"] = up.fused is not None
         up.profile = None
+        if a.trace:
+            t = a.warmup + a.iters + 1
+            begin(t)
+            compute(t)
+            res["update_trace"] = kernel_trace(dev, lambda: update(t))
+            log(f"{name}: update trace {res['update_trace']}")
         log(f"{name}: update phase breakdown (ms, profiled iteration): {res['update_breakdown_ms']}; "
             f"fused AdamW kernel: {'on' if up.fused is not None else 'off'}")
         if up.lender is not None:
@@ -412,6 +457,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data-pages", type=int, default=1024)
     ap.add_argument("--chunk-pages", type=int, default=0)
     ap.add_argument("--variants", default=",".join(ALL))
+    ap.add_argument("--trace", action="store_true",
+                    help="CUDA: one more update under torch.profiler; per-kernel device time, "
+                         "device-busy and wall time of the update phase (update_trace in the JSON)")
     ap.add_argument("--json")
     ap.add_argument("--md")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -435,7 +483,8 @@ def main(argv=None) -> int:
     groups += [v for v in variants if v not in BASELINES]
     fwd = ["--device", a.device, "--model", a.model, "--batch-size", str(a.batch_size), "--accum", str(a.accum),
            "--warmup", str(a.warmup), "--iters", str(a.iters), "--data-pages", str(a.data_pages),
-           "--chunk-pages", str(a.chunk_pages)] + (["--seq", str(a.seq)] if a.seq else [])
+           "--chunk-pages", str(a.chunk_pages)] + (["--seq", str(a.seq)] if a.seq else []) + (
+        ["--trace"] if a.trace else [])
     results, ok = [], True
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"),
                                                        os.environ.get("PYTHONPATH", "")]))

@@ -73,10 +73,13 @@ void adamw_fused(torch::Tensor p, torch::Tensor m, torch::Tensor v, const torch:
 
 }  // namespace
 
+void register_marker_stream(pybind11::module& m);  // marker_stream.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Leto RMU fused AdamW chunk kernel (see cuda/adamw_cuda.cu)";
+  m.doc() = "Leto RMU CUDA: fused AdamW chunk kernel (adamw_cuda.cu), stream-ordered marker writes (marker_stream.cpp)";
   m.def("adamw_fused", &adamw_fused, "in-place AdamW of one chunk, optionally writing old ^ new",
         py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("coef"), py::arg("deltas"),
         py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("bc2_sqrt"),
         py::arg("step_size"), py::arg("has_decay"), py::arg("variant") = 0);
+  register_marker_stream(m);
 }

@@ -13,6 +13,11 @@ over the chunk being updated and its scratch parity, as a kill inside a kernel w
 them); `hang` blocks the main thread for good.  Every firing is announced to the agent first
 (heartbeat datagram `inject`), so the recovery report can time detection.
 
+Before anything fires (and before a demotion is honoured) the CUDA device is synchronized: the
+updater queues its work and its marker writes in stream order without waiting
+(`leto_runtime.rmu.updater`), and a kill point means "everything before this point has happened"
+-- a fault never lands while the GPU still works behind the host.
+
 Calling contract: `Faults(ctx)`; `fire(point, step=..., group=..., chunk=..., garbage=...)` at
 each point; cheap when nothing is planned.
 """
@@ -28,6 +33,13 @@ import importlib
 hb = importlib.import_module("leto_runtime.heartbeat")
 from leto_runtime import demotion
 from leto_runtime.context import Context
+
+
+def _settle() -> None:
+    """Wait for queued CUDA work of this process (nothing to do without CUDA in use)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _get(inj: dict, key: str, default=None):
@@ -84,11 +96,16 @@ class Faults:
         # when the agent demotes this active (`leto_runtime.demotion`).  Not inside autograd's
         # backward hooks: an exception there is rewrapped by the engine.
         if point != "backward":
+            if demotion.requested():
+                _settle()
             demotion.check()
         if not self.plan:
             return
         hofs = [i for i in self.plan if i.get("kind") != "pages"
                 and self._matches(i, point, step, group, chunk)]
+        if hofs or any(i.get("kind") == "pages" and self._matches(i, point, step, None, None)
+                       for i in self.plan):
+            _settle()
         if not hofs:
             for inj in [i for i in self.plan if i.get("kind") == "pages"
                         and self._matches(i, point, step, None, None)]:

@@ -41,7 +41,8 @@ def wanted() -> bool:
 
 
 def load():
-    """The compiled extension (JIT-built like the parity kernels; raises ParityBackendUnavailable)."""
+    """The compiled extension (JIT-built like the parity kernels; raises ParityBackendUnavailable).
+    It also carries the marker's stream-ordered writes (cuda/marker_stream.cpp, `Marker.use_stream`)."""
     from leto_runtime.parity import _ext
 
     def build():
@@ -51,7 +52,8 @@ def load():
         if torch.version.cuda is None or cpp.CUDA_HOME is None or not torch.cuda.is_available():
             raise ParityBackendUnavailable("cuda", "no CUDA torch, nvcc or device", "run on a GPU machine")
         src = _ext.source_dir()
-        return _ext._load("leto_rmu_cuda", [str(src / "adamw_cuda.cu"), str(src / "adamw_binding.cpp")],
+        return _ext._load("leto_rmu_cuda", [str(src / "adamw_cuda.cu"), str(src / "adamw_binding.cpp"),
+                                             str(src / "marker_stream.cpp")],
                           cuda=True)
 
     return _ext._cached("rmu_cuda", build)

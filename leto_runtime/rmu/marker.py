@@ -16,16 +16,28 @@ between the flip and its parity patch, reconstruction yields the previous record
 is a valid recovery point for the state that the next operation leaves (recovery.py restores
 an uncommitted chunk from the undo buffer and redoes it).
 
+Stream-ordered writes (CUDA, the paper's "lightweight kernels update the marker in the same
+stream"): after `use_stream(device)`, `write_async(...)` computes the same bytes on a mirror of the
+block and its parity rows (what they will be once every queued write has happened) and queues
+them on the current CUDA stream (cuda/marker_stream.cpp, cudaLaunchHostFunc): the record lands
+when the stream has finished the operation queued before it, and work queued after it waits for
+it.  The host never waits between RMU operations.  `rec` is the last record written or queued;
+`settle()` waits until the queued ones are in memory (`write` and `read` settle first).
+
 Calling contract: `Marker(state)` over a RetainedState/LocalState of >= 1 KiB; `read()` returns
-a `Record` (a fresh page reads as `Record.empty()`); `write(rec)` makes `rec` current.
+a `Record` (a fresh page reads as `Record.empty()`); `write(rec)` makes `rec` current;
+`use_stream(device)` -> bool, then `write_async(rec)` / `settle()`.
 """
 from __future__ import annotations
 
 import enum
+import logging
 import struct
 from dataclasses import asdict, dataclass, replace
 
 import torch
+
+log = logging.getLogger("leto.rmu")
 
 MAGIC = 0x4C45544F524D5531          # "LETORMU1"
 WORDS = 16                           # int64 words per record slot
@@ -127,6 +139,8 @@ class Marker:
             self._rows = [row[:BLOCK] for row in state.tier1(0)]
             p2 = state.tier2(0)
             self._rows += [row[:BLOCK] for row in p2] if (p2 is not None and state.h2) else []
+        self._ext = self._dev = self._stream = None
+        self._mirror = None          # (block, words, rows, old, patch) while writes are queued
         self._rec = self._read()
 
     def _block(self) -> torch.Tensor:
@@ -138,6 +152,7 @@ class Marker:
         return Record.from_words(w[cur * WORDS:(cur + 1) * WORDS])
 
     def read(self) -> Record:
+        self.settle()
         self._rec = self._read()
         return self._rec
 
@@ -145,16 +160,96 @@ class Marker:
     def rec(self) -> Record:
         return self._rec
 
+    def _prepare(self, rows, old, block):
+        prep = getattr(self._backend, "prepared_delta", None)
+        args = (rows, [old], [block], self._coef, BLOCK)
+        return prep(*args) if prep else (lambda: self._backend.delta_update(*args))
+
     def _patch_parity(self, old: torch.Tensor) -> None:
         if not self.protected:
             return
         if self._patch is None:
-            prep = getattr(self._backend, "prepared_delta", None)
-            args = (self._rows, [old], [self._block()], self._coef, BLOCK)
-            self._patch = prep(*args) if prep else (lambda: self._backend.delta_update(*args))
+            self._patch = self._prepare(self._rows, old, self._block())
         self._patch()
 
+    # ---- stream-ordered writes (CUDA) ---------------------------------------------------------
+    def use_stream(self, device) -> bool:
+        """Let write_async queue on `device`'s current CUDA stream; False (writes stay
+        synchronous) where the extension is unavailable, with the reason logged."""
+        try:
+            from leto_runtime.rmu import fused
+            self._ext = fused.load()
+        except Exception as e:          # build failure: keep host writes, say why
+            log.warning("leto.rmu: stream-ordered marker writes unavailable (%s: %s); the updater "
+                        "fences before each marker write", type(e).__name__, e)
+            self._ext = None
+            return False
+        self._dev = torch.device(device)
+        return True
+
+    def settle(self) -> None:
+        """Wait until every queued write is in memory (the mirror is then dropped)."""
+        if self._mirror is not None:
+            self._stream.synchronize()
+            self._mirror = None
+
+    def _mirrored(self):
+        if self._mirror is None:        # nothing queued: the memory is current
+            import numpy as np
+            blk = self.words_t.clone()
+            b8 = blk.view(torch.uint8)
+            rows = [r.clone() for r in self._rows] if self.protected else []
+            old = torch.empty(BLOCK, dtype=torch.uint8)
+            patch = self._prepare(rows, old, b8) if self.protected else None
+            # The payload of one write: [slot, rows..., cur, rows...] -- destinations and sizes
+            # are fixed per slot, so prepared once per slot; the bytes are gathered per write.
+            base, R = self.words_t.data_ptr(), [r.data_ptr() for r in self._rows]
+            plan = {}
+            for nxt in (0, 1):
+                dst = [base + nxt * WORDS * 8, *R, base + CUR * 8, *R]
+                size = [WORDS * 8, *[BLOCK] * len(R), 8, *[BLOCK] * len(R)]
+                plan[nxt] = (torch.tensor(dst, dtype=torch.int64), torch.tensor(size, dtype=torch.int64))
+            buf = torch.empty(WORDS * 8 + 8 + 2 * BLOCK * len(R), dtype=torch.uint8)
+            self._mirror = (blk, blk.numpy(), b8.numpy(), rows, [r.numpy() for r in rows], old, patch,
+                            plan, buf, buf.numpy(), np)
+            self._stream = torch.cuda.current_stream(self._dev)
+        elif torch.cuda.current_stream(self._dev) != self._stream:
+            self.settle()               # another stream: order it after the queued writes
+            return self._mirrored()
+        return self._mirror
+
+    def write_async(self, rec: Record | None = None, **changes) -> Record:
+        """write(), queued on the current CUDA stream (synchronous without use_stream)."""
+        if self._ext is None:
+            return self.write(rec, **changes)
+        rec = replace(rec or self._rec, seq=self._rec.seq + 1, **changes)
+        blk, w, b8, rows, rows_np, old, patch, plan, buf, bn, np = self._mirrored()
+        cur = int(w[CUR]) if int(w[CUR]) in (0, 1) else 0
+        nxt = 1 - cur
+        nr = len(rows)
+        # The same steps as write(), on the mirror; each step's bytes become segments.
+        old.copy_(blk.view(torch.uint8))
+        w[nxt * WORDS:(nxt + 1) * WORDS] = rec.words()
+        if patch:
+            patch()
+        o = WORDS * 8
+        bn[:o] = b8[nxt * o:(nxt + 1) * o]
+        if nr:
+            bn[o:o + nr * BLOCK] = np.concatenate(rows_np)
+        o += nr * BLOCK
+        old.copy_(blk.view(torch.uint8))
+        w[CUR] = nxt
+        if patch:
+            patch()
+        bn[o:o + 8] = b8[CUR * 8:CUR * 8 + 8]            # the commit: one 8-byte store
+        if nr:
+            bn[o + 8:] = np.concatenate(rows_np)
+        self._ext.marker_write_async(*plan[nxt], buf, self._dev)     # copies the bytes now
+        self._rec = rec
+        return rec
+
     def write(self, rec: Record | None = None, **changes) -> Record:
+        self.settle()
         rec = replace(rec or self._rec, seq=self._rec.seq + 1, **changes)
         w = self.words
         cur = int(w[CUR]) if int(w[CUR]) in (0, 1) else 0

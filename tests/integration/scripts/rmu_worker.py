@@ -8,6 +8,10 @@ of {"at": POINT, "step": t, "group": g|null, "chunk": c|null, "garbage": bool,
 "pages": [inject kwargs...]}: at that point the listed pages are destroyed, then the process
 SIGKILLs itself.  Prints one JSON line: {"digest", "resume", "repaired"}.
 With --local the same run on ordinary tensors (no state manager): the fault-free reference.
+RMU_WORKER_DEVICE=cuda runs it on the GPU (2 MiB pages; tests/gpu/test_rmu_crash_gpu.py): the
+updater then queues its work and marker writes without waiting, and a kill strikes with the GPU
+behind the host unless pages are destroyed with it (the stream is synchronized first, as
+leto_runtime.faults does, so that no kernel runs into a page being unmapped).
 """
 import hashlib
 import json
@@ -26,9 +30,10 @@ from leto_runtime.rmu.updater import Updater
 sock, total, plan = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 local = "--local" in sys.argv
 transactions = "--no-transactions" not in sys.argv
-GEO = Geometry(32, 16, 1, 4096)
+DEV = os.environ.get("RMU_WORKER_DEVICE", "cpu")
+GEO = Geometry(32, 16, 1, 4096 if DEV == "cpu" else 2 << 20)
 CHUNK = 4
-N = 70 * 1024 + 300                      # ~70.3 pages: groups of 32, 32 and 7 pages
+N = 70 * GEO.page_bytes // 4 + 300       # ~70.3 pages: groups of 32, 32 and 7 pages
 cfg = AdamWConfig(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0,
                   warmup_steps=2, total_steps=total)
 layout = Layout.of([("w", (N,))], GEO.page_bytes)
@@ -43,6 +48,11 @@ def inject(point, step=None, group=None, chunk=None, garbage=None):
             continue
         if p.get("chunk") is not None and p["chunk"] != chunk:
             continue
+        if DEV != "cpu" and p.get("garbage") and garbage is not None:
+            garbage()               # a kill inside a kernel, before the HBM loss unmaps pages
+            garbage = None
+        if DEV != "cpu" and p.get("pages"):
+            torch.cuda.synchronize()
         for spec in p.get("pages", []):
             spec = dict(spec)
             name = spec.setdefault("state", "leto/params")
@@ -56,22 +66,23 @@ def inject(point, step=None, group=None, chunk=None, garbage=None):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-ss = open_states(layout, client=client, geo=GEO, device="cpu", chunk_pages=CHUNK)
-up = Updater(ss, cfg, inject=inject, backend="cpu", transactions=transactions)
+ss = open_states(layout, client=client, geo=GEO, device=DEV, chunk_pages=CHUNK)
+up = Updater(ss, cfg, inject=inject, backend="cpu" if DEV == "cpu" else "auto",
+             transactions=transactions)
 P, G = ss.flat(ss.model[0]), ss.flat(ss.grads)
 
 
 def initialize():
     for st in (*ss.model, ss.grads):
         ss.flat(st).zero_()
-    P[:N].copy_(torch.randn(N, generator=torch.Generator().manual_seed(7)))
+    P[:N].copy_(torch.randn(N, generator=torch.Generator().manual_seed(7)).to(P.device))
     up.encode_all([*ss.model, ss.grads])
     up.marker.write(initialized=1, t=-1, phase=4)
 
 
 # The trainer's own recovery sequence (leto_runtime.rmu.recovery.prepare, as job.py runs it).
 res, rep = prepare(ss, up, rank=0, initialize=initialize, fire=inject,
-                   transactions=transactions, backend="cpu")
+                   transactions=transactions, backend="cpu" if DEV == "cpu" else "auto")
 start = res.step
 info = {"resume": None if rep is None else [res.action, res.t],
         "repaired": 0 if rep is None else rep.pages}
@@ -79,10 +90,10 @@ for t in range(start, total):
     up.begin(t)
     G.zero_()
     inject("step", step=t)
-    G[:N].copy_(torch.randn(N, generator=torch.Generator().manual_seed(1000 + t)) * 0.3)
+    G[:N].copy_((torch.randn(N, generator=torch.Generator().manual_seed(1000 + t)) * 0.3).to(G.device))
     up.step(t)
 h = hashlib.sha256()
 for st in ss.model:
-    h.update(ss.flat(st)[:N].numpy().tobytes())
+    h.update(ss.flat(st)[:N].cpu().numpy().tobytes())
 bad = check_consistent(ss, up)
 print(json.dumps({**info, "digest": h.hexdigest(), "parity_problems": bad}), flush=True)

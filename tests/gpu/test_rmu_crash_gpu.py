@@ -1,0 +1,65 @@
+"""RMU transactions on the GPU with real SIGKILLs: tests/integration/test_rmu_crash.py's worker
+and kill points, on CUDA (2 MiB VMM pages owned by a real state manager).
+
+On CUDA the updater queues its operations and its marker writes in stream order and never waits
+between them (Marker.write_async), so here a kill without lost pages strikes while the GPU is
+still behind the host: the CUDA context dies with queued kernels, copies and marker writes that
+never run -- a crash at an arbitrary point of the device's progress, not at the host's.  Where
+the recovery resumes then depends on how far the GPU got; what may not depend on it is the
+result: model and optimizer state bit-identical to the fault-free run on the same device, and
+every group's parity equal to its data."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from leto_run.state_manager import Geometry
+from leto_run.state_manager.harness import SlotHarness
+
+_spec = importlib.util.spec_from_file_location(
+    "rmu_crash_cpu", Path(__file__).resolve().parents[1] / "integration" / "test_rmu_crash.py")
+cpu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cpu)
+
+GEO = Geometry(32, 16, 1, 2 << 20)
+ENV = {"RMU_WORKER_DEVICE": "cuda"}
+
+
+def run(sock, plan, *extra, allow=None):
+    import os
+    old = {k: os.environ.get(k) for k in ENV}
+    os.environ.update(ENV)
+    try:
+        return cpu.run(sock, plan, *extra, allow=allow)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def reference():
+    rc, res, err = run("-", [], "--local")
+    assert rc == 0, err
+    return res["digest"]
+
+
+@pytest.mark.parametrize("case", list(cpu.CASES))
+def test_kill_at_rmu_operation_is_bit_exact_on_cuda(case, reference):
+    point, action = cpu.CASES[case]
+    with SlotHarness(device="cuda:0", geometry=GEO, allow_wait=10, ready_timeout=120) as h:
+        rc, _, err = run(h.socket, [point], allow=h.allow)
+        assert rc == -9, err
+        rc, res, err = run(h.socket, [], allow=h.allow)
+        assert rc == 0, err
+    print(f"{case}: killed at {point['at']} of step {point['step']}; resumed {res['resume']}, "
+          f"{res['repaired']} pages repaired")
+    assert res["resume"][1] == point["step"], res
+    assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
+    assert res["parity_problems"] == []
+    if cpu.ROW16 in point.get("pages", []):
+        assert res["repaired"] >= 16
