@@ -20,6 +20,11 @@ memory, for:
   forward/backward, `Updater.step(t)` (gradient parity, global sync, chunk transactions, parity
   write-back) with activation lending on (`leto_runtime.rmu.lend`).
 * **rmu_nolend**: the same with lending off (LETO_LEND=0): what lending saves in memory.
+* **rmu_onekernel**: `rmu` with LETO_RMU_FUSED_SYNDROME=1: each chunk's AdamW and parity delta
+  in one kernel reading the undo copy (cuda/adamw_syndrome.cu), where its self-check passes.
+* **rmu_kmarker**: `rmu` with LETO_RMU_STREAM_MARKER=kernel: marker writes stored by a one-block
+  kernel instead of a host function (cuda/marker_kernel.cu).
+* **rmu_both**: both of the above.
 
 Each iteration: stream sync, compute, stream sync, update, stream sync (the syncs are the same in
 every variant).  Peak GPU memory is device-wide (`cudaMemGetInfo`: total - free, sampled after
@@ -62,7 +67,12 @@ import torch  # noqa: E402
 
 GiB = 1 << 30
 BASELINES = ("reference", "sync_snapshot", "async_snapshot")
-ALL = (*BASELINES, "rmu", "rmu_nolend")
+# Environment of each RMU variant's child process (the candidates measured against `rmu`).
+RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
+           "rmu_onekernel": {"LETO_RMU_FUSED_SYNDROME": "1"},
+           "rmu_kmarker": {"LETO_RMU_STREAM_MARKER": "kernel"},
+           "rmu_both": {"LETO_RMU_FUSED_SYNDROME": "1", "LETO_RMU_STREAM_MARKER": "kernel"}}
+ALL = (*BASELINES, *RMU_ENV)
 
 
 def log(msg: str) -> None:
@@ -336,7 +346,7 @@ def run_rmu(a, dev, name) -> dict:
             ss.flat(st).zero_()
         init_params(P, layout.numel)
         bind(model, P, G, layout)
-        up = Updater(ss, adamw_cfg(a), lend=(name == "rmu"))
+        up = Updater(ss, adamw_cfg(a), lend=(name != "rmu_nolend"))
         up.encode_all([*ss.model, ss.grads])
         up.marker.write(initialized=1, t=-1, phase=Phase.DONE)
         log(f"{name}: {layout.numel / 1e9:.2f}B parameters retained in {len(ss.model[0].groups)} "
@@ -367,6 +377,8 @@ def run_rmu(a, dev, name) -> dict:
         sync(dev)
         res["update_breakdown_ms"] = {k: round(v, 2) for k, v in sorted(up.profile.items(), key=lambda kv: -kv[1])}
         res["fused_adamw"] = up.fused is not None
+        res["fused_syndrome"] = up.fused_syndrome
+        res["marker_mode"] = up.marker.mode if up.streamed else "fenced"
         up.profile = None
         if a.trace:
             t = a.warmup + a.iters + 1
@@ -431,6 +443,13 @@ def verdicts(results: list[dict]) -> list[str]:
     x = rmu["update_ms"] / ref["update_ms"]
     out.append(f"{'PASS' if x <= 2 else 'MISS'} RMU update <= 2x the reference update: {x:.2f}x "
                f"({rmu['update_ms']:.1f} vs {ref['update_ms']:.1f} ms)")
+    for name in ("rmu_onekernel", "rmu_kmarker", "rmu_both"):
+        ok = by.get(name)
+        if ok:
+            out.append(f"INFO {name} ({', '.join(f'{k}={v}' for k, v in RMU_ENV[name].items())}; one-kernel chunk "
+                       f"{'on' if ok.get('fused_syndrome') else 'off'}, marker writes {ok.get('marker_mode')}): "
+                       f"update {ok['update_ms']:.1f} ms = {ok['update_ms'] / ref['update_ms']:.2f}x the reference, "
+                       f"iteration {100 * (ok['iteration_ms'] / ref['iteration_ms'] - 1):+.2f}%")
     if rmu.get("peak_gpu_gib") is not None:
         d = rmu["peak_gpu_gib"] - ref["peak_gpu_gib"]
         out.append(f"{'PASS' if d <= 0.05 else 'MISS'} peak GPU memory does not grow with RMU: "
@@ -486,10 +505,10 @@ def main(argv=None) -> int:
            "--chunk-pages", str(a.chunk_pages)] + (["--seq", str(a.seq)] if a.seq else []) + (
         ["--trace"] if a.trace else [])
     results, ok = [], True
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"),
-                                                       os.environ.get("PYTHONPATH", "")]))
+    base_env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"),
+                                                            os.environ.get("PYTHONPATH", "")]))
     for grp in groups:
-        env["LETO_LEND"] = "0" if grp == "rmu_nolend" else env.get("LETO_LEND", "1")
+        env = dict(base_env, **RMU_ENV.get(grp, {}))
         log(f"running {grp} ...")
         p = subprocess.run([sys.executable, __file__, "--child", grp, *fwd], env=env,
                            stdout=subprocess.PIPE, text=True)

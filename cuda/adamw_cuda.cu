@@ -31,32 +31,15 @@
 #include <string>
 
 #include "adamw_cuda.h"
+#include "adamw_math.cuh"
 
 namespace {
 
-// Every operation is an explicit round-to-nearest intrinsic: nvcc may not contract a multiply
-// of one torch op into the add of the next (that would be a different rounding from the
-// separate kernels torch runs).  Within one op, the FMA that nvcc forms in ATen's own kernel
-// (`a + alpha * x` compiles to fma(alpha, x, a) under the default -fmad=true) is written out.
-template <bool FMA>
-__device__ __forceinline__ float madd(float alpha, float x, float a) {  // a + alpha * x
-  if constexpr (FMA) return __fmaf_rn(alpha, x, a);
-  else return __fadd_rn(a, __fmul_rn(alpha, x));
-}
-
+// The per-element math lives in adamw_math.cuh (shared with adamw_syndrome.cu).
 template <int V>
 __device__ __forceinline__ void one(float& p, float& m, float& v, float g, float coef,
                                     const leto_rmu::AdamWScalars& s) {
-  constexpr bool kLerpFma = !(V & 1), kAddcmulFma = !(V & 2), kAddcdivFma = !(V & 4);
-  const float gc = s.has_coef ? __fmul_rn(g, coef) : g;                     // g * coef
-  if (s.has_decay) p = __fmul_rn(p, s.decay);                               // p.mul_(decay)
-  m = madd<kLerpFma>(s.w1, __fsub_rn(gc, m), m);                            // m.lerp_(gc, w1)
-  v = __fmul_rn(v, s.beta2);                                                // v.mul_(beta2)
-  v = madd<kAddcmulFma>(s.w2, __fmul_rn(gc, gc), v);                        // .addcmul_(gc, gc, w2)
-  float d = __fsqrt_rn(v);                                                  // sqrt(v)
-  d = __fmul_rn(d, (V & 8) ? s.inv_bc2_f : s.inv_bc2);                      // / bc2_sqrt
-  d = __fadd_rn(d, s.eps);                                                  // .add_(eps)
-  p = madd<kAddcdivFma>(s.nstep, __fdiv_rn(m, d), p);                       // p.addcdiv_(m, d, nstep)
+  leto_rmu_math::step<V>(p, m, v, g, coef, s);
 }
 
 __device__ __forceinline__ uint32_t bits(float x) { return __float_as_uint(x); }

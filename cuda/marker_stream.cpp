@@ -27,6 +27,8 @@
 #include <cstring>
 #include <vector>
 
+#include "marker_kernel.h"
+
 namespace {
 
 struct Segment {
@@ -92,10 +94,87 @@ void marker_write_async(const torch::Tensor& dsts, const torch::Tensor& sizes, c
   }
 }
 
+// The device-side variant (marker_kernel.cu): the payload is already in `staging` (pinned host
+// memory the caller keeps until the kernel ran); dsts are device-visible addresses
+// (host_device_pointer); fences[i] = 1 ends a group of segments that is in memory before the
+// next group starts.
+void marker_write_device(const torch::Tensor& dsts, const torch::Tensor& sizes, const torch::Tensor& fences,
+                         const torch::Tensor& staging, const torch::Device& device) {
+  TORCH_CHECK(device.is_cuda(), "marker_write_device: device must be CUDA, got ", device);
+  for (const torch::Tensor* t : {&dsts, &sizes, &fences})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kInt64 && t->dim() == 1 && t->is_contiguous() &&
+                    t->numel() == dsts.numel(),
+                "marker_write_device: dsts, sizes and fences must be contiguous int64 CPU tensors of one length");
+  TORCH_CHECK(dsts.numel() <= leto_rmu::kMaxMarkerSegments, "marker_write_device: at most ",
+              leto_rmu::kMaxMarkerSegments, " segments");
+  TORCH_CHECK(staging.device().is_cpu() && staging.is_pinned() && staging.scalar_type() == torch::kUInt8 &&
+                  staging.is_contiguous(), "marker_write_device: staging must be a pinned contiguous uint8 tensor");
+  void* src = nullptr;
+  cudaError_t e = cudaHostGetDevicePointer(&src, staging.data_ptr(), 0);
+  TORCH_CHECK(e == cudaSuccess, "marker_write_device: staging is not device-mapped: ", cudaGetErrorString(e));
+  leto_rmu::MarkerSegments a{};
+  a.n = static_cast<int>(dsts.numel());
+  a.src = static_cast<const uint8_t*>(src);
+  int64_t off = 0;
+  for (int i = 0; i < a.n; ++i) {
+    a.dst[i] = reinterpret_cast<uint8_t*>(dsts.data_ptr<int64_t>()[i]);
+    a.size[i] = static_cast<int>(sizes.data_ptr<int64_t>()[i]);
+    a.offset[i] = off;
+    a.fence_after[i] = fences.data_ptr<int64_t>()[i] ? 1 : 0;
+    off += a.size[i];
+  }
+  TORCH_CHECK(off <= staging.numel(), "marker_write_device: the segments need ", off, " bytes, staging has ",
+              staging.numel());
+  const c10::cuda::CUDAGuard guard(device);
+  try {
+    leto_rmu::marker_write_device(a, c10::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::runtime_error& ex) {
+    TORCH_CHECK(false, "leto rmu CUDA: ", ex.what());
+  }
+}
+
+// Page-lock [addr, addr + n) for device access (cudaHostRegisterMapped).  Returns false when it
+// is already registered (by someone else: the RMP client pins parity ranges), true when this
+// call registered it (the caller unregisters it with host_unregister).
+bool host_register(int64_t addr, int64_t n) {
+  const cudaError_t e = cudaHostRegister(reinterpret_cast<void*>(addr), static_cast<size_t>(n),
+                                         cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e == cudaErrorHostMemoryAlreadyRegistered) {
+    cudaGetLastError();   // clear the sticky-free error state
+    return false;
+  }
+  TORCH_CHECK(e == cudaSuccess, "host_register: cudaHostRegister: ", cudaGetErrorString(e));
+  return true;
+}
+
+void host_unregister(int64_t addr) {
+  const cudaError_t e = cudaHostUnregister(reinterpret_cast<void*>(addr));
+  TORCH_CHECK(e == cudaSuccess, "host_unregister: cudaHostUnregister: ", cudaGetErrorString(e));
+}
+
+// The device-visible address of registered host memory (equal to addr where the GPU can use host
+// pointers of registered memory).
+int64_t host_device_pointer(int64_t addr) {
+  void* d = nullptr;
+  const cudaError_t e = cudaHostGetDevicePointer(&d, reinterpret_cast<void*>(addr), 0);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    TORCH_CHECK(false, "host_device_pointer: ", cudaGetErrorString(e), " (is the memory registered?)");
+  }
+  return reinterpret_cast<int64_t>(d);
+}
+
 }  // namespace
 
 void register_marker_stream(pybind11::module& m) {
   m.def("marker_write_async", &marker_write_async,
         "queue ordered host-memory writes (dsts[i] <- sizes[i] bytes of data) on the current CUDA stream",
         py::arg("dsts"), py::arg("sizes"), py::arg("data"), py::arg("device"));
+  m.def("marker_write_device", &marker_write_device,
+        "queue the same writes as one small kernel storing into registered host memory",
+        py::arg("dsts"), py::arg("sizes"), py::arg("fences"), py::arg("staging"), py::arg("device"));
+  m.def("host_register", &host_register, "cudaHostRegister (mapped); False if already registered",
+        py::arg("addr"), py::arg("n"));
+  m.def("host_unregister", &host_unregister, py::arg("addr"));
+  m.def("host_device_pointer", &host_device_pointer, py::arg("addr"));
 }

@@ -27,29 +27,17 @@
 namespace leto_cuda {
 
 bool coef_is_baked(const uint16_t* coef, int m_out) {
-  if (m_out != leto_gf::kBakedM) return false;
-  for (int i = 0; i < 16; ++i)
-    for (int t = 0; t < 16; ++t)
-      if (coef[i * 16 + t] != leto_gf::baked_coef(i, t)) return false;
-  return true;
+  SyndromeArgs a{};
+  a.m_out = m_out;
+  MixMasks masks{};
+  return prepare_mix(a, coef, masks);
 }
 
 void syndrome_mix(const SyndromeArgs& args_in, const uint16_t* coef, int variant, cudaStream_t stream) {
   if (args_in.m_out < 1 || args_in.m_out > 16) throw std::runtime_error("syndrome_mix: 1..16 outputs");
   SyndromeArgs a = args_in;
   MixMasks masks{};
-  a.group_mask = 0;
-  a.col_mask = 0;
-  for (int i = 0; i < a.m_out; ++i)
-    for (int t = 0; t < 16; ++t) {
-      const uint32_t c = coef[i * 16 + t];
-      if (c) a.col_mask |= 1u << t;
-      for (int b = 0; b < 16; ++b) masks.m[i][t][b] = ((c >> b) & 1u) ? 0xFFFFFFFFu : 0u;
-    }
-  for (int g = 0; g < 4; ++g)
-    for (int k = 0; k < 4; ++k)
-      if ((a.col_mask >> (group_t(g, k) - leto_gf::kTLo)) & 1u) a.group_mask |= 1u << g;
-  const bool baked = coef_is_baked(coef, a.m_out);
+  const bool baked = prepare_mix(a, coef, masks);
   switch (variant) {
     case kVariantAuto: return baked ? launch_sm<CfgAuto<true>>(a, masks, stream) : launch_sm<CfgAuto<false>>(a, masks, stream);
     case kVariantNoBake: return launch_sm<CfgAuto<false>>(a, masks, stream);

@@ -247,17 +247,19 @@ __device__ __forceinline__ void baked_mac(uint32_t (&out)[4][16], uint32_t (&z)[
   }
 }
 
-template <class C, int GI>
-__device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks& masks,
-                                          uint8_t* smem) {
+// One thread group's whole job: `loop(acc)` runs the Horner page loop into the 4 syndromes of
+// this group (page_loop for syndrome_mix; adamw_syndrome.cu computes its pages on the fly), then
+// the scale, the exchange of syndromes through shared memory and the mix into the outputs.
+template <class C, int GI, class Loop>
+__device__ __forceinline__ void run_group_with(const SyndromeArgs& a, const MixMasks& masks,
+                                               uint8_t* smem, Loop&& loop) {
   constexpr int NB = C::NB;
   const int col = thread_col();
   const int bl = col / 16, q = col % 16;
   uint32_t acc[4][16];
   static_for<4>([&](auto k) { static_for<16>([&](auto r) { acc[LETO_CV(k)][LETO_CV(r)] = 0u; }); });
 
-  if ((a.group_mask >> GI) & 1u) page_loop<C, GI, true>(a, smem, acc);
-  else page_loop<C, GI, false>(a, smem, acc);
+  loop(acc);
 
   // Run-time scale of each syndrome (a run of pages that starts at position f: x^(f t)).
   if (a.scaled) {
@@ -323,6 +325,15 @@ __device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks&
   });
 }
 
+template <class C, int GI>
+__device__ __forceinline__ void run_group(const SyndromeArgs& a, const MixMasks& masks,
+                                          uint8_t* smem) {
+  run_group_with<C, GI>(a, masks, smem, [&](uint32_t (&acc)[4][16]) {
+    if ((a.group_mask >> GI) & 1u) page_loop<C, GI, true>(a, smem, acc);
+    else page_loop<C, GI, false>(a, smem, acc);
+  });
+}
+
 template <class C>
 __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
     syndrome_mix_kernel(const SyndromeArgs a_in, const __grid_constant__ MixMasks masks) {
@@ -381,6 +392,27 @@ __global__ void __launch_bounds__(64 * NB)
       static_for<16>([&](auto r) { *reinterpret_cast<uint32_t*>(dst + LETO_CV(r) * 64) = acc[LETO_CV(o)][LETO_CV(r)]; });
     }
   });
+}
+
+// The launcher's share of a syndrome_mix: the coefficient bit masks, the t columns and thread
+// groups in use.  Returns whether coef is the compiled-in matrix (baked kernels apply).
+inline bool prepare_mix(SyndromeArgs& a, const uint16_t* coef, MixMasks& masks) {
+  a.group_mask = 0;
+  a.col_mask = 0;
+  for (int i = 0; i < a.m_out; ++i)
+    for (int t = 0; t < 16; ++t) {
+      const uint32_t c = coef[i * 16 + t];
+      if (c) a.col_mask |= 1u << t;
+      for (int b = 0; b < 16; ++b) masks.m[i][t][b] = ((c >> b) & 1u) ? 0xFFFFFFFFu : 0u;
+    }
+  for (int g = 0; g < 4; ++g)
+    for (int k = 0; k < 4; ++k)
+      if ((a.col_mask >> (group_t(g, k) - leto_gf::kTLo)) & 1u) a.group_mask |= 1u << g;
+  if (a.m_out != leto_gf::kBakedM) return false;
+  for (int i = 0; i < 16; ++i)
+    for (int t = 0; t < 16; ++t)
+      if (coef[i * 16 + t] != leto_gf::baked_coef(i, t)) return false;
+  return true;
 }
 
 inline void check(cudaError_t e, const char* what) {

@@ -142,15 +142,18 @@ class CudaBackend(_KernelBackend):
         outs[y][i] = [bases[y][i] ^] sum_t coef[i][t] [scale[t]] S_t(pages[y])."""
         dev = outs[0][0].device
         flat = lambda ls: [p for pl in ls for p in pl]  # noqa: E731
-        sc = None
-        if scale is not None:
-            w = np.zeros(len(gf16.KERNEL_T), dtype=np.int32)
-            for t, c in zip(ts, scale):
-                w[t - gf16.T_LO_MIN] = int(c)
-            sc = torch.from_numpy(w)
+        sc = None if scale is None else self.scale_window(ts, scale)
         self.ext.syndrome_mix(self._ptrs(flat(pages), dev), self._ptrs(flat(outs), dev), self._window(coef, ts),
                               page_bytes, self.ext.VARIANTS[self.variant],
                               None if bases is None else self._ptrs(flat(bases), dev), len(pages), sc)
+
+    @staticmethod
+    def scale_window(ts: Sequence[int], scale: np.ndarray) -> torch.Tensor:
+        """The per-syndrome scale of exponents ts, placed in the kernels' t = -7..8 window."""
+        w = np.zeros(len(gf16.KERNEL_T), dtype=np.int32)
+        for t, c in zip(ts, scale):
+            w[t - gf16.T_LO_MIN] = int(c)
+        return torch.from_numpy(w)
 
     def delta_update(self, outs, olds, news, coef, page_bytes) -> None:
         dev = outs[0].device

@@ -15,10 +15,18 @@ ops whose compiled form torch does not document (FMA or not, reciprocal or true 
 first variant that passes is the one used.  tests/gpu/test_rmu_fused_gpu.py asserts the
 kernel equal to `torch.optim.AdamW(foreach=False)` itself.
 
+One step further (cuda/adamw_syndrome.cu): `chunk_syndrome_` does a chunk's AdamW *and* the
+parity delta of its three states in one kernel, reading the old values from the undo copy and
+never writing the delta pages (DESIGN.md section 8).  It is taken only where
+LETO_RMU_FUSED_SYNDROME=1 and its own self-check (`syndrome_check`: the same bits as `step_`
+with deltas followed by `ParityCode.update_delta_many`, new states and parity pages, baked and
+run-time mix) passes on the device; off by default until it is measured on the GPU.
+
 Calling contract: `Fused.for_device(device, cfg)` -> a `Fused` or None; then
 `f.step_(p, m, v, g, step=, lr=, coef=, deltas=)` queues the update on the current stream
-(no synchronization).  LETO_RMU_FUSED=0 turns the fast path off; LETO_RMU_FUSED_VARIANT=N
-checks and uses only spelling N (cross-checks).
+(no synchronization); `f.syndrome_ok(device)` -> bool, then `f.chunk_syndrome_(...)`.
+LETO_RMU_FUSED=0 turns the fast path off; LETO_RMU_FUSED_VARIANT=N checks and uses only
+spelling N (cross-checks).
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ log = logging.getLogger("leto.rmu")
 
 _cache: dict = {}
 why_not: str = ""
+why_not_syndrome: str = ""
 
 
 def wanted() -> bool:
@@ -52,8 +61,9 @@ def load():
         if torch.version.cuda is None or cpp.CUDA_HOME is None or not torch.cuda.is_available():
             raise ParityBackendUnavailable("cuda", "no CUDA torch, nvcc or device", "run on a GPU machine")
         src = _ext.source_dir()
-        return _ext._load("leto_rmu_cuda", [str(src / "adamw_cuda.cu"), str(src / "adamw_binding.cpp"),
-                                             str(src / "marker_stream.cpp")],
+        return _ext._load("leto_rmu_cuda", [str(src / "adamw_cuda.cu"), str(src / "adamw_syndrome.cu"),
+                                             str(src / "adamw_binding.cpp"), str(src / "marker_stream.cpp"),
+                                             str(src / "marker_kernel.cu")],
                           cuda=True)
 
     return _ext._cached("rmu_cuda", build)
@@ -100,20 +110,105 @@ class Fused:
             _cache[key] = f
         return _cache[key]
 
+    def _hyper(self, step: int, lr: float):
+        cfg = self.cfg
+        beta1, beta2 = cfg.betas
+        lr, s = float(lr), float(step)
+        bc1, bc2 = 1 - beta1 ** s, 1 - beta2 ** s
+        return (1 - lr * cfg.weight_decay, beta1, beta2, cfg.eps, bc2 ** 0.5, lr / bc1,
+                cfg.weight_decay != 0)
+
     def step_(self, p, m, v, g, *, step: int, lr: float, coef: Optional[torch.Tensor],
               deltas: Optional[Sequence[torch.Tensor]] = None) -> None:
         """adamw_chunk_(p, m, v, g, step=, lr=, cfg=, coef=) in one kernel; with `deltas`
         (3 tensors of len(p) * 4 bytes) also writes old ^ new of p, m, v there."""
-        cfg = self.cfg
-        beta1, beta2 = cfg.betas
-        lr = float(lr)
-        s = float(step)
-        bc1 = 1 - beta1 ** s
-        bc2 = 1 - beta2 ** s
         self.ext.adamw_fused(p, m, v, g, None if coef is None else coef.reshape(1),
-                             None if deltas is None else list(deltas),
-                             1 - lr * cfg.weight_decay, beta1, beta2, cfg.eps, bc2 ** 0.5, lr / bc1,
-                             cfg.weight_decay != 0, self.variant)
+                             None if deltas is None else list(deltas), *self._hyper(step, lr),
+                             self.variant)
+
+    # ---- AdamW and the parity delta in one kernel ---------------------------------------------
+    def syndrome_ok(self, device) -> bool:
+        """chunk_syndrome_ may be used on `device`: wanted (LETO_RMU_FUSED_SYNDROME=1), compiled
+        for this spelling (variant 0) and bit-identical to the two-kernel path (checked once)."""
+        global why_not_syndrome
+        if os.environ.get("LETO_RMU_FUSED_SYNDROME", "0") != "1":
+            why_not_syndrome = "LETO_RMU_FUSED_SYNDROME is not 1"
+            return False
+        key = ("syndrome", str(torch.device(device)), self.cfg, self.variant)
+        if key not in _cache:
+            bad = ("only AdamW spelling 0 is compiled into the syndrome kernel, this device needs "
+                   f"{self.variant}") if self.variant != 0 else ""
+            if not bad:
+                try:
+                    bad = self.syndrome_check(torch.device(device))
+                except Exception as e:          # build or launch failure: keep two kernels, say why
+                    bad = f"{type(e).__name__}: {e}"
+            if bad:
+                log.warning("leto.rmu: AdamW + parity kernel not used: %s", bad)
+            why_not_syndrome = bad
+            _cache[key] = not bad
+        return _cache[key]
+
+    def chunk_syndrome_(self, states: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], g, *,
+                        step: int, lr: float, coef: Optional[torch.Tensor], code, first: int,
+                        outs: Sequence[torch.Tensor], bases: Sequence[torch.Tensor]) -> None:
+        """One chunk of whole pages at position `first` of `code`'s group: states (p, m, v, fp32
+        views) <- AdamW from `undo` (their values before the step, same sizes) and g; per state y,
+        outs[y] (the code's m parity pages, (m, S) uint8) = bases[y] ^ the parity delta of
+        undo[y] ^ new[y].  The same bits as step_(deltas=) followed by code.update_delta_many."""
+        import numpy as np
+
+        from leto_runtime.parity import delta as D, gf16
+        dev = states[0].device
+        be = code.backend_for(dev)
+        rows = lambda ts: [r for t in ts for r in t.unbind(0)]  # noqa: E731
+        f32 = lambda t: t.reshape(-1).view(torch.float32)      # noqa: E731
+        mix = be._window(np.asarray(gf16.encode_matrix(code.k, code.m)), code.exponents)
+        sc = be.scale_window(code.exponents, D.run_scale(code.m, first))
+        self.ext.adamw_syndrome(*[f32(t) for t in states], f32(g), *[f32(t) for t in undo],
+                                None if coef is None else coef.reshape(1),
+                                be._ptrs(rows(outs), dev), be._ptrs(rows(bases), dev), mix, sc,
+                                code.page_bytes, *self._hyper(step, lr), self.variant)
+
+    def syndrome_check(self, device) -> str:
+        """'' when chunk_syndrome_ gives the two-kernel path's bits on `device`, else what
+        differed: a baked (k = 1024) and a run-time (k = 664) group, chunks at offsets that
+        exercise the run scale, clipping on and off, steps 1 and 3."""
+        from dataclasses import replace
+
+        from leto_runtime.parity import ParityCode
+        S = 16 << 10                                    # 16 KiB pages: 4 tiles of 4 KiB
+        E = S // 4
+        gen = torch.Generator(device="cpu").manual_seed(0x5E1F)
+        for k, first, n, clip in ((1024, 333, 5, 1.0), (664, 600, 3, None), (1024, 0, 2, None)):
+            cfg = replace(self.cfg, clip_grad_norm=clip)
+            code = ParityCode(k, 16, S, backend="cuda")
+            f = Fused(self.ext, cfg, self.variant)
+            st = [torch.randn(n * E, generator=gen) for _ in range(2)] + [torch.rand(n * E, generator=gen)]
+            st = [t.to(device) for t in st]
+            ref = [t.clone() for t in st]
+            q = [torch.randint(0, 256, (16, S), generator=gen, dtype=torch.uint8).to(device) for _ in range(3)]
+            coef = torch.tensor(0.37, device=device) if clip else None
+            for step in (1, 3):
+                g = (torch.randn(n * E, generator=gen) * 0.1).to(device)
+                undo = [t.clone() for t in st]
+                d = [torch.empty(n * E, dtype=torch.int32, device=device) for _ in range(3)]
+                f.step_(*ref, g, step=step, lr=cfg.lr, coef=coef, deltas=d)
+                want = [torch.empty_like(x) for x in q]
+                code.update_delta_many(want, range(first, first + n), [x.view(torch.uint8).view(n, S) for x in d],
+                                       bases=q)
+                got = [torch.empty_like(x) for x in q]
+                f.chunk_syndrome_(st, undo, g, step=step, lr=cfg.lr, coef=coef, code=code, first=first,
+                                  outs=got, bases=q)
+                for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), ref, st):
+                    if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                        return f"k={k} first={first} step {step}: {name} differs from the fused AdamW kernel"
+                for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), want, got):
+                    if not torch.equal(a, b):
+                        return (f"k={k} first={first} step {step}: the {name} parity differs from the "
+                                "two-kernel path")
+                q = got
+        return ""
 
     def self_check(self, device, n: int = 1 << 18) -> str:
         """'' when the kernel gives adamw_chunk_'s bits on `device`, else what differed.

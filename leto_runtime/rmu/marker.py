@@ -139,8 +139,8 @@ class Marker:
             self._rows = [row[:BLOCK] for row in state.tier1(0)]
             p2 = state.tier2(0)
             self._rows += [row[:BLOCK] for row in p2] if (p2 is not None and state.h2) else []
-        self._ext = self._dev = self._stream = None
-        self._mirror = None          # (block, words, rows, old, patch) while writes are queued
+        self._ext = self._dev = self._stream = self.mode = None
+        self._mirror: _Mirror | None = None     # while writes are queued (write_async)
         self._rec = self._read()
 
     def _block(self) -> torch.Tensor:
@@ -173,9 +173,13 @@ class Marker:
         self._patch()
 
     # ---- stream-ordered writes (CUDA) ---------------------------------------------------------
-    def use_stream(self, device) -> bool:
-        """Let write_async queue on `device`'s current CUDA stream; False (writes stay
-        synchronous) where the extension is unavailable, with the reason logged."""
+    def use_stream(self, device, mode: str = "hostfunc") -> bool:
+        """Let write_async queue on `device`'s current CUDA stream: mode "hostfunc" (a host
+        function applies the payload) or "kernel" (a one-block kernel stores it into registered
+        host memory; falls back to "hostfunc" per update where the memory cannot be mapped).
+        False (writes stay synchronous) where the extension is unavailable, with the reason logged."""
+        if mode not in STREAM_MODES:
+            raise ValueError(f"marker stream mode must be one of {STREAM_MODES}, got {mode!r}")
         try:
             from leto_runtime.rmu import fused
             self._ext = fused.load()
@@ -185,33 +189,19 @@ class Marker:
             self._ext = None
             return False
         self._dev = torch.device(device)
+        self.mode = mode
         return True
 
     def settle(self) -> None:
         """Wait until every queued write is in memory (the mirror is then dropped)."""
         if self._mirror is not None:
             self._stream.synchronize()
+            self._mirror.release()
             self._mirror = None
 
-    def _mirrored(self):
+    def _mirrored(self) -> "_Mirror":
         if self._mirror is None:        # nothing queued: the memory is current
-            import numpy as np
-            blk = self.words_t.clone()
-            b8 = blk.view(torch.uint8)
-            rows = [r.clone() for r in self._rows] if self.protected else []
-            old = torch.empty(BLOCK, dtype=torch.uint8)
-            patch = self._prepare(rows, old, b8) if self.protected else None
-            # The payload of one write: [slot, rows..., cur, rows...] -- destinations and sizes
-            # are fixed per slot, so prepared once per slot; the bytes are gathered per write.
-            base, R = self.words_t.data_ptr(), [r.data_ptr() for r in self._rows]
-            plan = {}
-            for nxt in (0, 1):
-                dst = [base + nxt * WORDS * 8, *R, base + CUR * 8, *R]
-                size = [WORDS * 8, *[BLOCK] * len(R), 8, *[BLOCK] * len(R)]
-                plan[nxt] = (torch.tensor(dst, dtype=torch.int64), torch.tensor(size, dtype=torch.int64))
-            buf = torch.empty(WORDS * 8 + 8 + 2 * BLOCK * len(R), dtype=torch.uint8)
-            self._mirror = (blk, blk.numpy(), b8.numpy(), rows, [r.numpy() for r in rows], old, patch,
-                            plan, buf, buf.numpy(), np)
+            self._mirror = _Mirror(self)
             self._stream = torch.cuda.current_stream(self._dev)
         elif torch.cuda.current_stream(self._dev) != self._stream:
             self.settle()               # another stream: order it after the queued writes
@@ -223,28 +213,30 @@ class Marker:
         if self._ext is None:
             return self.write(rec, **changes)
         rec = replace(rec or self._rec, seq=self._rec.seq + 1, **changes)
-        blk, w, b8, rows, rows_np, old, patch, plan, buf, bn, np = self._mirrored()
+        mi = self._mirrored()
+        w, b8, np = mi.w, mi.b8, mi.np
         cur = int(w[CUR]) if int(w[CUR]) in (0, 1) else 0
         nxt = 1 - cur
-        nr = len(rows)
+        nr = len(mi.rows)
+        bn = mi.payload()
         # The same steps as write(), on the mirror; each step's bytes become segments.
-        old.copy_(blk.view(torch.uint8))
+        mi.old.copy_(mi.blk.view(torch.uint8))
         w[nxt * WORDS:(nxt + 1) * WORDS] = rec.words()
-        if patch:
-            patch()
+        if mi.patch:
+            mi.patch()
         o = WORDS * 8
         bn[:o] = b8[nxt * o:(nxt + 1) * o]
         if nr:
-            bn[o:o + nr * BLOCK] = np.concatenate(rows_np)
+            bn[o:o + nr * BLOCK] = np.concatenate(mi.rows_np)
         o += nr * BLOCK
-        old.copy_(blk.view(torch.uint8))
+        mi.old.copy_(mi.blk.view(torch.uint8))
         w[CUR] = nxt
-        if patch:
-            patch()
+        if mi.patch:
+            mi.patch()
         bn[o:o + 8] = b8[CUR * 8:CUR * 8 + 8]            # the commit: one 8-byte store
         if nr:
-            bn[o + 8:] = np.concatenate(rows_np)
-        self._ext.marker_write_async(*plan[nxt], buf, self._dev)     # copies the bytes now
+            bn[o + 8:] = np.concatenate(mi.rows_np)
+        mi.send(nxt, self._stream)
         self._rec = rec
         return rec
 
@@ -263,3 +255,119 @@ class Marker:
         self._patch_parity(old)
         self._rec = rec
         return rec
+
+
+STREAM_MODES = ("hostfunc", "kernel")
+RING = 64                            # payload slots of the kernel mode (>= the writes of an update)
+
+
+class _Mirror:
+    """What the marker block and its parity rows will hold once every queued write has happened,
+    and how a write's payload reaches them.  One per run of queued writes (Marker.settle ends it).
+
+    The payload of one write: [slot, rows..., cur, rows...]; destinations and sizes are fixed per
+    slot (nxt), so prepared here.  Mode "kernel" registers the block's and the rows' pages for
+    device access for the life of the mirror (so a page remapped by recovery between updates is
+    registered afresh), and stages payloads in a ring of pinned slots, each reused only after the
+    kernel that read it has run."""
+
+    def __init__(self, m: Marker):
+        import numpy as np
+        self.np, self.m = np, m
+        self.blk = m.words_t.clone()
+        self.w = self.blk.numpy()
+        self.b8 = self.blk.view(torch.uint8).numpy()
+        self.rows = [r.clone() for r in m._rows] if m.protected else []
+        self.rows_np = [r.numpy() for r in self.rows]
+        self.old = torch.empty(BLOCK, dtype=torch.uint8)
+        self.patch = m._prepare(self.rows, self.old, self.blk.view(torch.uint8)) if m.protected else None
+        nr = len(self.rows)
+        self.nbytes = WORDS * 8 + 8 + 2 * BLOCK * nr
+        size = [WORDS * 8, *[BLOCK] * nr, 8, *[BLOCK] * nr]
+        self.sizes = torch.tensor(size, dtype=torch.int64)
+        # fences: after the slot and the first rows, after `cur`, after the second rows
+        self.fences = torch.tensor([0] * nr + [1, 1] + [0] * (nr - 1) + [1] if nr else [1, 1],
+                                   dtype=torch.int64)
+        self.registered: list[int] = []
+        self.kernel = m.mode == "kernel" and self._map()
+        addr = self.dev_addr if self.kernel else (lambda a: a)
+        base, R = m.words_t.data_ptr(), [r.data_ptr() for r in m._rows]
+        self.plan = {nxt: torch.tensor([addr(base + nxt * WORDS * 8), *map(addr, R), addr(base + CUR * 8),
+                                        *map(addr, R)], dtype=torch.int64) for nxt in (0, 1)}
+        if self.kernel:
+            self.ring = _ring(self.nbytes)
+            self.ring_np = self.ring.numpy()
+            self.k = 0
+        else:
+            self.buf = torch.empty(self.nbytes, dtype=torch.uint8)
+            self.buf_np = self.buf.numpy()
+
+    def _map(self) -> bool:
+        """Register the block's and the rows' pages and learn their device addresses; False (and
+        nothing left registered) where that fails: this mirror then uses host functions."""
+        ext, page = self.m._ext, 4096
+        try:
+            spans = [self.m.words_t.data_ptr()] + [r.data_ptr() for r in self.m._rows]
+            # whole pages around each 1 KiB span, overlapping ranges merged
+            ranges = sorted((x & ~(page - 1), (x + BLOCK + page - 1) & ~(page - 1)) for x in spans)
+            merged: list[list[int]] = []
+            for a, b in ranges:
+                if merged and a <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], b)
+                else:
+                    merged.append([a, b])
+            for a, b in merged:
+                if ext.host_register(a, b - a):
+                    self.registered.append(a)
+            self.devptr = {x: ext.host_device_pointer(x) for x in spans}
+            return True
+        except Exception as e:          # e.g. memory that cannot be page-locked: say why, carry on
+            log.warning("leto.rmu: device-side marker writes unavailable for this update (%s: %s); "
+                        "using host functions", type(e).__name__, e)
+            self.release()
+            return False
+
+    def dev_addr(self, a: int) -> int:
+        for base, d in self.devptr.items():        # the block base or a row start
+            if base <= a < base + BLOCK:
+                return d + (a - base)
+        raise ValueError(f"{a:#x} is not in the marker block or its parity rows")
+
+    def payload(self):
+        if not self.kernel:
+            return self.buf_np
+        ev = _RING_EVENTS[self.k]
+        if ev is not None:
+            ev.synchronize()                       # the kernel that read this slot has run
+        return self.ring_np[self.k]
+
+    def send(self, nxt: int, stream) -> None:
+        ext = self.m._ext
+        if not self.kernel:
+            ext.marker_write_async(self.plan[nxt], self.sizes, self.buf, self.m._dev)   # copies now
+            return
+        ext.marker_write_device(self.plan[nxt], self.sizes, self.fences, self.ring[self.k], self.m._dev)
+        ev = _RING_EVENTS[self.k] = torch.cuda.Event()
+        ev.record(stream)
+        self.k = (self.k + 1) % RING
+
+    def release(self) -> None:
+        """Unregister what this mirror registered (after its writes are done: Marker.settle)."""
+        for a in self.registered:
+            try:
+                self.m._ext.host_unregister(a)
+            except Exception as e:      # leaves a page locked until exit; never fatal
+                log.warning("leto.rmu: cudaHostUnregister of the marker failed: %s", e)
+        self.registered = []
+
+
+_RING: dict = {}
+_RING_EVENTS: list = [None] * RING
+
+
+def _ring(nbytes: int) -> torch.Tensor:
+    """The process's pinned payload slots (RING x nbytes), made once."""
+    r = _RING.get(nbytes)
+    if r is None:
+        r = _RING[nbytes] = torch.empty((RING, nbytes), dtype=torch.uint8).pin_memory()
+    return r

@@ -52,7 +52,9 @@ which the GPU is busy 61.6 ms; docs/BENCHMARKS.md).  The update settles
 (waits for its queued work) before it returns, and the fault injection settles before it fires
 (`leto_runtime.faults`): a kill then strikes with the GPU caught up to the host, as the kill
 points are defined.  On CPU, or with LETO_RMU_STREAM_MARKER=0, every marker write is "fence,
-then host store".
+then host store"; LETO_RMU_STREAM_MARKER=kernel stores the record from a one-block kernel into
+registered host memory instead of a host function (cuda/marker_kernel.cu: no driver-thread
+round trip; not yet the default: to be measured).
 
 Calling contract: `Updater(states, cfg)`; per iteration `begin(t)`, then `protect_grads(t)`,
 `synchronize(t, pg)` and `update(t)` in that order (`step(t, pg)` does all three); `close()`
@@ -99,6 +101,9 @@ class Updater:
         # None when it is off or did not pass its bit-exactness self-check on this device).
         from leto_runtime.rmu.fused import Fused
         self.fused = Fused.for_device(ss.device, cfg) if self.cuda and transactions else None
+        # ... and, where enabled and checked, AdamW and the parity delta in one kernel that reads
+        # the undo copy (fused.chunk_syndrome_; LETO_RMU_FUSED_SYNDROME=1).
+        self.fused_syndrome = self.fused is not None and self.fused.syndrome_ok(ss.device)
         # Phase breakdown for benchmarks (benchmarks/rmu_overhead.py): a dict turns it on; every
         # lap then synchronizes the stream, so only profiled iterations pay for it.
         self.profile: dict | None = None
@@ -108,8 +113,10 @@ class Updater:
         self._side = torch.cuda.Stream(device=ss.device) if self.cuda else None
         self._prefetched: tuple | None = None
         # CUDA: marker writes queued in stream order instead of "fence, then host store".
-        self.streamed = (self.cuda and transactions and os.environ.get("LETO_RMU_STREAM_MARKER", "1") != "0"
-                         and self.marker.use_stream(ss.device))
+        # LETO_RMU_STREAM_MARKER: 1 / hostfunc (default), kernel (device-side stores), 0 (fences).
+        smode = os.environ.get("LETO_RMU_STREAM_MARKER", "hostfunc")
+        self.streamed = (self.cuda and transactions and smode != "0"
+                         and self.marker.use_stream(ss.device, "kernel" if smode == "kernel" else "hostfunc"))
 
     # ---- helpers -------------------------------------------------------------------------
     def lap(self, name: str) -> None:
@@ -353,6 +360,18 @@ class Updater:
             self.lap("markers")
         auth = m.rec.auth
         self.inject("rmu.update", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
+        if self.fused_syndrome:
+            # One kernel: the chunk's AdamW from its undo copy, and Q' = Q ^ delta for each state.
+            self.fused.chunk_syndrome_(views, [ss.undo_pages(i, count) for i in range(3)], grad, step=t + 1,
+                                       lr=lr, coef=coef, code=self.code(gi.k), first=first,
+                                       outs=[ss.q(i, 1 - auth, g) for i in range(3)],
+                                       bases=[ss.q(i, auth, g) for i in range(3)])
+            self.lap("adamw + chunk parity delta")
+            self.inject("rmu.delta", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
+            self.inject("rmu.commit", **where)
+            self._mark(chunk=j + 1, sub=0, auth=1 - auth)
+            self.lap("markers")
+            return
         if self.fused is not None and self.transactions:
             deltas = [ss.delta_pages(i, count) for i in range(3)]
             self.fused.step_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, coef=coef,

@@ -1,5 +1,7 @@
 """Stream-ordered marker writes (Marker.write_async, cuda/marker_stream.cpp) on the GPU.
 
+Both modes: a host function applies the payload (cuda/marker_stream.cpp), or a one-block kernel
+stores it into registered host memory (cuda/marker_kernel.cu).
 Oracle: the synchronous host path (Marker.write) applied to a second marker page: after the same
 records, both pages and their parity rows must hold the same bytes, and the parity must be the
 fresh encode of the page.  Ordering: writes queued behind a long kernel must not be visible
@@ -33,13 +35,18 @@ def _records(n):
                    gstate=GState.CHUNKS, coef_bits=0x3F000000 + t, coef_t=t)
 
 
-def test_async_writes_equal_host_writes_and_keep_parity():
+MODES = ["hostfunc", "kernel"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_async_writes_equal_host_writes_and_keep_parity(mode):
     sa, a = _marker()
     sb, b = _marker()
-    assert a.use_stream("cuda")
+    assert a.use_stream("cuda", mode)
     for r in _records(37):
         a.write_async(**r)
         b.write(**r)
+    assert a._mirror.kernel == (mode == "kernel")          # the mode asked for is the one used
     a.settle()
     assert a.rec == b.rec
     assert Marker(sa, backend="cpu").read() == b.rec          # what a promoted trainer reads
@@ -53,9 +60,10 @@ def test_async_writes_equal_host_writes_and_keep_parity():
     assert Marker(sa, backend="cpu").read().t == 100
 
 
-def test_async_writes_wait_for_the_stream():
+@pytest.mark.parametrize("mode", MODES)
+def test_async_writes_wait_for_the_stream(mode):
     st, m = _marker()
-    assert m.use_stream("cuda")
+    assert m.use_stream("cuda", mode)
     torch.cuda.synchronize()
     rate = torch.cuda.get_device_properties(0).clock_rate * 1e3     # cycles per second (approx.)
     torch.cuda._sleep(int(0.5 * rate))                               # ~0.5 s of GPU work queued first
@@ -70,12 +78,13 @@ def test_async_writes_wait_for_the_stream():
     assert Marker(st, backend="cpu").read() == m.rec
 
 
-def test_work_queued_after_a_marker_write_waits_for_it():
+@pytest.mark.parametrize("mode", MODES)
+def test_work_queued_after_a_marker_write_waits_for_it(mode):
     """The guard direction: an operation queued after write_async runs only once the record is
     in memory (cudaLaunchHostFunc holds back later work of the stream): a DMA copy of the
     marker block queued after each write sees exactly that write."""
     st, m = _marker(pinned=True)
-    assert m.use_stream("cuda")
+    assert m.use_stream("cuda", mode)
     blk = st.pages(0, 1).view(-1)[:1024]
     snaps = torch.empty((20, 1024), dtype=torch.uint8, device="cuda")
     recs = []
@@ -91,7 +100,7 @@ def test_work_queued_after_a_marker_write_waits_for_it():
         assert Record.from_words(w[cur * 16:(cur + 1) * 16]) == rec, i
 
 
-@pytest.mark.parametrize("stream_marker", ["1", "0"])
+@pytest.mark.parametrize("stream_marker", ["1", "kernel", "0"])
 def test_updater_marker_is_settled_when_update_returns(monkeypatch, stream_marker):
     from leto_runtime.rmu.adamw import AdamWConfig
     from leto_runtime.rmu.states import Layout, open_states
@@ -101,7 +110,8 @@ def test_updater_marker_is_settled_when_update_returns(monkeypatch, stream_marke
     layout = Layout.of([("a", (2_000_000,))], geo.page_bytes)
     ss = open_states(layout, client=None, geo=geo, device="cuda", chunk_pages=1)
     up = Updater(ss, AdamWConfig(lr=1e-3, clip_grad_norm=1.0, total_steps=5), lend=False)
-    assert up.streamed == (stream_marker == "1")
+    assert up.streamed == (stream_marker != "0")
+    assert up.marker.mode == ({"1": "hostfunc", "kernel": "kernel"}.get(stream_marker))
     up.encode_all([*ss.model, ss.grads])
     up.marker.write(initialized=1, t=-1, phase=Phase.DONE)
     G = ss.flat(ss.grads)

@@ -27,10 +27,11 @@ GEO = Geometry(32, 16, 1, 2 << 20)
 ENV = {"RMU_WORKER_DEVICE": "cuda"}
 
 
-def run(sock, plan, *extra, allow=None):
+def run(sock, plan, *extra, allow=None, env=None):
     import os
-    old = {k: os.environ.get(k) for k in ENV}
-    os.environ.update(ENV)
+    env = {**ENV, **(env or {})}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return cpu.run(sock, plan, *extra, allow=allow)
     finally:
@@ -48,6 +49,12 @@ def reference():
     return res["digest"]
 
 
+# The kill points around the one-kernel chunk (AdamW and the parity delta from the undo copy,
+# LETO_RMU_FUSED_SYNDROME=1): both runs of a case use it.
+SYNDROME_CASES = ["rmu.undo", "rmu.update+garbage", "rmu.delta+garbage", "rmu.commit",
+                  "update+pages@tolerance"]
+
+
 @pytest.mark.parametrize("case", list(cpu.CASES))
 def test_kill_at_rmu_operation_is_bit_exact_on_cuda(case, reference):
     point, action = cpu.CASES[case]
@@ -63,3 +70,36 @@ def test_kill_at_rmu_operation_is_bit_exact_on_cuda(case, reference):
     assert res["parity_problems"] == []
     if cpu.ROW16 in point.get("pages", []):
         assert res["repaired"] >= 16
+
+
+@pytest.mark.parametrize("case", SYNDROME_CASES)
+def test_kill_around_the_adamw_syndrome_kernel_is_bit_exact(case, reference):
+    point, _ = cpu.CASES[case]
+    env = {"LETO_RMU_FUSED_SYNDROME": "1"}
+    with SlotHarness(device="cuda:0", geometry=GEO, allow_wait=10, ready_timeout=120) as h:
+        rc, _, err = run(h.socket, [point], allow=h.allow, env=env)
+        assert rc == -9, err
+        rc, res, err = run(h.socket, [], allow=h.allow, env=env)
+        assert rc == 0, err
+    print(f"{case} (one-kernel chunk): resumed {res['resume']}, {res['repaired']} pages repaired")
+    assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
+    assert res["parity_problems"] == []
+
+
+# Device-side marker writes (a kernel storing into registered host memory, re-registered per
+# update: the marker page is remapped by the recovery of "commit+marker page lost").
+KMARKER_CASES = ["sync.after", "rmu.undo", "rmu.commit", "rmu.writeback", "commit+marker page lost"]
+
+
+@pytest.mark.parametrize("case", KMARKER_CASES)
+def test_kill_with_device_side_marker_writes_is_bit_exact(case, reference):
+    point, _ = cpu.CASES[case]
+    env = {"LETO_RMU_STREAM_MARKER": "kernel"}
+    with SlotHarness(device="cuda:0", geometry=GEO, allow_wait=10, ready_timeout=120) as h:
+        rc, _, err = run(h.socket, [point], allow=h.allow, env=env)
+        assert rc == -9, err
+        rc, res, err = run(h.socket, [], allow=h.allow, env=env)
+        assert rc == 0, err
+    print(f"{case} (device-side marker writes): resumed {res['resume']}, {res['repaired']} pages repaired")
+    assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
+    assert res["parity_problems"] == []

@@ -89,13 +89,14 @@ def test_syndrome_delta_equals_reencode_on_cuda(k, m, first, count, monkeypatch)
         assert torch.equal(inplace, want), method
 
 
-def _run_updater(monkeypatch, fused: bool, delta_method: str, steps: int = 4):
+def _run_updater(monkeypatch, fused: bool, delta_method: str, steps: int = 4, syndrome: bool = False):
     from leto_runtime.rmu.marker import Phase
     from leto_runtime.rmu.states import Geometry, Layout, open_states
     from leto_runtime.rmu.updater import Updater
 
     monkeypatch.setenv("LETO_RMU_FUSED", "1" if fused else "0")
     monkeypatch.setenv("LETO_PARITY_DELTA", delta_method)
+    monkeypatch.setenv("LETO_RMU_FUSED_SYNDROME", "1" if syndrome else "0")
     dev = torch.device("cuda")
     geo = Geometry(3, 16, 1, 2 * MiB)        # 8 pages: groups of 3, 3, 2 (the load prefetch runs)
     layout = Layout.of([("a", (3_000_001,)), ("b", (777, 1311)), ("c", (5,))], geo.page_bytes)
@@ -104,6 +105,7 @@ def _run_updater(monkeypatch, fused: bool, delta_method: str, steps: int = 4):
     up = Updater(ss, AdamWConfig(lr=1e-3, clip_grad_norm=1.0, weight_decay=0.1, total_steps=10),
                  backend="auto", lend=False)
     assert (up.fused is not None) == fused, F.why_not
+    assert up.fused_syndrome == syndrome, F.why_not_syndrome
     gen = torch.Generator().manual_seed(3)
     P = ss.flat(ss.model[0])
     P[:layout.numel].copy_(torch.randn(layout.numel, generator=gen).to(dev))
@@ -157,3 +159,58 @@ def test_batched_scaled_delta_equals_reencode_on_cuda(k, first, count):
     code.update_delta_many(bases, range(first, first + count), deltas, bases=bases, method="syndrome")
     for b, o in zip(bases, outs):
         assert torch.equal(b, o)
+
+
+def test_adamw_syndrome_kernel_passes_its_self_check(monkeypatch):
+    """cuda/adamw_syndrome.cu (AdamW and the chunk's parity delta in one kernel, reading the undo
+    copy) gives the bits of the fused AdamW kernel followed by the batched syndrome delta."""
+    monkeypatch.setenv("LETO_RMU_FUSED_SYNDROME", "1")
+    cfg = AdamWConfig(lr=2.2e-4, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0)
+    f = F.Fused.for_device(torch.device("cuda"), cfg)
+    assert f is not None, F.why_not
+    assert f.syndrome_check(torch.device("cuda")) == ""
+    assert f.syndrome_ok("cuda"), F.why_not_syndrome
+
+
+def test_updater_adamw_syndrome_kernel_equals_torch_ops_path(monkeypatch):
+    """The whole Updater with the one-kernel chunk (3-3-2 groups: baked mix off, run-time mix on
+    the short group) against the torch ops + pagewise parity path, states and parity."""
+    one = _run_updater(monkeypatch, True, "syndrome", syndrome=True)
+    slow = _run_updater(monkeypatch, False, "pagewise")
+    for a, b in zip(one[0], slow[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(one[1], slow[1]):
+        assert torch.equal(a.cpu(), b.cpu())
+    for a, b in zip(one[1], one[2]):
+        assert torch.equal(a.cpu(), b)
+
+
+def test_adamw_syndrome_kernel_on_full_size_groups(monkeypatch):
+    """2 MiB pages, a baked (1024-page) group: a 256-page chunk at offset 768, as the updater runs
+    it on a 1B-parameter model, against the two-kernel path."""
+    from leto_runtime.parity import ParityCode as PC
+    monkeypatch.setenv("LETO_RMU_FUSED_SYNDROME", "1")
+    dev = torch.device("cuda")
+    cfg = AdamWConfig(lr=2.2e-4, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0)
+    f = F.Fused.for_device(dev, cfg)
+    S, n, first = 2 * MiB, 256, 768
+    E = S // 4
+    code = PC(1024, 16, S, backend="cuda")
+    gen = torch.Generator(device=dev).manual_seed(5)
+    st = [torch.randn(n * E, device=dev, generator=gen), torch.randn(n * E, device=dev, generator=gen) * 1e-3,
+          torch.rand(n * E, device=dev, generator=gen) * 1e-6]
+    ref = [t.clone() for t in st]
+    g = torch.randn(n * E, device=dev, generator=gen) * 1e-2
+    q = [torch.randint(0, 256, (16, S), dtype=torch.uint8, device=dev, generator=gen) for _ in range(3)]
+    coef = torch.tensor(0.5, device=dev)
+    d = [torch.empty(n * E, dtype=torch.int32, device=dev) for _ in range(3)]
+    f.step_(*ref, g, step=7, lr=cfg.lr, coef=coef, deltas=d)
+    want = [torch.empty_like(x) for x in q]
+    code.update_delta_many(want, range(first, first + n), [x.view(torch.uint8).view(n, S) for x in d], bases=q)
+    got = [torch.empty_like(x) for x in q]
+    undo = [t.clone() for t in st]
+    f.chunk_syndrome_(st, undo, g, step=7, lr=cfg.lr, coef=coef, code=code, first=first, outs=got, bases=q)
+    for a, b in zip(ref, st):
+        assert torch.equal(a, b)
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)

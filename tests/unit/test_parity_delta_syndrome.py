@@ -251,3 +251,16 @@ def test_run_scale_is_the_shift_of_the_shifted_matrix():
     k, m, first = 40, 9, 13
     M = gf16.encode_matrix(k, m)
     assert np.array_equal(gf16.mul(M, delta.run_scale(m, first)[None, :]), delta.shifted_encode_matrix(k, m, first))
+
+
+@pytest.mark.parametrize("m,first", [(16, 333), (4, 7), (1, 5)])
+def test_scale_window_places_each_exponent_in_the_kernel_window(m, first):
+    """The CUDA launch's scale operand (CudaBackend.scale_window, also the AdamW + parity kernel's):
+    x^(first t) at kernel column t - T_LO_MIN for each exponent of the code, 0 elsewhere."""
+    from leto_runtime.parity.backends import CudaBackend
+    ts = gf16.exponents(m)
+    w = CudaBackend.scale_window(ts, delta.run_scale(m, first)).numpy()
+    assert w.shape == (len(gf16.KERNEL_T),)
+    for col, t in enumerate(gf16.KERNEL_T):
+        want = int(gf16.EXP[(first * t) % gf16.ORDER]) if t in ts else 0
+        assert w[col] == want, (t, w[col], want)
