@@ -92,6 +92,17 @@ void adamw_syndrome(torch::Tensor p, torch::Tensor m, torch::Tensor v, const tor
   for (const auto* t : {&up, &um, &uv}) check(*t, p, "undo", torch::kFloat32);
   TORCH_CHECK(page_bytes > 0 && page_bytes % 1024 == 0 && (p.numel() * 4) % page_bytes == 0,
               "adamw_syndrome: the chunk must be whole pages of a multiple of 1024 bytes");
+  // The kernel reads only the undo copies and g and writes only the states: overlap would race.
+  const auto span = [](const torch::Tensor& t) {
+    const auto b = reinterpret_cast<uintptr_t>(t.data_ptr());
+    return std::make_pair(b, b + static_cast<uintptr_t>(t.numel()) * 4);
+  };
+  for (const auto* w : {&p, &m, &v})
+    for (const auto* r : {&up, &um, &uv, &g}) {
+      const auto a = span(*w), b = span(*r);
+      TORCH_CHECK(a.second <= b.first || b.second <= a.first,
+                  "adamw_syndrome: a state overlaps an undo copy or the gradients");
+    }
   for (const auto* t : {&outs, &bases})
     TORCH_CHECK(t->is_cuda() && t->device() == p.device() && t->scalar_type() == torch::kInt64 &&
                     t->dim() == 1 && t->is_contiguous() && t->numel() % 3 == 0,

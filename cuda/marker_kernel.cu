@@ -66,7 +66,9 @@ __global__ void __launch_bounds__(1024) marker_write_kernel(const leto_rmu::Mark
         }
       }
     }
-    __threadfence_system();   // this group is in host memory before the next one starts
+    // Every thread's stores of this group are visible system-wide before it reaches the barrier,
+    // so none of the next group's stores (the `cur` flip among them) can be seen before them.
+    __threadfence_system();
     __syncthreads();
     first = last + 1;
   }
@@ -80,11 +82,12 @@ void marker_write_device(const MarkerSegments& s, cudaStream_t stream) {
   if (s.n < 0 || s.n > kMaxMarkerSegments) throw std::runtime_error("marker_write_device: too many segments");
   int64_t group = 0;
   for (int i = 0; i < s.n; ++i) {
-    if (s.size[i] % 8 || s.offset[i] % 8 || reinterpret_cast<uintptr_t>(s.dst[i]) % 8 || s.dst[i] == nullptr)
-      throw std::runtime_error("marker_write_device: segments must be whole, aligned 8-byte words");
+    if (s.size[i] <= 0 || s.size[i] % 8 || s.offset[i] % 8 || reinterpret_cast<uintptr_t>(s.dst[i]) % 8 ||
+        s.dst[i] == nullptr)
+      throw std::runtime_error("marker_write_device: segments must be non-empty, whole, aligned 8-byte words");
     group += s.size[i] / 8;
     if (group > 1024LL * kMaxMarkerWordsPerThread)
-      throw std::runtime_error("marker_write_device: more than 32 KiB between two fences");
+      throw std::runtime_error("marker_write_device: more than 40 KiB between two fences");
     if (s.fence_after[i] || i == s.n - 1) group = 0;
   }
   marker_write_kernel<<<1, 1024, 0, stream>>>(s);

@@ -7,8 +7,10 @@
 
 namespace leto_rmu {
 
-constexpr int kMaxMarkerSegments = 40;
-constexpr int kMaxMarkerWordsPerThread = 4;   // x 1024 threads x 8 bytes: 32 KiB between fences
+// A write is 2 (H1 + H2) + 2 segments; H1 <= 16 and H2 <= H1 give at most 66, and the largest
+// group (slot + H1 + H2 rows) 16 + 32 * 128 words.  leto_runtime/rmu/marker.py checks both.
+constexpr int kMaxMarkerSegments = 66;
+constexpr int kMaxMarkerWordsPerThread = 5;   // x 1024 threads x 8 bytes: 40 KiB between fences
 
 struct MarkerSegments {
   int n;

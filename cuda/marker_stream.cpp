@@ -111,7 +111,10 @@ void marker_write_device(const torch::Tensor& dsts, const torch::Tensor& sizes, 
                   staging.is_contiguous(), "marker_write_device: staging must be a pinned contiguous uint8 tensor");
   void* src = nullptr;
   cudaError_t e = cudaHostGetDevicePointer(&src, staging.data_ptr(), 0);
-  TORCH_CHECK(e == cudaSuccess, "marker_write_device: staging is not device-mapped: ", cudaGetErrorString(e));
+  if (e != cudaSuccess) {
+    cudaGetLastError();   // a failed call must not surface at the next launch check
+    TORCH_CHECK(false, "marker_write_device: staging is not device-mapped: ", cudaGetErrorString(e));
+  }
   leto_rmu::MarkerSegments a{};
   a.n = static_cast<int>(dsts.numel());
   a.src = static_cast<const uint8_t*>(src);
@@ -139,17 +142,19 @@ void marker_write_device(const torch::Tensor& dsts, const torch::Tensor& sizes, 
 bool host_register(int64_t addr, int64_t n) {
   const cudaError_t e = cudaHostRegister(reinterpret_cast<void*>(addr), static_cast<size_t>(n),
                                          cudaHostRegisterMapped | cudaHostRegisterPortable);
-  if (e == cudaErrorHostMemoryAlreadyRegistered) {
-    cudaGetLastError();   // clear the sticky-free error state
-    return false;
-  }
-  TORCH_CHECK(e == cudaSuccess, "host_register: cudaHostRegister: ", cudaGetErrorString(e));
-  return true;
+  if (e == cudaSuccess) return true;
+  cudaGetLastError();     // every failure is reported here, never at the next launch check
+  if (e == cudaErrorHostMemoryAlreadyRegistered) return false;
+  TORCH_CHECK(false, "host_register: cudaHostRegister: ", cudaGetErrorString(e));
+  return false;
 }
 
 void host_unregister(int64_t addr) {
   const cudaError_t e = cudaHostUnregister(reinterpret_cast<void*>(addr));
-  TORCH_CHECK(e == cudaSuccess, "host_unregister: cudaHostUnregister: ", cudaGetErrorString(e));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    TORCH_CHECK(false, "host_unregister: cudaHostUnregister: ", cudaGetErrorString(e));
+  }
 }
 
 // The device-visible address of registered host memory (equal to addr where the GPU can use host

@@ -127,20 +127,21 @@ class Fused:
                              self.variant)
 
     # ---- AdamW and the parity delta in one kernel ---------------------------------------------
-    def syndrome_ok(self, device) -> bool:
-        """chunk_syndrome_ may be used on `device`: wanted (LETO_RMU_FUSED_SYNDROME=1), compiled
-        for this spelling (variant 0) and bit-identical to the two-kernel path (checked once)."""
+    def syndrome_ok(self, device, m: int = 16) -> bool:
+        """chunk_syndrome_ may be used on `device` with m parity pages per group: wanted
+        (LETO_RMU_FUSED_SYNDROME=1), compiled for this spelling (variant 0) and bit-identical to
+        the two-kernel path (checked once)."""
         global why_not_syndrome
         if os.environ.get("LETO_RMU_FUSED_SYNDROME", "0") != "1":
             why_not_syndrome = "LETO_RMU_FUSED_SYNDROME is not 1"
             return False
-        key = ("syndrome", str(torch.device(device)), self.cfg, self.variant)
+        key = ("syndrome", str(torch.device(device)), self.cfg, self.variant, m)
         if key not in _cache:
             bad = ("only AdamW spelling 0 is compiled into the syndrome kernel, this device needs "
                    f"{self.variant}") if self.variant != 0 else ""
             if not bad:
                 try:
-                    bad = self.syndrome_check(torch.device(device))
+                    bad = self.syndrome_check(torch.device(device), m)
                 except Exception as e:          # build or launch failure: keep two kernels, say why
                     bad = f"{type(e).__name__}: {e}"
             if bad:
@@ -159,8 +160,9 @@ class Fused:
         import numpy as np
 
         from leto_runtime.parity import delta as D, gf16
+        from leto_runtime.parity.backends import cuda_backend
         dev = states[0].device
-        be = code.backend_for(dev)
+        be = cuda_backend()             # its address arrays and operand helpers, whatever code's backend
         rows = lambda ts: [r for t in ts for r in t.unbind(0)]  # noqa: E731
         f32 = lambda t: t.reshape(-1).view(torch.float32)      # noqa: E731
         mix = be._window(np.asarray(gf16.encode_matrix(code.k, code.m)), code.exponents)
@@ -170,24 +172,28 @@ class Fused:
                                 be._ptrs(rows(outs), dev), be._ptrs(rows(bases), dev), mix, sc,
                                 code.page_bytes, *self._hyper(step, lr), self.variant)
 
-    def syndrome_check(self, device) -> str:
+    def syndrome_check(self, device, m: int = 16) -> str:
         """'' when chunk_syndrome_ gives the two-kernel path's bits on `device`, else what
-        differed: a baked (k = 1024) and a run-time (k = 664) group, chunks at offsets that
-        exercise the run scale, clipping on and off, steps 1 and 3."""
+        differed.  Cases: a baked (k = 1024, m = 16) and run-time (k = 664, and this job's m)
+        mix; runs at offsets that exercise the run scale; a run longer than one 16-page Horner
+        period; a page that ends in a partial tile (13 KiB); clipping and weight decay on and
+        off; steps 1 and 3."""
         from dataclasses import replace
 
         from leto_runtime.parity import ParityCode
-        S = 16 << 10                                    # 16 KiB pages: 4 tiles of 4 KiB
-        E = S // 4
         gen = torch.Generator(device="cpu").manual_seed(0x5E1F)
-        for k, first, n, clip in ((1024, 333, 5, 1.0), (664, 600, 3, None), (1024, 0, 2, None)):
-            cfg = replace(self.cfg, clip_grad_norm=clip)
-            code = ParityCode(k, 16, S, backend="cuda")
+        cases = [(1024, 16, 333, 5, 1.0, self.cfg.weight_decay, 16 << 10),
+                 (664, m, 600, 19, None, self.cfg.weight_decay, 13 << 10),
+                 (1024, m, 0, 2, 1.0, 0.0, 16 << 10)]
+        for k, mm, first, n, clip, wd, S in cases:
+            E = S // 4
+            cfg = replace(self.cfg, clip_grad_norm=clip, weight_decay=wd)
+            code = ParityCode(k, mm, S, backend="cuda")
             f = Fused(self.ext, cfg, self.variant)
             st = [torch.randn(n * E, generator=gen) for _ in range(2)] + [torch.rand(n * E, generator=gen)]
             st = [t.to(device) for t in st]
             ref = [t.clone() for t in st]
-            q = [torch.randint(0, 256, (16, S), generator=gen, dtype=torch.uint8).to(device) for _ in range(3)]
+            q = [torch.randint(0, 256, (mm, S), generator=gen, dtype=torch.uint8).to(device) for _ in range(3)]
             coef = torch.tensor(0.37, device=device) if clip else None
             for step in (1, 3):
                 g = (torch.randn(n * E, generator=gen) * 0.1).to(device)
@@ -200,13 +206,13 @@ class Fused:
                 got = [torch.empty_like(x) for x in q]
                 f.chunk_syndrome_(st, undo, g, step=step, lr=cfg.lr, coef=coef, code=code, first=first,
                                   outs=got, bases=q)
+                where = f"k={k} m={mm} first={first} n={n} S={S} step {step}"
                 for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), ref, st):
                     if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
-                        return f"k={k} first={first} step {step}: {name} differs from the fused AdamW kernel"
+                        return f"{where}: {name} differs from the fused AdamW kernel"
                 for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), want, got):
                     if not torch.equal(a, b):
-                        return (f"k={k} first={first} step {step}: the {name} parity differs from the "
-                                "two-kernel path")
+                        return f"{where}: the {name} parity differs from the two-kernel path"
                 q = got
         return ""
 

@@ -236,7 +236,12 @@ class Marker:
         bn[o:o + 8] = b8[CUR * 8:CUR * 8 + 8]            # the commit: one 8-byte store
         if nr:
             bn[o + 8:] = np.concatenate(mi.rows_np)
-        mi.send(nxt, self._stream)
+        try:
+            mi.send(nxt, self._stream)
+        except BaseException:
+            # Nothing of this write was queued: the mirror is ahead of what memory will hold.
+            self.settle()
+            raise
         self._rec = rec
         return rec
 
@@ -258,7 +263,9 @@ class Marker:
 
 
 STREAM_MODES = ("hostfunc", "kernel")
-RING = 64                            # payload slots of the kernel mode (>= the writes of an update)
+RING = 64                            # payload slots of the kernel mode (a full ring waits for its oldest)
+KERNEL_SEGMENTS = 66                 # cuda/marker_kernel.h kMaxMarkerSegments
+KERNEL_GROUP_WORDS = 1024 * 5        # 1024 threads x kMaxMarkerWordsPerThread
 
 
 class _Mirror:
@@ -289,37 +296,47 @@ class _Mirror:
         self.fences = torch.tensor([0] * nr + [1, 1] + [0] * (nr - 1) + [1] if nr else [1, 1],
                                    dtype=torch.int64)
         self.registered: list[int] = []
-        self.kernel = m.mode == "kernel" and self._map()
+        self.kernel = m.mode == "kernel" and self._fits(nr) and self._map()
         addr = self.dev_addr if self.kernel else (lambda a: a)
         base, R = m.words_t.data_ptr(), [r.data_ptr() for r in m._rows]
         self.plan = {nxt: torch.tensor([addr(base + nxt * WORDS * 8), *map(addr, R), addr(base + CUR * 8),
                                         *map(addr, R)], dtype=torch.int64) for nxt in (0, 1)}
         if self.kernel:
-            self.ring = _ring(self.nbytes)
+            self.ring, self.events = _ring(self.nbytes)
             self.ring_np = self.ring.numpy()
             self.k = 0
         else:
             self.buf = torch.empty(self.nbytes, dtype=torch.uint8)
             self.buf_np = self.buf.numpy()
 
+    @staticmethod
+    def _fits(nr: int) -> bool:
+        """The kernel's limits (cuda/marker_kernel.h): 2 nr + 2 segments, and the slot plus nr
+        rows between two fences."""
+        if 2 * nr + 2 <= KERNEL_SEGMENTS and WORDS + nr * BLOCK // 8 <= KERNEL_GROUP_WORDS:
+            return True
+        log.warning("leto.rmu: %d marker parity rows exceed the device-side marker write's limits; "
+                    "using host functions", nr)
+        return False
+
     def _map(self) -> bool:
-        """Register the block's and the rows' pages and learn their device addresses; False (and
-        nothing left registered) where that fails: this mirror then uses host functions."""
+        """Register every page under the block and the rows (each page alone: a page someone
+        else registered -- the RMP client pins the parity -- is left to them) and learn their
+        device addresses; False (and nothing left registered) where that fails: this mirror
+        then uses host functions."""
         ext, page = self.m._ext, 4096
         try:
             spans = [self.m.words_t.data_ptr()] + [r.data_ptr() for r in self.m._rows]
-            # whole pages around each 1 KiB span, overlapping ranges merged
-            ranges = sorted((x & ~(page - 1), (x + BLOCK + page - 1) & ~(page - 1)) for x in spans)
-            merged: list[list[int]] = []
-            for a, b in ranges:
-                if merged and a <= merged[-1][1]:
-                    merged[-1][1] = max(merged[-1][1], b)
-                else:
-                    merged.append([a, b])
-            for a, b in merged:
-                if ext.host_register(a, b - a):
+            pages = sorted({a for x in spans for a in range(x & ~(page - 1), x + BLOCK, page)})
+            for a in pages:
+                if ext.host_register(a, page):
                     self.registered.append(a)
             self.devptr = {x: ext.host_device_pointer(x) for x in spans}
+            # a span's pages must map contiguously for the kernel to store through one pointer
+            for x in spans:
+                last = x + BLOCK - 8
+                if ext.host_device_pointer(last) - self.devptr[x] != last - x:
+                    raise RuntimeError(f"the marker span at {x:#x} is not contiguous on the device")
             return True
         except Exception as e:          # e.g. memory that cannot be page-locked: say why, carry on
             log.warning("leto.rmu: device-side marker writes unavailable for this update (%s: %s); "
@@ -336,7 +353,7 @@ class _Mirror:
     def payload(self):
         if not self.kernel:
             return self.buf_np
-        ev = _RING_EVENTS[self.k]
+        ev = self.events[self.k]
         if ev is not None:
             ev.synchronize()                       # the kernel that read this slot has run
         return self.ring_np[self.k]
@@ -347,7 +364,7 @@ class _Mirror:
             ext.marker_write_async(self.plan[nxt], self.sizes, self.buf, self.m._dev)   # copies now
             return
         ext.marker_write_device(self.plan[nxt], self.sizes, self.fences, self.ring[self.k], self.m._dev)
-        ev = _RING_EVENTS[self.k] = torch.cuda.Event()
+        ev = self.events[self.k] = torch.cuda.Event()
         ev.record(stream)
         self.k = (self.k + 1) % RING
 
@@ -362,12 +379,12 @@ class _Mirror:
 
 
 _RING: dict = {}
-_RING_EVENTS: list = [None] * RING
 
 
-def _ring(nbytes: int) -> torch.Tensor:
-    """The process's pinned payload slots (RING x nbytes), made once."""
+def _ring(nbytes: int):
+    """The process's pinned payload slots (RING x nbytes) and, per slot, the event recorded after
+    the kernel that last read it (a slot is refilled only once that kernel has run); made once."""
     r = _RING.get(nbytes)
     if r is None:
-        r = _RING[nbytes] = torch.empty((RING, nbytes), dtype=torch.uint8).pin_memory()
+        r = _RING[nbytes] = (torch.empty((RING, nbytes), dtype=torch.uint8).pin_memory(), [None] * RING)
     return r

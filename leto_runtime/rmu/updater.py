@@ -103,7 +103,7 @@ class Updater:
         self.fused = Fused.for_device(ss.device, cfg) if self.cuda and transactions else None
         # ... and, where enabled and checked, AdamW and the parity delta in one kernel that reads
         # the undo copy (fused.chunk_syndrome_; LETO_RMU_FUSED_SYNDROME=1).
-        self.fused_syndrome = self.fused is not None and self.fused.syndrome_ok(ss.device)
+        self.fused_syndrome = self.fused is not None and self.fused.syndrome_ok(ss.device, ss.geo.tier1)
         # Phase breakdown for benchmarks (benchmarks/rmu_overhead.py): a dict turns it on; every
         # lap then synchronizes the stream, so only profiled iterations pay for it.
         self.profile: dict | None = None
