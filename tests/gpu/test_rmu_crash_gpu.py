@@ -49,12 +49,6 @@ def reference():
     return res["digest"]
 
 
-# The kill points around the one-kernel chunk (AdamW and the parity delta from the undo copy,
-# LETO_RMU_FUSED_SYNDROME=1): both runs of a case use it.
-SYNDROME_CASES = ["rmu.undo", "rmu.update+garbage", "rmu.delta+garbage", "rmu.commit",
-                  "update+pages@tolerance"]
-
-
 @pytest.mark.parametrize("case", list(cpu.CASES))
 def test_kill_at_rmu_operation_is_bit_exact_on_cuda(case, reference):
     point, action = cpu.CASES[case]
@@ -72,34 +66,27 @@ def test_kill_at_rmu_operation_is_bit_exact_on_cuda(case, reference):
         assert res["repaired"] >= 16
 
 
-@pytest.mark.parametrize("case", SYNDROME_CASES)
-def test_kill_around_the_adamw_syndrome_kernel_is_bit_exact(case, reference):
+# The candidate paths of the update (docs/BENCHMARKS.md), each with the kill points around it:
+# AdamW and the parity delta in one kernel reading the undo copy; marker writes stored by a
+# kernel into registered host memory (re-registered per update: the recovery of "commit+marker
+# page lost" remaps the marker page).  Both runs of a case use the path.
+CANDIDATES = {
+    "onekernel": ({"LETO_RMU_FUSED_SYNDROME": "1"},
+                  ["rmu.undo", "rmu.update+garbage", "rmu.delta+garbage", "rmu.commit", "update+pages@tolerance"]),
+    "kmarker": ({"LETO_RMU_STREAM_MARKER": "kernel"},
+                ["sync.after", "rmu.undo", "rmu.commit", "rmu.writeback", "commit+marker page lost"]),
+}
+
+
+@pytest.mark.parametrize("path,case", [(p, c) for p, (_, cases) in CANDIDATES.items() for c in cases])
+def test_kill_on_a_candidate_path_is_bit_exact(path, case, reference):
     point, _ = cpu.CASES[case]
-    env = {"LETO_RMU_FUSED_SYNDROME": "1"}
+    env = CANDIDATES[path][0]
     with SlotHarness(device="cuda:0", geometry=GEO, allow_wait=10, ready_timeout=120) as h:
         rc, _, err = run(h.socket, [point], allow=h.allow, env=env)
         assert rc == -9, err
         rc, res, err = run(h.socket, [], allow=h.allow, env=env)
         assert rc == 0, err
-    print(f"{case} (one-kernel chunk): resumed {res['resume']}, {res['repaired']} pages repaired")
-    assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
-    assert res["parity_problems"] == []
-
-
-# Device-side marker writes (a kernel storing into registered host memory, re-registered per
-# update: the marker page is remapped by the recovery of "commit+marker page lost").
-KMARKER_CASES = ["sync.after", "rmu.undo", "rmu.commit", "rmu.writeback", "commit+marker page lost"]
-
-
-@pytest.mark.parametrize("case", KMARKER_CASES)
-def test_kill_with_device_side_marker_writes_is_bit_exact(case, reference):
-    point, _ = cpu.CASES[case]
-    env = {"LETO_RMU_STREAM_MARKER": "kernel"}
-    with SlotHarness(device="cuda:0", geometry=GEO, allow_wait=10, ready_timeout=120) as h:
-        rc, _, err = run(h.socket, [point], allow=h.allow, env=env)
-        assert rc == -9, err
-        rc, res, err = run(h.socket, [], allow=h.allow, env=env)
-        assert rc == 0, err
-    print(f"{case} (device-side marker writes): resumed {res['resume']}, {res['repaired']} pages repaired")
+    print(f"{case} ({path}): resumed {res['resume']}, {res['repaired']} pages repaired")
     assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
     assert res["parity_problems"] == []
