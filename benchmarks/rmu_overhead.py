@@ -20,11 +20,13 @@ memory, for:
   forward/backward, `Updater.step(t)` (gradient parity, global sync, chunk transactions, parity
   write-back) with activation lending on (`leto_runtime.rmu.lend`).
 * **rmu_nolend**: the same with lending off (LETO_LEND=0): what lending saves in memory.
-* **rmu_onekernel**: `rmu` with LETO_RMU_FUSED_SYNDROME=1: each chunk's AdamW and parity delta
-  in one kernel reading the undo copy (cuda/adamw_syndrome.cu), where its self-check passes.
-* **rmu_kmarker**: `rmu` with LETO_RMU_STREAM_MARKER=kernel: marker writes stored by a one-block
-  kernel instead of a host function (cuda/marker_kernel.cu).
-* **rmu_both**: both of the above.
+* The default `rmu` path and its alternatives, each one change away from it:
+  **rmu_pipelined** (LETO_RMU_UNDO_PIPELINE=1: two undo slots, each chunk's undo copy beside the
+  previous chunk's kernel instead of in line), **rmu_twokernel** (LETO_RMU_FUSED_SYNDROME=0:
+  AdamW writing delta pages, then the batched syndrome delta, instead of cuda/adamw_syndrome.cu;
+  one undo slot), **rmu_hostfunc** (LETO_RMU_STREAM_MARKER=hostfunc: marker writes by a host
+  function instead of cuda/marker_kernel.cu), and **rmu_prev** (two kernels and host-function
+  markers: the default until 2026-11-30).
 
 Each iteration: stream sync, compute, stream sync, update, stream sync (the syncs are the same in
 every variant).  Peak GPU memory is device-wide (`cudaMemGetInfo`: total - free, sampled after
@@ -69,9 +71,11 @@ GiB = 1 << 30
 BASELINES = ("reference", "sync_snapshot", "async_snapshot")
 # Environment of each RMU variant's child process (the candidates measured against `rmu`).
 RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
-           "rmu_onekernel": {"LETO_RMU_FUSED_SYNDROME": "1"},
-           "rmu_kmarker": {"LETO_RMU_STREAM_MARKER": "kernel"},
-           "rmu_both": {"LETO_RMU_FUSED_SYNDROME": "1", "LETO_RMU_STREAM_MARKER": "kernel"}}
+           "rmu_pipelined": {"LETO_RMU_UNDO_PIPELINE": "1"},
+           "rmu_twokernel": {"LETO_RMU_FUSED_SYNDROME": "0"},
+           "rmu_hostfunc": {"LETO_RMU_STREAM_MARKER": "hostfunc"},
+           "rmu_prev": {"LETO_RMU_FUSED_SYNDROME": "0", "LETO_RMU_STREAM_MARKER": "hostfunc"}}
+ALTERNATIVES = ("rmu_pipelined", "rmu_twokernel", "rmu_hostfunc", "rmu_prev")
 ALL = (*BASELINES, *RMU_ENV)
 
 
@@ -155,24 +159,59 @@ def kernel_trace(dev, fn, top: int = 14) -> dict:
         fn()
         sync(dev)
         wall = time.perf_counter() - t0
-    spans, by = [], {}
+    spans, by, host = [], {}, []
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
         s, t = e.time_range.start, e.time_range.end
-        spans.append((s, t))
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            if e.name.startswith("cu"):          # CUDA runtime / driver calls, as CUPTI sees them
+                host.append((s, t, e.name))
+            continue
+        spans.append((s, t, e.name))
         by[e.name[:90]] = by.get(e.name[:90], 0.0) + (t - s) / 1e3
-    spans.sort()
-    busy, end = 0.0, None
-    for s, t in spans:
-        if end is None or s > end:
-            busy += t - s
-            end = t
-        elif t > end:
-            busy += t - end
-            end = t
+    busy = sum(t - s for s, t in union(spans))
     top_k = dict(sorted(((k, round(v, 3)) for k, v in by.items()), key=lambda kv: -kv[1])[:top])
-    return {"wall_ms": round(wall * 1e3, 2), "busy_ms": round(busy / 1e3, 2), "kernels_ms": top_k}
+    return {"wall_ms": round(wall * 1e3, 2), "busy_ms": round(busy / 1e3, 2), "kernels_ms": top_k,
+            "gaps": idle_gaps(spans, host)}
+
+
+def union(spans) -> list[tuple[float, float]]:
+    """Merged (start, end) intervals of `spans` [(start, end, ...)]."""
+    out: list[list[float]] = []
+    for s, t, *_ in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], t)
+        else:
+            out.append([s, t])
+    return [(s, t) for s, t in out]
+
+
+def idle_gaps(device, host, min_us: float = 50.0, top: int = 12) -> dict:
+    """Where the device waited (pure; times in µs): the idle intervals between the first and
+    the last device activity of `device` [(start, end, name)], each >= min_us, the longest
+    `top` with the device operations around it and the host's CUDA calls overlapping it
+    (`host` [(start, end, name)]: a cudaStreamSynchronize or cudaHostRegister there is the
+    host holding the device up; only launches, the host being slower than the device)."""
+    if not device:
+        return {"idle_ms": 0.0, "count": 0, "longest": []}
+    dev = sorted(device)
+    busy = union(dev)
+    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_us]
+    out = []
+    for s, t in sorted(gaps, key=lambda g: g[0] - g[1])[:top]:
+        before = max((d for d in dev if d[1] <= s), key=lambda d: d[1], default=None)
+        after = min((d for d in dev if d[0] >= t), key=lambda d: d[0], default=None)
+        calls: dict[str, float] = {}
+        for hs, ht, name in host:
+            o = min(ht, t) - max(hs, s)
+            if o > 0:
+                calls[name] = calls.get(name, 0.0) + o
+        out.append({"at_ms": round((s - dev[0][0]) / 1e3, 3), "ms": round((t - s) / 1e3, 3),
+                    "after": before[2][:60] if before else None,
+                    "before": after[2][:60] if after else None,
+                    "host_calls_ms": {k: round(v / 1e3, 3) for k, v in
+                                      sorted(calls.items(), key=lambda kv: -kv[1])[:4]}})
+    return {"idle_ms": round(sum(t - s for s, t in gaps) / 1e3, 3), "count": len(gaps),
+            "longest": out}
 
 
 def measure(name, dev, a, begin, compute, update, after=None, extra=None) -> dict:
@@ -379,6 +418,7 @@ def run_rmu(a, dev, name) -> dict:
         res["fused_adamw"] = up.fused is not None
         res["fused_syndrome"] = up.fused_syndrome
         res["marker_mode"] = up.marker.mode if up.streamed else "fenced"
+        res["undo_slots"] = up.slots
         up.profile = None
         if a.trace:
             t = a.warmup + a.iters + 1
@@ -443,11 +483,14 @@ def verdicts(results: list[dict]) -> list[str]:
     x = rmu["update_ms"] / ref["update_ms"]
     out.append(f"{'PASS' if x <= 2 else 'MISS'} RMU update <= 2x the reference update: {x:.2f}x "
                f"({rmu['update_ms']:.1f} vs {ref['update_ms']:.1f} ms)")
-    for name in ("rmu_onekernel", "rmu_kmarker", "rmu_both"):
+    out.append(f"INFO rmu (defaults): one-kernel chunk {'on' if rmu.get('fused_syndrome') else 'off'}, marker "
+               f"writes {rmu.get('marker_mode')}, {rmu.get('undo_slots')} undo slot(s)")
+    for name in ALTERNATIVES:
         ok = by.get(name)
         if ok:
             out.append(f"INFO {name} ({', '.join(f'{k}={v}' for k, v in RMU_ENV[name].items())}; one-kernel chunk "
-                       f"{'on' if ok.get('fused_syndrome') else 'off'}, marker writes {ok.get('marker_mode')}): "
+                       f"{'on' if ok.get('fused_syndrome') else 'off'}, marker writes {ok.get('marker_mode')}, "
+                       f"{ok.get('undo_slots')} undo slot(s)): "
                        f"update {ok['update_ms']:.1f} ms = {ok['update_ms'] / ref['update_ms']:.2f}x the reference, "
                        f"iteration {100 * (ok['iteration_ms'] / ref['iteration_ms'] - 1):+.2f}%")
     if rmu.get("peak_gpu_gib") is not None:

@@ -273,6 +273,8 @@ class Job:
             self.buffers_fn(self.model)
         self._install_hooks()
         if self.opt is not None:
+            if self.updater is not None:
+                self.updater.close()      # its lending pool's regions are the old mappings
             self.opt._bind()
         self.recovery_info["attach_s"] = time.monotonic() - t0
 
@@ -316,6 +318,7 @@ class Job:
             raise RuntimeError("call job.adamw(model, ...) before job.steps()")
         if self.role == "shadow":
             from leto_runtime import promotion
+            self._prepare_lending()
             self.recovery_info["woke"] = promotion.wait_for_promotion(self.ctx, self.store)
             self.role = "active"
             demotion.arm(self)
@@ -337,6 +340,21 @@ class Job:
             raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
         demotion.finished()
         hb.done()
+
+    def _prepare_lending(self) -> None:
+        """Shadow, pre-attached: create the activation-lending pool before promotion (it is
+        the first `begin()`'s cost otherwise, on the recovery's critical path).  A failure here
+        is logged and the pool is created at the first step, as without this."""
+        if self.updater is None:
+            return
+        t0 = time.monotonic()
+        try:
+            self.updater.prepare_lending()
+        except Exception as e:
+            _log(f"lending pool not prepared before promotion ({type(e).__name__}: {e}); "
+                 "creating it at the first step")
+            return
+        self.recovery_info["lend_prepare_s"] = time.monotonic() - t0
 
     def step_seed(self, t: int) -> int:
         return (self.seed * 1_000_003 + t) * 65_537 + self.rank

@@ -17,10 +17,11 @@ kernel equal to `torch.optim.AdamW(foreach=False)` itself.
 
 One step further (cuda/adamw_syndrome.cu): `chunk_syndrome_` does a chunk's AdamW *and* the
 parity delta of its three states in one kernel, reading the old values from the undo copy and
-never writing the delta pages (DESIGN.md section 8).  It is taken only where
-LETO_RMU_FUSED_SYNDROME=1 and its own self-check (`syndrome_check`: the same bits as `step_`
-with deltas followed by `ParityCode.update_delta_many`, new states and parity pages, baked and
-run-time mix) passes on the device; off by default until it is measured on the GPU.
+never writing the delta pages (DESIGN.md section 8).  It is taken wherever its own self-check
+(`syndrome_check`: the same bits as `step_` with deltas followed by
+`ParityCode.update_delta_many`, new states and parity pages, baked and run-time mix) passes on
+the device, unless LETO_RMU_FUSED_SYNDROME=0 (H200, 1.42B parameters: 31 ms for the kernel
+against 41 ms for the two; docs/BENCHMARKS.md).
 
 Calling contract: `Fused.for_device(device, cfg)` -> a `Fused` or None; then
 `f.step_(p, m, v, g, step=, lr=, coef=, deltas=)` queues the update on the current stream
@@ -128,12 +129,12 @@ class Fused:
 
     # ---- AdamW and the parity delta in one kernel ---------------------------------------------
     def syndrome_ok(self, device, m: int = 16) -> bool:
-        """chunk_syndrome_ may be used on `device` with m parity pages per group: wanted
-        (LETO_RMU_FUSED_SYNDROME=1), compiled for this spelling (variant 0) and bit-identical to
+        """chunk_syndrome_ may be used on `device` with m parity pages per group: not turned
+        off (LETO_RMU_FUSED_SYNDROME=0), compiled for this spelling (variant 0) and bit-identical to
         the two-kernel path (checked once)."""
         global why_not_syndrome
-        if os.environ.get("LETO_RMU_FUSED_SYNDROME", "0") != "1":
-            why_not_syndrome = "LETO_RMU_FUSED_SYNDROME is not 1"
+        if os.environ.get("LETO_RMU_FUSED_SYNDROME", "1") == "0":
+            why_not_syndrome = "LETO_RMU_FUSED_SYNDROME=0"
             return False
         key = ("syndrome", str(torch.device(device)), self.cfg, self.variant, m)
         if key not in _cache:

@@ -38,7 +38,7 @@ Design (chosen over alternatives, see below):
 
 Crash consistency: U, Q and the scratch chunk are read by recovery only while the marker says
 an update is in progress (`recovery.current_group`: phase UPDATING past LOAD; the undo buffer
-only with `sub == 1` in CHUNKS).  `Updater.begin(t)` writes the marker (phase COMPUTE) *before*
+only with `sub` 1 or 2 in CHUNKS).  `Updater.begin(t)` writes the marker (phase COMPUTE) *before*
 `enter()`, and every update operation is fenced before it writes DONE, so activations are only
 ever written into U/Q while the marker says COMPUTE: a kill in forward/backward of t+1 redoes
 t+1 and never reads U/Q (tests/unit/test_rmu_lend.py checks this against recovery's rules).

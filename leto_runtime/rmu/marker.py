@@ -67,7 +67,8 @@ class Record:
     phase: int = Phase.DONE
     group: int = 0
     chunk: int = 0           # chunks of `group` committed so far (= the next chunk to run)
-    sub: int = 0             # 1: the undo copy of chunk `chunk` is complete (chunk may be dirty)
+    sub: int = 0             # 1 + s: the undo copy of chunk `chunk` is complete in undo slot s
+                             # (chunk may be dirty); 0: it is not (chunk clean)
     auth: int = 0            # authoritative parity buffer (0/1) of `group`
     gstate: int = GState.LOAD
     coef_bits: int = 0       # fp32 bits of the clip coefficient of iteration `coef_t`

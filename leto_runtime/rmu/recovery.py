@@ -153,12 +153,12 @@ def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions
     # 1. plan: an uncommitted chunk comes back from the undo buffer (pages whose undo copy was
     #    lost become erasures instead)
     restore: list[tuple[int, int, int]] = []          # (state, data page, undo page)
-    if cg is not None and rec.gstate == GState.CHUNKS and rec.sub == 1:
+    if cg is not None and rec.gstate == GState.CHUNKS and rec.sub in (1, 2):
         first, count = ss.chunks(cg)[rec.chunk]
         base = ss.model[0].groups[cg].first + first
         for i in range(3):
             for q in range(count):
-                u = i * ss.chunk_pages + q
+                u = ss.undo_index(i, q, slot=rec.sub - 1)
                 if u in undo_lost:
                     lost[i].add(base + q)
                 else:

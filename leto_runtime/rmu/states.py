@@ -170,12 +170,21 @@ class StateSet:
         pos = (state_index * 3 + (2 * group + buf) % 3) * H1
         return self.qbuf.pages(pos, H1)
 
-    def undo_pages(self, state_index: int, count: int) -> torch.Tensor:
-        return self.undo.pages(state_index * self.chunk_pages, count)
+    def undo_pages(self, state_index: int, count: int, slot: int = 0) -> torch.Tensor:
+        """The undo copy of model state `state_index`'s chunk in undo slot `slot` (0: chunks
+        0..2 of the undo state, 1: chunks 3..5).  Two slots let the next chunk's undo copy run
+        while this chunk's kernel reads its own (updater.Updater.slots); the marker's `sub`
+        (1 + slot) tells recovery which slot holds the uncommitted chunk."""
+        return self.undo.pages(self.undo_index(state_index, 0, slot), count)
+
+    def undo_index(self, state_index: int, page: int, slot: int = 0) -> int:
+        """Page index within the undo state of page `page` of a chunk's undo copy."""
+        return (3 * slot + state_index) * self.chunk_pages + page
 
     def delta_pages(self, state_index: int, count: int) -> torch.Tensor:
         """Where the fused CUDA update writes old ^ new of chunk pages of model state
-        `state_index` (chunks 3..5 of the undo state; never read by recovery)."""
+        `state_index` (chunks 3..5 of the undo state, i.e. undo slot 1: so the two-kernel path
+        uses undo slot 0 only; never read by recovery)."""
         return self.undo.pages((3 + state_index) * self.chunk_pages, count)
 
     def scratch(self) -> torch.Tensor:

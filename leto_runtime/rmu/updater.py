@@ -6,7 +6,7 @@ Pseudocode 1 of the paper, per rank, over the states of `states.StateSet`:
     synchronize(t)     global all-reduce of the gradient norm -> clip coefficient    marker SYNCED
     update(t)          for each group g:
                          Q <- H1(g)                                   (LOAD)         marker CHUNKS
-                         for each chunk j:  U <- C_j                                 marker sub=1
+                         for each chunk j:  U_s <- C_j  (slot s alternates, or 0)  marker sub=1+s
                                             C_j <- AdamW(C_j, G_j)
                                             Q' <- Q xor RS_j(U xor C_j)
                                             commit: marker chunk=j+1, auth=Q'; swap(Q, Q')
@@ -52,9 +52,16 @@ which the GPU is busy 61.6 ms; docs/BENCHMARKS.md).  The update settles
 (waits for its queued work) before it returns, and the fault injection settles before it fires
 (`leto_runtime.faults`): a kill then strikes with the GPU caught up to the host, as the kill
 points are defined.  On CPU, or with LETO_RMU_STREAM_MARKER=0, every marker write is "fence,
-then host store"; LETO_RMU_STREAM_MARKER=kernel stores the record from a one-block kernel into
-registered host memory instead of a host function (cuda/marker_kernel.cu: no driver-thread
-round trip; not yet the default: to be measured).
+then host store".  By default on CUDA the record is stored by a one-block kernel into registered
+host memory (cuda/marker_kernel.cu: no driver-thread round trip); LETO_RMU_STREAM_MARKER=hostfunc
+queues a host function instead.
+
+With LETO_RMU_UNDO_PIPELINE=1, where the chunk runs as one kernel (AdamW + parity delta from the
+undo copy, `fused`) or on CPU, the undo state's two halves are two undo slots: on CUDA chunk
+j+1's undo copy is queued on its own stream while chunk j's kernel runs, and the marker's `sub`
+= 1 + slot says where the undo copy of the uncommitted chunk is (off by default: measured no
+faster, see `__init__`).  Group 0's parity load (and, with two slots, chunk 0's undo copy)
+starts as soon as lending ends, beside the gradients' encode.
 
 Calling contract: `Updater(states, cfg)`; per iteration `begin(t)`, then `protect_grads(t)`,
 `synchronize(t, pg)` and `update(t)` in that order (`step(t, pg)` does all three); `close()`
@@ -102,7 +109,7 @@ class Updater:
         from leto_runtime.rmu.fused import Fused
         self.fused = Fused.for_device(ss.device, cfg) if self.cuda and transactions else None
         # ... and, where enabled and checked, AdamW and the parity delta in one kernel that reads
-        # the undo copy (fused.chunk_syndrome_; LETO_RMU_FUSED_SYNDROME=1).
+        # the undo copy (fused.chunk_syndrome_; off with LETO_RMU_FUSED_SYNDROME=0).
         self.fused_syndrome = self.fused is not None and self.fused.syndrome_ok(ss.device, ss.geo.tier1)
         # Phase breakdown for benchmarks (benchmarks/rmu_overhead.py): a dict turns it on; every
         # lap then synchronizes the stream, so only profiled iterations pay for it.
@@ -114,9 +121,22 @@ class Updater:
         self._prefetched: tuple | None = None
         # CUDA: marker writes queued in stream order instead of "fence, then host store".
         # LETO_RMU_STREAM_MARKER: 1 / hostfunc (default), kernel (device-side stores), 0 (fences).
-        smode = os.environ.get("LETO_RMU_STREAM_MARKER", "hostfunc")
+        smode = os.environ.get("LETO_RMU_STREAM_MARKER", "kernel")
         self.streamed = (self.cuda and transactions and smode != "0"
-                         and self.marker.use_stream(ss.device, "kernel" if smode == "kernel" else "hostfunc"))
+                         and self.marker.use_stream(ss.device, "hostfunc" if smode in ("1", "hostfunc")
+                                                    else "kernel"))
+        # Undo slots (LETO_RMU_UNDO_PIPELINE=1): two where the undo state's chunks 3..5 are free
+        # (the one-kernel chunk writes no delta pages; on CPU the scratch is allocated apart), so
+        # chunk j+1's undo copy is queued on its own stream while chunk j's kernel reads the
+        # other slot.  Off by default: on the H200 the copy beside the kernel took 26 ms instead
+        # of 8 (both contend for HBM) and the kernel 32.7 instead of 31.4, for an update of 71.3
+        # against 72.2 ms -- no gain beyond noise (docs/BENCHMARKS.md, 2026-11-30).
+        piped = os.environ.get("LETO_RMU_UNDO_PIPELINE", "0") == "1"
+        self.slots = 2 if transactions and piped and (self.fused_syndrome or not self.cuda) else 1
+        self._undo_stream = torch.cuda.Stream(device=ss.device) if self.cuda and self.slots == 2 else None
+        self._undone: tuple | None = None        # (t, group, chunk, event) of a queued undo copy
+        nc = [len(ss.chunks(g)) for g in range(len(ss.model[0].groups))]
+        self._chunk_base = [sum(nc[:g]) for g in range(len(nc))]
 
     # ---- helpers -------------------------------------------------------------------------
     def lap(self, name: str) -> None:
@@ -182,14 +202,27 @@ class Updater:
 
     # ---- the iteration -------------------------------------------------------------------
     def begin(self, t: int) -> None:
+        # Side-stream copies into U/Q that no update consumed (one that did not run: a peer
+        # failed first) end before anything queued from here on, activations included.
+        for pre in (self._undone, self._prefetched):
+            if pre is not None:
+                torch.cuda.current_stream().wait_event(pre[-1])
+        self._undone = self._prefetched = None
         # The marker says COMPUTE before any activation can land in U/Q (lend.py).
         self.marker.write(t=t, phase=Phase.COMPUTE, group=0, chunk=0, sub=0, auth=0,
                           gstate=GState.LOAD)
         if self.lend_on:
-            if self.lender is None:
-                from leto_runtime.rmu.lend import Lender
-                self.lender = Lender(self.ss.lend_ranges(), self.ss.device)
+            self.prepare_lending()
             self.lender.enter(t)
+
+    def prepare_lending(self) -> None:
+        """Create the lending pool now (its library, its regions, cuBLAS workspaces: ~0.3 s in
+        a fresh CUDA process) rather than at the first `begin()`: a shadow calls it while it
+        waits, so a promotion does not pay it.  Writes nothing into U/Q.  No-op where lending
+        is off or the pool exists."""
+        if self.lend_on and self.lender is None:
+            from leto_runtime.rmu.lend import Lender
+            self.lender = Lender(self.ss.lend_ranges(), self.ss.device)
 
     def end_lending(self, t: int) -> None:
         """Stop lending U/Q; raises lend.LendingError if a live tensor is still in them."""
@@ -206,6 +239,11 @@ class Updater:
         self.lap("")
         self.end_lending(t)
         self.lap("lending check")
+        # U/Q are RMU's again: group 0's parity load and chunk 0's undo copy start now, on
+        # their side streams, beside the gradients' encode (nothing reads them before the
+        # marker says so, and the update of t-1 left both sources final).
+        self._prefetch(t, 0)
+        self._queue_undo(t, 0, 0)
         self.inject("grads.protect", step=t)
         for g in range(len(self.ss.grads.groups)):
             self._encode_into_host(self.ss.grads, g)
@@ -337,6 +375,36 @@ class Updater:
             ev.record(self._side)
         self._prefetched = (t, g, ev)
 
+    def slot(self, g: int, j: int) -> int:
+        """The undo slot of chunk j of group g: alternating over the update's chunks."""
+        return (self._chunk_base[g] + j) % self.slots
+
+    def _copy_undo(self, g: int, j: int) -> None:
+        first, count = self.ss.chunks(g)[j]
+        p0 = self.ss.model[0].groups[g].first + first
+        s = self.slot(g, j)
+        for i in range(3):
+            self.ss.undo_pages(i, count, s).copy_(self.ss.model[i].pages(p0, count))
+
+    def _queue_undo(self, t: int, g: int, j: int) -> None:
+        """Queue chunk j of group g's undo copy on the undo stream (CUDA, two slots), after
+        everything queued so far on the current stream: that includes the last reader of its
+        slot (chunk j-2's kernel), not the kernel queued next (chunk j-1's, which reads the
+        other slot).  Safe without a marker change: nothing reads an undo slot before the
+        marker says so (sub = 1 + slot), and that write waits for the copy (`_chunk`)."""
+        if self._undo_stream is None:
+            return
+        if j >= len(self.ss.chunks(g)):
+            g, j = g + 1, 0
+        if g >= len(self.ss.model[0].groups):
+            return
+        self._undo_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._undo_stream):
+            self._copy_undo(g, j)
+            ev = torch.cuda.Event()
+            ev.record(self._undo_stream)
+        self._undone = (t, g, j, ev)
+
     def _elems(self, g: int, first: int, count: int) -> slice:
         p0 = self.ss.model[0].groups[g].first + first
         return slice(p0 * self.E, (p0 + count) * self.E)
@@ -349,20 +417,29 @@ class Updater:
         views = [f[sl] for f in self.flat]
         grad = self.gflat[sl]
         if self.scratch is None:
-            self.scratch = ss.scratch()          # RMP memory (lent outside the update)
+            # RMP memory (lent outside the update) where it is free; with two undo slots it is
+            # not, and only the torch-ops path (CPU) needs one: a plain allocation there
+            self.scratch = (ss.scratch() if self.slots == 1 else None if self.fused_syndrome
+                            else torch.empty(ss.chunk_pages * self.E, dtype=torch.float32,
+                                             device=self.gflat.device))
         where = dict(step=t, group=g, chunk=j)
         if self.transactions:
             self.inject("rmu.undo", **where)
-            for i in range(3):
-                ss.undo_pages(i, count).copy_(ss.model[i].pages(gi.first + first, count))
+            pre, self._undone = self._undone, None
+            if pre is not None and pre[:3] == (t, g, j):
+                torch.cuda.current_stream().wait_event(pre[3])
+            else:
+                self._copy_undo(g, j)
             self.lap("undo copy")
-            self._mark(chunk=j, sub=1)
+            self._mark(chunk=j, sub=1 + self.slot(g, j))
             self.lap("markers")
+            self._queue_undo(t, g, j + 1)       # runs beside this chunk's kernel
         auth = m.rec.auth
         self.inject("rmu.update", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
         if self.fused_syndrome:
             # One kernel: the chunk's AdamW from its undo copy, and Q' = Q ^ delta for each state.
-            self.fused.chunk_syndrome_(views, [ss.undo_pages(i, count) for i in range(3)], grad, step=t + 1,
+            undo = [ss.undo_pages(i, count, self.slot(g, j)) for i in range(3)]
+            self.fused.chunk_syndrome_(views, undo, grad, step=t + 1,
                                        lr=lr, coef=coef, code=self.code(gi.k), first=first,
                                        outs=[ss.q(i, 1 - auth, g) for i in range(3)],
                                        bases=[ss.q(i, auth, g) for i in range(3)])
@@ -392,7 +469,7 @@ class Updater:
                                    bases=[ss.q(i, auth, g) for i in range(3)])
         else:
             for i, st in enumerate(ss.model):
-                code.update(ss.q(i, 1 - auth, g), idx, ss.undo_pages(i, count),
+                code.update(ss.q(i, 1 - auth, g), idx, ss.undo_pages(i, count, self.slot(g, j)),
                             st.pages(gi.first + first, count), base=ss.q(i, auth, g), scratch=self.scratch)
         self.inject("rmu.commit", **where)
         self.lap("chunk parity delta")

@@ -87,6 +87,24 @@ def test_kill_at_rmu_operation_is_bit_exact(case, reference):
         assert res["repaired"] >= 16      # + the tier-1 page (rebuilt, or rewritten by the write-back)
 
 
+# Two undo slots (LETO_RMU_UNDO_PIPELINE=1; on CPU the slots alternate in line): the kills whose
+# uncommitted chunk is an odd one of the update (group 1's chunks start at 8: chunks 3 and 5 use
+# slot 1), so recovery must restore it from the slot the marker names (sub = 2), and one in
+# slot 0.
+@pytest.mark.parametrize("case", ["rmu.update+garbage", "rmu.delta+garbage", "update+pages@tolerance"])
+def test_kill_with_two_undo_slots_is_bit_exact(case, reference, monkeypatch):
+    monkeypatch.setenv("LETO_RMU_UNDO_PIPELINE", "1")
+    point, action = CASES[case]
+    with SlotHarness(device="cpu", geometry=GEO, allow_wait=10) as h:
+        rc, _, err = run(h.socket, [point], allow=h.allow)
+        assert rc in (-9, -7), err
+        rc, res, err = run(h.socket, [], allow=h.allow)
+        assert rc == 0, err
+    assert res["resume"][0] == action and res["resume"][1] == point["step"], res
+    assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
+    assert res["parity_problems"] == []
+
+
 @pytest.mark.parametrize("point", ["recovery.reconstruct", "recovery.finish"])
 def test_second_crash_during_recovery_is_bit_exact(point, reference):
     with SlotHarness(device="cpu", geometry=GEO, allow_wait=10) as h:

@@ -80,7 +80,7 @@ def test_native_first_fit_coalesces_and_leaves_small_requests_alone(native):
 
 # ---- crash consistency: what lending may overwrite is never read by recovery ---------------
 @pytest.mark.parametrize("gstate", list(GState))
-@pytest.mark.parametrize("sub", [0, 1])
+@pytest.mark.parametrize("sub", [0, 1, 2])
 def test_recovery_reads_no_rmu_buffer_in_the_compute_phase(gstate, sub):
     rec = Record(initialized=1, t=7, phase=Phase.COMPUTE, group=1, chunk=2, sub=sub, auth=1,
                  gstate=gstate, coef_t=6)
