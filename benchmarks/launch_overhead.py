@@ -389,7 +389,25 @@ def machine_info() -> dict[str, str | int]:
     # the launches would then compete with.
     return {"nproc": os.cpu_count() or 0, "cpu": cpu, "python": platform.python_version(),
             "torch": version("torch"), "leto": version("leto"), "leto_tree": tree,
-            "platform": platform.platform()}
+            "leto_sources": sources_digest(root), "platform": platform.platform()}
+
+
+def sources_digest(root: str) -> str:
+    """sha256 (16 hex digits) of the launcher's, the runtime's and the kernels' source files,
+    paths and contents: two measurements with the same digest ran the same code, whatever git
+    says (the device's copy of the tree can carry a stale HEAD)."""
+    import hashlib
+    h = hashlib.sha256()
+    for top in ("leto_run", "leto_runtime", "cuda"):
+        for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, top))):
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for name in sorted(files):
+                if name.endswith((".py", ".cu", ".cuh", ".h", ".cpp")):
+                    path = os.path.join(dirpath, name)
+                    h.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as f:
+                        h.update(f.read())
+    return h.hexdigest()[:16]
 
 
 # ---- main --------------------------------------------------------------------------------

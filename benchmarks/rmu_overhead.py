@@ -22,7 +22,9 @@ memory, for:
 * **rmu_nolend**: the same with lending off (LETO_LEND=0): what lending saves in memory.
 * The default `rmu` path and its alternatives, each one change away from it:
   **rmu_pipelined** (LETO_RMU_UNDO_PIPELINE=1: two undo slots, each chunk's undo copy beside the
-  previous chunk's kernel instead of in line), **rmu_twokernel** (LETO_RMU_FUSED_SYNDROME=0:
+  previous chunk's kernel instead of in line), **rmu_wboverlap** (LETO_RMU_WB_OVERLAP=1: each
+  group's parity write-back and tier 2 on the side stream beside the next group's chunks),
+  **rmu_twokernel** (LETO_RMU_FUSED_SYNDROME=0:
   AdamW writing delta pages, then the batched syndrome delta, instead of cuda/adamw_syndrome.cu;
   one undo slot), **rmu_hostfunc** (LETO_RMU_STREAM_MARKER=hostfunc: marker writes by a host
   function instead of cuda/marker_kernel.cu), and **rmu_prev** (two kernels and host-function
@@ -72,10 +74,11 @@ BASELINES = ("reference", "sync_snapshot", "async_snapshot")
 # Environment of each RMU variant's child process (the candidates measured against `rmu`).
 RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
            "rmu_pipelined": {"LETO_RMU_UNDO_PIPELINE": "1"},
+           "rmu_wboverlap": {"LETO_RMU_WB_OVERLAP": "1"},
            "rmu_twokernel": {"LETO_RMU_FUSED_SYNDROME": "0"},
            "rmu_hostfunc": {"LETO_RMU_STREAM_MARKER": "hostfunc"},
            "rmu_prev": {"LETO_RMU_FUSED_SYNDROME": "0", "LETO_RMU_STREAM_MARKER": "hostfunc"}}
-ALTERNATIVES = ("rmu_pipelined", "rmu_twokernel", "rmu_hostfunc", "rmu_prev")
+ALTERNATIVES = ("rmu_pipelined", "rmu_wboverlap", "rmu_twokernel", "rmu_hostfunc", "rmu_prev")
 ALL = (*BASELINES, *RMU_ENV)
 
 
@@ -166,18 +169,22 @@ def kernel_trace(dev, fn, top: int = 14) -> dict:
             if e.name.startswith("cu"):          # CUDA runtime / driver calls, as CUPTI sees them
                 host.append((s, t, e.name))
             continue
-        spans.append((s, t, e.name))
+        spans.append((s, t, e.name, getattr(e, "device_resource_id", None)))
         by[e.name[:90]] = by.get(e.name[:90], 0.0) + (t - s) / 1e3
     busy = sum(t - s for s, t in union(spans))
     top_k = dict(sorted(((k, round(v, 3)) for k, v in by.items()), key=lambda kv: -kv[1])[:top])
+    t0 = min((x[0] for x in spans), default=0)
+    # Every device operation: [start ms, duration ms, stream, name] -- what ran beside what.
+    tl = [[round((s - t0) / 1e3, 3), round((t - s) / 1e3, 3), sid, name[:48]]
+          for s, t, name, sid in sorted(spans, key=lambda x: (x[0], x[1]))]
     return {"wall_ms": round(wall * 1e3, 2), "busy_ms": round(busy / 1e3, 2), "kernels_ms": top_k,
-            "gaps": idle_gaps(spans, host)}
+            "gaps": idle_gaps(spans, host), "timeline": tl}
 
 
 def union(spans) -> list[tuple[float, float]]:
     """Merged (start, end) intervals of `spans` [(start, end, ...)]."""
     out: list[list[float]] = []
-    for s, t, *_ in sorted(spans):
+    for s, t, *_ in sorted(spans, key=lambda x: (x[0], x[1])):
         if out and s <= out[-1][1]:
             out[-1][1] = max(out[-1][1], t)
         else:
@@ -193,7 +200,7 @@ def idle_gaps(device, host, min_us: float = 50.0, top: int = 12) -> dict:
     host holding the device up; only launches, the host being slower than the device)."""
     if not device:
         return {"idle_ms": 0.0, "count": 0, "longest": []}
-    dev = sorted(device)
+    dev = sorted(device, key=lambda d: (d[0], d[1]))
     busy = union(dev)
     gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_us]
     out = []
@@ -343,7 +350,7 @@ def _baseline(a, dev, name, hostbuf) -> dict:
             begin(t)
             compute(t)
             res["update_trace"] = kernel_trace(dev, lambda: update(t))
-            log(f"{name}: update trace {res['update_trace']}")
+            log(f"{name}: update trace {dict((k, v) for k, v in res['update_trace'].items() if k != 'timeline')}")
         return res
 
 
@@ -419,13 +426,14 @@ def run_rmu(a, dev, name) -> dict:
         res["fused_syndrome"] = up.fused_syndrome
         res["marker_mode"] = up.marker.mode if up.streamed else "fenced"
         res["undo_slots"] = up.slots
+        res["wb_overlap"] = up.wb_overlap
         up.profile = None
         if a.trace:
             t = a.warmup + a.iters + 1
             begin(t)
             compute(t)
             res["update_trace"] = kernel_trace(dev, lambda: update(t))
-            log(f"{name}: update trace {res['update_trace']}")
+            log(f"{name}: update trace {dict((k, v) for k, v in res['update_trace'].items() if k != 'timeline')}")
         log(f"{name}: update phase breakdown (ms, profiled iteration): {res['update_breakdown_ms']}; "
             f"fused AdamW kernel: {'on' if up.fused is not None else 'off'}")
         if up.lender is not None:
@@ -490,7 +498,8 @@ def verdicts(results: list[dict]) -> list[str]:
         if ok:
             out.append(f"INFO {name} ({', '.join(f'{k}={v}' for k, v in RMU_ENV[name].items())}; one-kernel chunk "
                        f"{'on' if ok.get('fused_syndrome') else 'off'}, marker writes {ok.get('marker_mode')}, "
-                       f"{ok.get('undo_slots')} undo slot(s)): "
+                       f"{ok.get('undo_slots')} undo slot(s), write-back overlap "
+                       f"{'on' if ok.get('wb_overlap') else 'off'}): "
                        f"update {ok['update_ms']:.1f} ms = {ok['update_ms'] / ref['update_ms']:.2f}x the reference, "
                        f"iteration {100 * (ok['iteration_ms'] / ref['iteration_ms'] - 1):+.2f}%")
     if rmu.get("peak_gpu_gib") is not None:

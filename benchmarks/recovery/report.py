@@ -63,7 +63,8 @@ def markdown(res: dict) -> str:
         f"## Recovery time and ETTR: preset `{p['name']}`",
         "",
         f"{p['description']}.  Machine: {m['nproc']} CPUs ({m['cpu']}), Python {m['python']}, "
-        f"torch {m['torch']}; leto at {m['leto_tree']}.  Date {res['date_utc']}.",
+        f"torch {m['torch']}; leto at {m['leto_tree']}.  Date {res['date_utc']}"
+        + "".join(f", continued {c['date_utc']} (`--continue`)" for c in res.get("continued", [])) + ".",
         "",
         f"Reference (no fault tolerance, no failures): {ref['steps']} steps, "
         f"t_iter {_s(ref['t_iter'] * 1e3, 1)} ms, T_ref {_s(ref['T_ref'], 1)} s.  "

@@ -17,6 +17,12 @@ Role: the harness.  One invocation:
    one failure per 10 minutes (the extrapolation); writes the JSON (after every system, so a
    run cut short keeps what it measured), the Markdown tables and PASS/MISS lines.
 
+`--continue FILE` goes on with the run whose JSON is FILE: same preset, same machine, same
+Leto sources (checked, by digest; the reference's step records travel in the JSON), its
+reference and intervals reused, only the systems FILE does not have yet are run.  One device call (10 minutes
+on the lent H200) does not hold the reference and all four systems of the `h200` preset; two
+calls do, as one run.
+
 Exit status: 0 when the reference and every system ran to completion with every kill measured,
 1 otherwise (the JSON and the launcher log tails say why), 2 on usage errors.  No process
 outlives the harness (launch.py), Ctrl-C included.
@@ -63,6 +69,9 @@ def parse_args(argv):
                                       "(default: a temp dir, removed at the end)")
     p.add_argument("--json", metavar="FILE", help="write every figure here")
     p.add_argument("--md", metavar="FILE", help="write the Markdown report here too")
+    p.add_argument("--continue", dest="cont", metavar="FILE",
+                   help="continue the run whose JSON is FILE (same preset, machine and Leto "
+                        "sources): keep its reference and systems, run the missing systems")
     a = p.parse_args(argv)
     names = [n.strip() for n in a.systems.split(",") if n.strip()]
     bad = [n for n in names if n not in systems.BY_NAME or n == systems.REFERENCE.name]
@@ -134,8 +143,45 @@ def run_reference(preset, work: str, env: dict, timeout: float) -> tuple[dict, l
     out.update(steps=n, tokens_per_step=plan[0]["tokens_per_step"], t_iter=M.step_time(recs), T_ref=M.completion(recs, n - 1) - t0,
                plan=plan[0], calibration={"sync_cost_s": c_sync, "async_cost_s": c_async,
                                           "per_rank": calib},
-               timeline=timeline(recs, t0))
+               timeline=timeline(recs, t0), records=recs)
     return out, recs
+
+
+class ContinueError(ValueError):
+    """`--continue FILE` names a run this invocation cannot continue."""
+
+
+# What must be equal for two calls to count as one run (machine_info() keys).
+SAME_MACHINE = ("nproc", "cpu", "python", "torch", "leto_sources", "platform")
+
+
+def continued(path: str, preset, machine: dict) -> dict:
+    """The earlier run's result dict, checked to be continuable by this invocation."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prev = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ContinueError(f"--continue {path}: cannot read it as a harness JSON ({e})") from e
+    if prev.get("benchmark") != "recovery" or not isinstance(prev.get("preset"), dict):
+        raise ContinueError(f"--continue {path}: not a JSON of this harness")
+    want = {k: v for k, v in json.loads(json.dumps(asdict(preset))).items() if k != "budget_s"}
+    have = {k: v for k, v in prev["preset"].items() if k != "budget_s"}
+    diff = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
+    if diff:
+        raise ContinueError(f"--continue {path}: its run used other preset settings ({', '.join(diff)}: "
+                            f"{[have.get(k) for k in diff]} there, {[want.get(k) for k in diff]} "
+                            "here); pass the same --preset and overrides, or start a new run")
+    other = [k for k in SAME_MACHINE if prev["machine"].get(k) != machine.get(k)]
+    if other:
+        raise ContinueError(f"--continue {path}: measured on another machine or code ("
+                            + ", ".join(f"{k} {prev['machine'].get(k)!r} there, {machine.get(k)!r} here"
+                                        for k in other) + "); start a new run")
+    ref = prev.get("reference") or {}
+    if not ref.get("ok") or "records" not in ref or "intervals" not in prev:
+        raise ContinueError(f"--continue {path}: it has no complete reference with its step "
+                            "records (the reference failed, or the file predates --continue); "
+                            "start a new run")
+    return prev
 
 
 def evaluate(sysm, preset, ln: Launch, ref: dict, ref_recs: list[dict], interval: int | None,
@@ -203,10 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     env = systems.environment(preset)
     # SIGTERM (a CI timeout, the device tool) tears down like Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
-    res = {"benchmark": "recovery", "command": [sys.executable, "-m", "benchmarks.recovery",
-                                                *(sys.argv[1:] if argv is None else argv)],
-           "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "machine": machine_info(), "preset": asdict(preset),
+    command = [sys.executable, "-m", "benchmarks.recovery", *(sys.argv[1:] if argv is None else argv)]
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    machine = machine_info()
+    prev = None
+    if a.cont:
+        try:
+            prev = continued(a.cont, preset, machine)
+        except ContinueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    res = {"benchmark": "recovery", "command": command, "date_utc": now,
+           "machine": machine, "preset": asdict(preset),
            "train_seconds": preset.train_seconds, "schedule": preset.schedule(),
            "mtbf_s": preset.mtbf_s, "paper_mttf_s": M.PAPER_MTTF_S, "work_dir": work,
            "reference": None, "systems": {}, "skipped": {}}
@@ -218,26 +272,43 @@ def main(argv: list[str] | None = None) -> int:
 
     ok = True
     try:
-        left = budget - (time.monotonic() - t_begin)
-        ref, ref_recs = run_reference(preset, work, env, min(preset.system_timeout_s, left))
-        res["reference"] = ref
-        save()
-        if not ref["ok"]:
-            log(f"reference failed (exit {ref['launch']['exit_code']}):\n"
-                f"{ref['launch']['log_tail']}")
-            return 1
-        c = ref["calibration"]
-        K = {"sync": M.young_interval(c["sync_cost_s"], preset.mtbf_s, ref["t_iter"]),
-             "async": M.young_interval(c["async_cost_s"], preset.mtbf_s, ref["t_iter"])}
-        cost = {"sync": c["sync_cost_s"], "async": c["async_cost_s"]}
-        res["intervals"] = {k: {"steps": K[k], "cost_s": cost[k], "mtbf_s": preset.mtbf_s,
-                                "t_iter_s": ref["t_iter"]} for k in K}
-        log(f"reference: {ref['steps']} steps, t_iter {ref['t_iter'] * 1e3:.1f} ms, "
-            f"T_ref {ref['T_ref']:.1f} s; checkpoint cost sync {cost['sync'] * 1e3:.0f} ms, "
-            f"async {cost['async'] * 1e3:.0f} ms -> Young interval at MTBF "
-            f"{preset.mtbf_s:g} s: sync {K['sync']}, async {K['async']} steps")
-        save()
+        if prev is not None:
+            # The same run, one more call: its reference, intervals and systems stand.
+            res = dict(prev, continued=[*prev.get("continued", []),
+                                        {"date_utc": now, "command": command}])
+            res["skipped"] = {k: v for k, v in prev.get("skipped", {}).items()
+                              if k not in {s.name for s in a.system_list}}
+            ref = res["reference"]
+            ref_recs = ref["records"]
+            K = {k: v["steps"] for k, v in res["intervals"].items()}
+            cost = {k: v["cost_s"] for k, v in res["intervals"].items()}
+            log(f"continuing the run of {prev['date_utc']} ({a.cont}): reference and "
+                f"{', '.join(res['systems']) or 'no system'} kept")
+        else:
+            left = budget - (time.monotonic() - t_begin)
+            ref, ref_recs = run_reference(preset, work, env, min(preset.system_timeout_s, left))
+            res["reference"] = ref
+            save()
+            if not ref["ok"]:
+                log(f"reference failed (exit {ref['launch']['exit_code']}):\n"
+                    f"{ref['launch']['log_tail']}")
+                return 1
+            c = ref["calibration"]
+            K = {"sync": M.young_interval(c["sync_cost_s"], preset.mtbf_s, ref["t_iter"]),
+                 "async": M.young_interval(c["async_cost_s"], preset.mtbf_s, ref["t_iter"])}
+            cost = {"sync": c["sync_cost_s"], "async": c["async_cost_s"]}
+            res["intervals"] = {k: {"steps": K[k], "cost_s": cost[k], "mtbf_s": preset.mtbf_s,
+                                    "t_iter_s": ref["t_iter"]} for k in K}
+            log(f"reference: {ref['steps']} steps, t_iter {ref['t_iter'] * 1e3:.1f} ms, "
+                f"T_ref {ref['T_ref']:.1f} s; checkpoint cost sync {cost['sync'] * 1e3:.0f} ms, "
+                f"async {cost['async'] * 1e3:.0f} ms -> Young interval at MTBF "
+                f"{preset.mtbf_s:g} s: sync {K['sync']}, async {K['async']} steps")
+            save()
         for sysm in a.system_list:
+            if sysm.name in res["systems"]:
+                log(f"{sysm.name}: measured in the run being continued")
+                ok &= bool(res["systems"][sysm.name].get("complete"))
+                continue
             left = budget - (time.monotonic() - t_begin)
             if left < max(MIN_SYSTEM_S, 1.5 * preset.train_seconds):
                 res["skipped"][sysm.name] = f"time budget: {left:.0f} s left"
@@ -269,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
             save()
         res["goals"] = report.goals(res)
         res["wall_s"] = time.monotonic() - t_begin
+        if prev is not None:
+            res["continued"][-1]["wall_s"] = res["wall_s"]
+            res["wall_s"] += prev.get("wall_s") or 0.0
         save()
         md = report.markdown(res)
         print(md)

@@ -37,7 +37,8 @@ Design (chosen over alternatives, see below):
   ranges are not handed out while RMU overwrites them -- their contents are garbage to both.
 
 Crash consistency: U, Q and the scratch chunk are read by recovery only while the marker says
-an update is in progress (`recovery.current_group`: phase UPDATING past LOAD; the undo buffer
+an update is in progress (`recovery.current_group`: phase UPDATING past LOAD, and
+`recovery.pending_writeback`: phase UPDATING with a write-back named; the undo buffer
 only with `sub` 1 or 2 in CHUNKS).  `Updater.begin(t)` writes the marker (phase COMPUTE) *before*
 `enter()`, and every update operation is fenced before it writes DONE, so activations are only
 ever written into U/Q while the marker says COMPUTE: a kill in forward/backward of t+1 redoes

@@ -75,6 +75,9 @@ class Record:
     seq: int = 0             # write counter (diagnostics)
     coef_t: int = -1         # the iteration whose global synchronization gave `coef_bits`;
                              # kept when the next iteration begins: a peer may need it to finish
+    wb: int = -1             # a group whose parity write-back (tier 1 and 2) may still be under
+                             # way beside the current group's work (-1: none); its authoritative
+    wb_auth: int = 0         # buffer is `wb_auth` (updater: LETO_RMU_WB_OVERLAP=1)
 
     @classmethod
     def empty(cls) -> "Record":
@@ -101,14 +104,15 @@ class Record:
 
     def words(self) -> list[int]:
         v = [MAGIC, self.initialized, self.t, int(self.phase), self.group, self.chunk, self.sub,
-             self.auth, int(self.gstate), self.coef_bits, self.seq, self.coef_t]
+             self.auth, int(self.gstate), self.coef_bits, self.seq, self.coef_t, self.wb,
+             self.wb_auth]
         return v + [0] * (WORDS - len(v))
 
     @classmethod
     def from_words(cls, w: list[int]) -> "Record":
         if w[0] != MAGIC:
             return cls.empty()
-        return cls(*w[1:12])
+        return cls(*w[1:14])
 
     def describe(self) -> str:
         d = asdict(self)

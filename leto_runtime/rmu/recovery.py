@@ -8,8 +8,10 @@
 2. `repair(states, record, need_grads)` -- rebuild every failed page from a consistent
    boundary: an uncommitted chunk is restored from the undo buffer first; the group being
    updated is decoded against its authoritative parity buffer Q (it encodes the committed
-   chunks; the host parity of that group is stale and will be rewritten by the write-back);
-   every other group against its host tier-1/tier-2 parity; gradients only when this rank must
+   chunks; the host parity of that group is stale and will be rewritten by the write-back),
+   and so is a group whose write-back the marker names as possibly under way (`wb`, against
+   buffer `wb_auth`; the resumed update writes it back again first); every other group against
+   its host tier-1/tier-2 parity; gradients only when this rank must
    finish an update (otherwise they are recomputed and their parity is stale by design).
    Feasibility is decided for every group before anything is written: more losses than a group
    tolerates raise `leto_runtime.rmp.Unrecoverable` and nothing is overwritten.
@@ -140,6 +142,15 @@ def current_group(rec: Record, transactions: bool = True) -> int | None:
     return rec.group
 
 
+def pending_writeback(rec: Record, transactions: bool = True) -> int | None:
+    """A group whose host parity may be torn by a write-back still under way beside the
+    current group (updater: LETO_RMU_WB_OVERLAP=1), else None.  Its buffer `wb_auth` is
+    authoritative, as `auth` is for the current group."""
+    if not transactions or rec.phase != Phase.UPDATING or rec.wb < 0:
+        return None
+    return rec.wb
+
+
 def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions: bool = True,
            backend: str = "auto") -> RepairReport:
     t0 = time.perf_counter()
@@ -149,6 +160,9 @@ def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions
     rep.undefined = len(undo_lost) + len(q_lost)
     H1 = ss.geo.tier1
     cg = current_group(rec, transactions)
+    # groups decoded against a parity buffer instead of their host parity, with its index
+    by_q = {g: a for g, a in ((cg, rec.auth), (pending_writeback(rec, transactions), rec.wb_auth))
+            if g is not None}
     lost = [set(st.marks.data) for st in ss.model]
     # 1. plan: an uncommitted chunk comes back from the undo buffer (pages whose undo copy was
     #    lost become erasures instead)
@@ -169,8 +183,9 @@ def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions
     for i, st in enumerate(ss.model):
         for g in st.groups:
             d = sorted(p for p in lost[i] if g.first <= p < g.first + g.k)
-            if g.index == cg:
-                ql = sorted(r for r in range(H1) if (i * 2 + rec.auth) * H1 + r in q_lost)
+            if g.index in by_q:
+                q0 = ss.q_first(i, by_q[g.index], g.index)
+                ql = sorted(r for r in range(H1) if q0 + r in q_lost)
                 if not d and not ql:
                     continue
                 loss = GroupLoss(st.name, g.id, g.index, d, ql, [], H1)
@@ -207,7 +222,7 @@ def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions
             rep.repaired.append((loss.state, loss.index, len(loss.data),
                                  len(loss.p1) + len(loss.p2), "host parity"))
         else:
-            _decode_with_q(ss, who, loss, rec.auth, updater)
+            _decode_with_q(ss, who, loss, by_q[loss.index], updater)
             rep.repaired.append((loss.state, loss.index, len(loss.data), len(loss.p1),
                                  "RMU parity buffer"))
     updater.fence()
@@ -283,11 +298,15 @@ def prepare(ss: StateSet, up, *, rank: int, initialize, gather=None, fire=_noop,
 
 
 def check_consistent(ss: StateSet, updater, states=None) -> list[str]:
-    """Every group's host parity matches its data (test/diagnostic helper; synchronizes)."""
+    """Every group's host parity matches its data, tier 1 and tier 2 (test/diagnostic helper;
+    synchronizes)."""
     problems = []
     for st in states or [*ss.model]:
         for g in st.groups:
             p1 = updater.code(g.k).encode(st.group_pages(g.index)).cpu()
             if not torch.equal(p1, st.tier1(g.index).cpu()):
                 problems.append(f"{st.name} group {g.index}: tier-1 parity differs")
+            if updater.t2 is not None and not torch.equal(
+                    updater.t2.encode(p1), st.tier2(g.index).cpu()):
+                problems.append(f"{st.name} group {g.index}: tier-2 parity differs")
     return problems

@@ -4,14 +4,15 @@ Role: name, allocate/attach and describe the memory of data-parallel AdamW train
 
     leto/params  leto/exp_avg  leto/exp_avg_sq  leto/grads   fp32, N elements each, protected
     leto/marker                                               one host page, protected
-    leto/rmu/undo    U: one chunk of params, exp_avg, exp_avg_sq, then three chunks for the
-                     chunk's delta pages (CUDA fused update) / the update's scratch (g*coef,
-                     denominator, old ^ new of the torch-ops path)   retained, unprotected
-    leto/rmu/parity  Q/Q': three parity buffers (H1 pages) per model state, on the data's device,
+    leto/rmu/undo    U: one chunk of params, exp_avg, exp_avg_sq (undo slot 0), then three
+                     chunks for the chunk's delta pages (CUDA two-kernel update) / the update's
+                     scratch (torch-ops path) / undo slot 1   retained, unprotected
+    leto/rmu/parity  Q/Q': four parity buffers (H1 pages) per model state, on the data's device,
                      retained, unprotected (chunk commits make them recoverable, DESIGN.md §6).
-                     Group g's pair (auth 0/1) is buffers (2g, 2g+1) mod 3, so the buffer of
-                     group g+1's load, (2g+2) mod 3, is one group g never touches: the updater
-                     prefetches g+1's host parity into it while g's chunks run.
+                     Group g's pair (auth 0/1) is buffers (2g, 2g+1) mod 4, so group g+1's pair
+                     is two buffers group g never touches: the updater prefetches g+1's host
+                     parity into one while g's chunks run, and (LETO_RMU_WB_OVERLAP=1) writes
+                     g's authoritative buffer back to the host while g+1's chunks run.
 
 On CUDA, U and Q are idle outside the update phase and are lent to the caching allocator for
 activations (`StateSet.lend_ranges`, `leto_runtime.rmu.lend`): peak HBM does not grow by them.
@@ -44,6 +45,7 @@ MARKER = "leto/marker"
 UNDO = "leto/rmu/undo"
 QBUF = "leto/rmu/parity"
 ALIGN = 16          # elements: every parameter view starts 64-byte aligned
+QBUFS = 4               # parity buffers per model state (StateSet.q_first)
 MARKER_BYTES = 4096     # one host page (the record needs 1 KiB)
 
 
@@ -166,9 +168,12 @@ class StateSet:
     def q(self, state_index: int, buf: int, group: int) -> torch.Tensor:
         """Parity buffer `buf` (0/1, the marker's `auth` numbering) of protection group `group`
         of model state `state_index`: (H1, S) uint8 on the device."""
-        H1 = self.geo.tier1
-        pos = (state_index * 3 + (2 * group + buf) % 3) * H1
-        return self.qbuf.pages(pos, H1)
+        return self.qbuf.pages(self.q_first(state_index, buf, group), self.geo.tier1)
+
+    def q_first(self, state_index: int, buf: int, group: int) -> int:
+        """Page index within the parity-buffer state of that buffer's first row: four buffers
+        per state in rotation, so group g+1's buffers are none of group g's."""
+        return (state_index * QBUFS + (2 * group + buf) % QBUFS) * self.geo.tier1
 
     def undo_pages(self, state_index: int, count: int, slot: int = 0) -> torch.Tensor:
         """The undo copy of model state `state_index`'s chunk in undo slot `slot` (0: chunks
@@ -232,7 +237,7 @@ def open_states(layout: Layout, *, client, geo: Geometry, device: str, chunk_pag
     """Allocate (first trainer) or attach (every later one) the states of `layout`."""
     H1, S = geo.tier1, geo.page_bytes
     undo_bytes = 6 * chunk_pages * S          # 3 undo chunks + 3 delta chunks (one is the scratch)
-    q_bytes = 3 * 3 * H1 * S
+    q_bytes = 3 * QBUFS * H1 * S
     n = layout.nbytes // 4
     if client is None:
         mk = lambda name, nb, prot, dtype=None, shape=None, dev=device: LocalState(  # noqa: E731

@@ -12,6 +12,8 @@ Pseudocode 1 of the paper, per rank, over the states of `states.StateSet`:
                                             commit: marker chunk=j+1, auth=Q'; swap(Q, Q')
                          H1(g) <- Q                                   (WRITEBACK)
                          H2(g) <- RS2(H1(g))                          (TIER2)
+                         [LETO_RMU_WB_OVERLAP=1: marker group=g+1, wb=g, and the two lines
+                          above run beside g+1's work; a later marker write drops wb]
                        marker DONE
 
 C_j stands for chunk j of params, exp_avg and exp_avg_sq together (one transaction), Q/Q' for
@@ -70,6 +72,7 @@ interrupted update from the marker (the caller has repaired the state first: rec
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -135,6 +138,12 @@ class Updater:
         self.slots = 2 if transactions and piped and (self.fused_syndrome or not self.cuda) else 1
         self._undo_stream = torch.cuda.Stream(device=ss.device) if self.cuda and self.slots == 2 else None
         self._undone: tuple | None = None        # (t, group, chunk, event) of a queued undo copy
+        # Write-back overlap (LETO_RMU_WB_OVERLAP=1): group g's tier-1 write-back and tier-2
+        # refresh are queued on the side stream (on CPU: run in line) while the marker already
+        # moves on to group g+1 and names g in `wb`; the next marker write that drops it waits
+        # for them.  Recovery finishes a named write-back from its buffer first.
+        self.wb_overlap = transactions and os.environ.get("LETO_RMU_WB_OVERLAP", "0") == "1"
+        self._wb_done = None                    # CUDA: the event after the queued write-back
         nc = [len(ss.chunks(g)) for g in range(len(ss.model[0].groups))]
         self._chunk_base = [sum(nc[:g]) for g in range(len(nc))]
 
@@ -208,9 +217,10 @@ class Updater:
             if pre is not None:
                 torch.cuda.current_stream().wait_event(pre[-1])
         self._undone = self._prefetched = None
+        self._finish_writeback()
         # The marker says COMPUTE before any activation can land in U/Q (lend.py).
         self.marker.write(t=t, phase=Phase.COMPUTE, group=0, chunk=0, sub=0, auth=0,
-                          gstate=GState.LOAD)
+                          gstate=GState.LOAD, wb=-1, wb_auth=0)
         if self.lend_on:
             self.prepare_lending()
             self.lender.enter(t)
@@ -307,6 +317,12 @@ class Updater:
             # is to update the group again from its start (chunks already updated get a
             # second update -- the divergence the transactions prevent).
             self.marker.write(chunk=0, sub=0, gstate=GState.CHUNKS)
+        rec = self.marker.rec
+        if rec.phase == Phase.UPDATING and rec.wb >= 0:
+            # A write-back that may not have finished (recovery.repair left its buffer
+            # authoritative): do it again, then drop it from the marker.
+            self._writeback(t, rec.wb, rec.wb_auth, side=False)
+            self._mark(wb=-1, wb_auth=0)          # claims the copies just queued
         self._run(t, start_group=self.marker.rec.group)
 
     def _run(self, t: int, start_group: int) -> None:
@@ -315,7 +331,9 @@ class Updater:
         for g in range(start_group, len(self.ss.model[0].groups)):
             self._group(t, g, coef, lr)
         self.inject("rmu.done", step=t)
-        self._mark(phase=Phase.DONE, group=0, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
+        self._finish_writeback()
+        self._mark(phase=Phase.DONE, group=0, chunk=0, sub=0, auth=0, gstate=GState.LOAD, wb=-1,
+                   wb_auth=0)
         self.marker.settle()            # the update is over when the GPU and the marker say so
         self.lap("markers")
 
@@ -336,14 +354,34 @@ class Updater:
             rec = self._mark(gstate=GState.CHUNKS, chunk=0, sub=0, auth=0)
             self.lap("markers")
         if rec.gstate == GState.CHUNKS:
-            self._prefetch(t, g + 1)
+            # While the marker names the previous group's write-back, that group's buffers are
+            # authoritative for recovery; group g+1's prefetch reuses one of them (group g-1's
+            # and g+1's pairs are the same four-buffer slots), so it waits until the marker
+            # stops naming it: after this group's first chunk.
+            late = self.wb_overlap and m.rec.wb >= 0
+            if not late:
+                self._prefetch(t, g + 1)
             chunks = ss.chunks(g)
             for j in range(rec.chunk, len(chunks)):
                 self._chunk(t, g, j, chunks[j], coef, lr)
+                if late:
+                    self._drop_writeback(t, g)
+                    late = False
+            if late:
+                self._drop_writeback(t, g)
             if not self.transactions:        # ablation: parity re-encoded after the fact
                 for i, st in enumerate(ss.model):
                     q = ss.q(i, m.rec.auth, g)
                     q.copy_(self.code(st.groups[g].k).encode(st.group_pages(g)))
+            if self.wb_overlap:
+                # The marker moves on to g+1 naming g's write-back, which runs beside g+1's
+                # work; the previous one must be over before the marker stops naming it.
+                self._finish_writeback()
+                rec = self._mark(group=g + 1, chunk=0, sub=0, auth=0, gstate=GState.LOAD, wb=g,
+                                 wb_auth=m.rec.auth)
+                self._writeback(t, g, rec.wb_auth, side=True)
+                self.lap("parity load/write-back")
+                return
             rec = self._mark(gstate=GState.WRITEBACK)
         if rec.gstate == GState.WRITEBACK:
             self.inject("rmu.writeback", step=t, group=g)
@@ -374,6 +412,42 @@ class Updater:
             ev = torch.cuda.Event()
             ev.record(self._side)
         self._prefetched = (t, g, ev)
+
+    def _writeback(self, t: int, g: int, auth: int, side: bool) -> None:
+        """Group g's host tier-1 parity <- its buffer `auth`, then its tier 2 (the marker names
+        g in `wb` first).  `side`: on the side stream (CUDA), ordered after everything queued so
+        far; `_finish_writeback` makes the current stream wait for it.  The side stream runs
+        in order, so the next prefetch into g's buffers (group g+2's) follows it."""
+        ss = self.ss
+        stream = self._side if side and self._side is not None else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            self.inject("rmu.writeback", step=t, group=g)
+            for i, st in enumerate(ss.model):
+                st.tier1(g).copy_(ss.q(i, auth, g), non_blocking=self.streamed)
+            self.inject("rmu.tier2", step=t, group=g)
+            for i, st in enumerate(ss.model):
+                self._tier2_from(st, g, ss.q(i, auth, g))
+            if stream is not None:
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                self._wb_done = ev
+
+    def _drop_writeback(self, t: int, g: int) -> None:
+        """The previous group's write-back is over (waited for) and the marker says so; then
+        group g+1's prefetch may use that group's buffers."""
+        self._finish_writeback()
+        self._mark(wb=-1, wb_auth=0)
+        self._prefetch(t, g + 1)
+
+    def _finish_writeback(self) -> None:
+        """Work queued from here on (a marker write that stops naming the write-back among it)
+        waits for the queued write-back."""
+        if self._wb_done is not None:
+            torch.cuda.current_stream().wait_event(self._wb_done)
+            self._wb_done = None
 
     def slot(self, g: int, j: int) -> int:
         """The undo slot of chunk j of group g: alternating over the update's chunks."""

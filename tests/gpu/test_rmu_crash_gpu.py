@@ -61,22 +61,26 @@ def test_kill_at_rmu_operation_is_bit_exact_on_cuda(case, reference):
           f"{res['repaired']} pages repaired")
     assert res["resume"][1] == point["step"], res
     assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
-    assert res["parity_problems"] == []
+    assert res["parity_problems"] == [] and res["parity_after_recovery"] == []
     if cpu.ROW16 in point.get("pages", []):
         assert res["repaired"] >= 16
 
 
 # The default path (above) is AdamW + the parity delta in one kernel reading the undo copy and
 # marker records stored by a kernel into registered host memory.  The alternatives stay
-# selectable -- the two-kernel chunk and host-function markers it replaced, and two undo slots
-# with the next chunk's copy beside the kernel (LETO_RMU_UNDO_PIPELINE=1; on 2026-11-30 the
-# default-path cases above ran with it on, 14/14) -- each with the kill points around what it
-# changes.  Both runs of a case use the path.
+# selectable -- the two-kernel chunk and host-function markers it replaced, two undo slots with
+# the next chunk's copy beside the kernel (LETO_RMU_UNDO_PIPELINE=1; on 2026-11-30 the
+# default-path cases above ran with it on, 13 passed before the call's time ran out), and each
+# group's write-back beside the next group's chunks (LETO_RMU_WB_OVERLAP=1) -- each with the
+# kill points around what it changes.  Both runs of a case use the path.
 ALTERNATIVES = {
     "twokernel": ({"LETO_RMU_FUSED_SYNDROME": "0"},
                   ["rmu.undo", "rmu.update+garbage", "rmu.delta+garbage", "rmu.commit", "update+pages@tolerance"]),
     "pipelined-undo": ({"LETO_RMU_UNDO_PIPELINE": "1"},
-                    ["rmu.undo", "rmu.delta+garbage", "update+pages@tolerance"]),
+                       ["rmu.undo", "rmu.delta+garbage", "update+pages@tolerance"]),
+    "wb-overlap": ({"LETO_RMU_WB_OVERLAP": "1"},
+                   ["rmu.writeback", "rmu.tier2", "rmu.load", "writeback+pages@tolerance",
+                    "update+done group pages@tolerance", "rmu.done"]),
     "hostfunc-marker": ({"LETO_RMU_STREAM_MARKER": "hostfunc"},
                         ["sync.after", "rmu.undo", "rmu.commit", "rmu.writeback", "commit+marker page lost"]),
 }
@@ -93,4 +97,4 @@ def test_kill_on_an_alternative_path_is_bit_exact(path, case, reference):
         assert rc == 0, err
     print(f"{case} ({path}): resumed {res['resume']}, {res['repaired']} pages repaired")
     assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
-    assert res["parity_problems"] == []
+    assert res["parity_problems"] == [] and res["parity_after_recovery"] == []

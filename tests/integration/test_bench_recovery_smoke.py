@@ -73,17 +73,29 @@ def _ours_left(marker: str) -> list[int]:
     return left
 
 
+def _harness(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "benchmarks.recovery", "--preset", "cpu-smoke", *args],
+                          cwd=str(ROOT), env=base_env(), capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.slow
 def test_recovery_harness_smoke(tmp_path):
+    """Two calls, one run: the reference and Leto, then `--continue` adds torchrun + DCP (as
+    the H200 run must, one device call holding only part of it)."""
     out, md, work = tmp_path / "rec.json", tmp_path / "rec.md", tmp_path / "work"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.recovery", "--preset", "cpu-smoke",
-         "--systems", ",".join(SYSTEMS), "--work-dir", str(work), "--json", str(out),
-         "--md", str(md)],
-        cwd=str(ROOT), env=base_env(), capture_output=True, text=True, timeout=240)
+    proc = _harness("--systems", SYSTEMS[0], "--work-dir", str(work), "--json", str(out))
+    assert proc.returncode == 0, f"harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    first = json.loads(out.read_text())
+    assert set(first["systems"]) == {SYSTEMS[0]} and "continued" not in first
+    proc = _harness("--systems", ",".join(SYSTEMS), "--continue", str(out), "--work-dir",
+                    str(work / "second"), "--json", str(out), "--md", str(md))
     assert proc.returncode == 0, f"harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert not _ours_left(str(work)), "processes of the benchmark outlived it"
     res = json.loads(out.read_text())
+    assert len(res["continued"]) == 1 and res["date_utc"] == first["date_utc"]
+    assert res["reference"] == first["reference"]          # measured once, in the first call
+    assert res["systems"][SYSTEMS[0]] == first["systems"][SYSTEMS[0]]
+    assert "reference: " not in proc.stderr and "measured in the run being continued" in proc.stderr
 
     ref = res["reference"]
     assert ref["ok"] and ref["steps"] > 5 and ref["T_ref"] > 0 and ref["t_iter"] > 0
@@ -114,6 +126,7 @@ def test_recovery_harness_smoke(tmp_path):
 
     text = md.read_text()
     assert "| system | ckpt every (steps) |" in text and "Per failure" in text
+    assert "continued" in text
     assert {g["goal"] for g in res["goals"]} and all(isinstance(g["ok"], bool)
                                                     for g in res["goals"])
 
@@ -123,3 +136,17 @@ def test_recovery_harness_smoke(tmp_path):
                         str(png)], cwd=str(ROOT), capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert png.stat().st_size > 10_000
+
+
+def test_continue_refuses_another_run_s_settings(tmp_path):
+    """--continue on a run of other preset settings, or a file that is no run, exits 2 naming
+    the difference, before anything is started."""
+    out = tmp_path / "rec.json"
+    out.write_text(json.dumps({"benchmark": "recovery", "preset": {"name": "cpu-smoke", "kills": 3},
+                               "machine": {}, "reference": {}}))
+    p = _harness("--continue", str(out), "--json", str(tmp_path / "x.json"), timeout=60)
+    assert p.returncode == 2 and "other preset settings" in p.stderr and "kills" in p.stderr, p.stderr
+    (tmp_path / "bad.json").write_text("{")
+    p = _harness("--continue", str(tmp_path / "bad.json"), timeout=60)
+    assert p.returncode == 2 and "cannot read it" in p.stderr, p.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -27,6 +27,9 @@ TOTAL = 5
 GEO = Geometry(32, 16, 1, 4096)
 ROW16 = {"tier": "device", "count": 16, "first": 8, "gindex": 1}         # a DRAM row, group 1
 P1 = {"tier": "host", "part": "p1", "count": 1, "first": 5, "gindex": 1}
+# Rows 0-1 of params' authoritative Q of group 1 at chunk 3's commit (auth 1 after three
+# commits: buffer (2 * 1 + 1) % 3 = 0 of StateSet.q's rotation)
+QROWS = {"tier": "device", "count": 2, "first": 0, "state": "leto/rmu/parity"}
 
 
 def run(sock, plan, *extra, allow=None):
@@ -66,6 +69,15 @@ CASES = {
     "commit+marker page lost": ({"at": "rmu.commit", "step": 2, "group": 1, "chunk": 3,
                                  "pages": [{"tier": "host", "part": "data", "count": 1,
                                             "state": "leto/marker", "gindex": 0}]}, "finish"),
+    # the authoritative parity buffer Q of the group being updated loses two rows (unprotected
+    # device memory: recovery re-derives them from the group's committed data)
+    "commit+auth Q rows lost": ({"at": "rmu.commit", "step": 2, "group": 1, "chunk": 3,
+                                 "pages": [QROWS]}, "finish"),
+    # a DRAM row of group 0 (its update done; with the write-back overlap its write-back may
+    # still be under way) lost while group 1's chunks run
+    "update+done group pages@tolerance": ({"at": "rmu.update", "step": 2, "group": 1, "chunk": 0,
+                                           "garbage": True, "pages": [{**ROW16, "gindex": 0},
+                                                                      {**P1, "gindex": 0}]}, "finish"),
     "compute+pages@tolerance": ({"at": "step", "step": 3, "pages": [ROW16, P1,
                                  {**ROW16, "state": "leto/exp_avg_sq", "gindex": 0}]}, "redo"),
 }
@@ -82,7 +94,7 @@ def test_kill_at_rmu_operation_is_bit_exact(case, reference):
         assert rc == 0, err
     assert res["resume"][0] == action and res["resume"][1] == point["step"], res
     assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
-    assert res["parity_problems"] == []
+    assert res["parity_problems"] == [] and res["parity_after_recovery"] == []
     if ROW16 in point.get("pages", []):
         assert res["repaired"] >= 16      # + the tier-1 page (rebuilt, or rewritten by the write-back)
 
@@ -102,7 +114,29 @@ def test_kill_with_two_undo_slots_is_bit_exact(case, reference, monkeypatch):
         assert rc == 0, err
     assert res["resume"][0] == action and res["resume"][1] == point["step"], res
     assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
-    assert res["parity_problems"] == []
+    assert res["parity_problems"] == [] and res["parity_after_recovery"] == []
+
+
+# The write-back overlap (LETO_RMU_WB_OVERLAP=1; on CPU in line, the marker protocol the same):
+# kills while the marker names a group's write-back as possibly under way -- at the write-back
+# and tier 2 themselves, at the next group's load, in its chunks with pages of either group
+# lost, and before DONE.
+@pytest.mark.parametrize("case", ["rmu.writeback", "rmu.tier2", "rmu.load", "update+pages@tolerance",
+                                  "writeback+pages@tolerance", "update+done group pages@tolerance",
+                                  "rmu.done"])
+def test_kill_with_the_write_back_overlap_is_bit_exact(case, reference, monkeypatch):
+    monkeypatch.setenv("LETO_RMU_WB_OVERLAP", "1")
+    point, action = CASES[case]
+    with SlotHarness(device="cpu", geometry=GEO, allow_wait=10) as h:
+        rc, _, err = run(h.socket, [point], allow=h.allow)
+        assert rc in (-9, -7), err
+        rc, res, err = run(h.socket, [], allow=h.allow)
+        assert rc == 0, err
+    assert res["resume"][0] == action and res["resume"][1] == point["step"], res
+    assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
+    assert res["parity_problems"] == [] and res["parity_after_recovery"] == []
+    if ROW16 in point.get("pages", []):
+        assert res["repaired"] >= 16
 
 
 @pytest.mark.parametrize("point", ["recovery.reconstruct", "recovery.finish"])

@@ -10,7 +10,7 @@ import torch
 from leto_runtime.rmu import lend as L
 from leto_runtime.rmu.adamw import AdamWConfig
 from leto_runtime.rmu.marker import GState, Phase, Record
-from leto_runtime.rmu.recovery import Progress, current_group, resume_point
+from leto_runtime.rmu.recovery import Progress, current_group, pending_writeback, resume_point
 from leto_runtime.rmu.states import Geometry, Layout, open_states
 from leto_runtime.rmu.updater import Updater
 
@@ -81,10 +81,12 @@ def test_native_first_fit_coalesces_and_leaves_small_requests_alone(native):
 # ---- crash consistency: what lending may overwrite is never read by recovery ---------------
 @pytest.mark.parametrize("gstate", list(GState))
 @pytest.mark.parametrize("sub", [0, 1, 2])
-def test_recovery_reads_no_rmu_buffer_in_the_compute_phase(gstate, sub):
+@pytest.mark.parametrize("wb", [-1, 0])
+def test_recovery_reads_no_rmu_buffer_in_the_compute_phase(gstate, sub, wb):
     rec = Record(initialized=1, t=7, phase=Phase.COMPUTE, group=1, chunk=2, sub=sub, auth=1,
-                 gstate=gstate, coef_t=6)
+                 gstate=gstate, coef_t=6, wb=wb, wb_auth=1)
     assert current_group(rec) is None          # repair: no Q decode, no undo restore
+    assert pending_writeback(rec) is None      # ... and no write-back buffer read
     res = resume_point([Progress.of(0, rec), Progress.of(1, rec)])
     assert res.action != "finish" and res.t == 7     # step 7 is redone from its start
 

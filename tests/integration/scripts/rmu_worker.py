@@ -85,7 +85,10 @@ res, rep = prepare(ss, up, rank=0, initialize=initialize, fire=inject,
                    transactions=transactions, backend="cpu" if DEV == "cpu" else "auto")
 start = res.step
 info = {"resume": None if rep is None else [res.action, res.t],
-        "repaired": 0 if rep is None else rep.pages}
+        "repaired": 0 if rep is None else rep.pages,
+        # right after the recovery (the interrupted update finished): later steps rewrite every
+        # group's parity and would hide a write-back or tier 2 the recovery left stale
+        "parity_after_recovery": [] if rep is None else check_consistent(ss, up)}
 for t in range(start, total):
     up.begin(t)
     G.zero_()
