@@ -106,7 +106,7 @@ def go_key(generation: int, rank: int) -> str:
 INJECT_POINTS = (
     "step", "forward", "backward", "grads.allreduce", "grads.protect", "sync", "sync.after",
     "rmu.load", "rmu.undo", "rmu.update", "rmu.delta", "rmu.commit", "rmu.writeback",
-    "rmu.tier2", "rmu.done", "recovery.localize", "recovery.reconstruct", "recovery.finish",
+    "rmu.tier2", "rmu.writeback.drop", "rmu.done", "recovery.localize", "recovery.reconstruct", "recovery.finish",
 )
 
 # A trainer whose retained state cannot be recovered in place (more page losses than the parity

@@ -73,7 +73,7 @@ class _KernelBackend:
 
     def __init__(self, ext) -> None:
         self.ext = ext
-        self._ptr_cache: dict[tuple, torch.Tensor] = {}
+        self._ptr_cache: dict[tuple, tuple] = {}        # key -> (address array, its stream)
 
     def _ptrs(self, pages: Sequence[Page], device: torch.device) -> torch.Tensor:
         key = (device, tuple(0 if p is None else p.data_ptr() for p in pages))
@@ -83,9 +83,17 @@ class _KernelBackend:
             if len(self._ptr_cache) >= 64:
                 self._ptr_cache.pop(next(iter(self._ptr_cache)))
             hit = torch.tensor(key[1], dtype=torch.int64)
+            stream = None
             if device.type == "cuda":
                 hit = hit.to(device, non_blocking=True)
-            self._ptr_cache[key] = hit
+                stream = torch.cuda.current_stream(device)
+            self._ptr_cache[key] = hit, stream
+            return hit
+        hit, stream = hit
+        if stream is not None and torch.cuda.current_stream(device) != stream:
+            # used on another stream (RMU's side stream): its memory is not reused by the
+            # allocating stream before this use is done, evicted or not
+            hit.record_stream(torch.cuda.current_stream(device))
         return hit
 
     @staticmethod

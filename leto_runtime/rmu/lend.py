@@ -2,7 +2,7 @@
 
 Paper §5.3 ("Minimizing memory and transfer overhead") and §7 ("PyTorch memory allocator
 integration"), DESIGN.md §6: RMU's buffers (U: one chunk of params + moments + a scratch chunk;
-Q/Q': two tier-1 parity buffers per model state) are needed only between the global
+Q/Q': four tier-1 parity buffers per model state) are needed only between the global
 synchronization and the end of the update.  During forward and backward they are idle, so the
 trainer's activations are allocated *in them* and peak HBM does not grow by their size.
 

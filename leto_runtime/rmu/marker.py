@@ -39,7 +39,7 @@ import torch
 
 log = logging.getLogger("leto.rmu")
 
-MAGIC = 0x4C45544F524D5531          # "LETORMU1"
+MAGIC = 0x4C45544F524D5532          # "LETORMU2" (2: the `wb` fields; a "1" record reads as none)
 WORDS = 16                           # int64 words per record slot
 CUR = 2 * WORDS                      # index of the `cur` word
 BLOCK = 1024                         # bytes covered by the marker's parity patch

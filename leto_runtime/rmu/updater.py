@@ -345,9 +345,10 @@ class Updater:
         if rec.gstate == GState.LOAD:
             self.inject("rmu.load", step=t, group=g)
             pre, self._prefetched = self._prefetched, None
-            if pre is not None and pre[:2] == (t, g):
+            if pre is not None:
+                # a copy that is not this load's may still write a buffer this one aliases
                 torch.cuda.current_stream().wait_event(pre[2])
-            else:
+            if pre is None or pre[:2] != (t, g):
                 for i, st in enumerate(ss.model):
                     ss.q(i, 0, g).copy_(st.tier1(g), non_blocking=self.streamed)
             self.lap("parity load/write-back")
@@ -438,6 +439,7 @@ class Updater:
     def _drop_writeback(self, t: int, g: int) -> None:
         """The previous group's write-back is over (waited for) and the marker says so; then
         group g+1's prefetch may use that group's buffers."""
+        self.inject("rmu.writeback.drop", step=t, group=self.marker.rec.wb)
         self._finish_writeback()
         self._mark(wb=-1, wb_auth=0)
         self._prefetch(t, g + 1)
@@ -500,9 +502,9 @@ class Updater:
         if self.transactions:
             self.inject("rmu.undo", **where)
             pre, self._undone = self._undone, None
-            if pre is not None and pre[:3] == (t, g, j):
-                torch.cuda.current_stream().wait_event(pre[3])
-            else:
+            if pre is not None:
+                torch.cuda.current_stream().wait_event(pre[3])     # mine, or one to outwait
+            if pre is None or pre[:3] != (t, g, j):
                 self._copy_undo(g, j)
             self.lap("undo copy")
             self._mark(chunk=j, sub=1 + self.slot(g, j))

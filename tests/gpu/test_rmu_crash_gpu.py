@@ -77,10 +77,14 @@ ALTERNATIVES = {
     "twokernel": ({"LETO_RMU_FUSED_SYNDROME": "0"},
                   ["rmu.undo", "rmu.update+garbage", "rmu.delta+garbage", "rmu.commit", "update+pages@tolerance"]),
     "pipelined-undo": ({"LETO_RMU_UNDO_PIPELINE": "1"},
-                       ["rmu.undo", "rmu.delta+garbage", "update+pages@tolerance"]),
+                       ["rmu.undo", "rmu.delta+garbage", "update+pages@tolerance", "rmu.load",
+                        "slot 1 undo page lost"]),
     "wb-overlap": ({"LETO_RMU_WB_OVERLAP": "1"},
                    ["rmu.writeback", "rmu.tier2", "rmu.load", "writeback+pages@tolerance",
-                    "update+done group pages@tolerance", "rmu.done"]),
+                    "update+done group pages@tolerance", "rmu.done", *cpu.WB_CASES]),
+    "both": ({"LETO_RMU_UNDO_PIPELINE": "1", "LETO_RMU_WB_OVERLAP": "1"},
+             ["rmu.update+garbage", "rmu.delta+garbage", "rmu.load", "rmu.writeback",
+              "wb pending: Q rows + data of group 0"]),
     "hostfunc-marker": ({"LETO_RMU_STREAM_MARKER": "hostfunc"},
                         ["sync.after", "rmu.undo", "rmu.commit", "rmu.writeback", "commit+marker page lost"]),
 }
@@ -88,7 +92,7 @@ ALTERNATIVES = {
 
 @pytest.mark.parametrize("path,case", [(p, c) for p, (_, cases) in ALTERNATIVES.items() for c in cases])
 def test_kill_on_an_alternative_path_is_bit_exact(path, case, reference):
-    point, _ = cpu.CASES[case]
+    point, _ = {**cpu.CASES, **cpu.WB_CASES, **cpu.SLOT_CASES}[case]
     env = ALTERNATIVES[path][0]
     with SlotHarness(device="cuda:0", geometry=GEO, allow_wait=10, ready_timeout=120) as h:
         rc, _, err = run(h.socket, [point], allow=h.allow, env=env)

@@ -20,6 +20,7 @@ import pytest
 
 from leto_run.state_manager import Geometry
 from leto_run.state_manager.harness import SlotHarness
+from leto_runtime.rmu.states import QBUFS
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "scripts", "rmu_worker.py")
@@ -28,8 +29,10 @@ GEO = Geometry(32, 16, 1, 4096)
 ROW16 = {"tier": "device", "count": 16, "first": 8, "gindex": 1}         # a DRAM row, group 1
 P1 = {"tier": "host", "part": "p1", "count": 1, "first": 5, "gindex": 1}
 # Rows 0-1 of params' authoritative Q of group 1 at chunk 3's commit (auth 1 after three
-# commits: buffer (2 * 1 + 1) % 3 = 0 of StateSet.q's rotation)
-QROWS = {"tier": "device", "count": 2, "first": 0, "state": "leto/rmu/parity"}
+# commits), where StateSet.q_first puts them
+QROWS = {"tier": "device", "count": 2, "first": (2 * 1 + 1) % QBUFS * 16, "state": "leto/rmu/parity"}
+# ... and of group 0's buffer 0 (authoritative after its 8 chunks: the write-back's source)
+QROWS_G0 = {**QROWS, "first": 0}
 
 
 def run(sock, plan, *extra, allow=None):
@@ -103,10 +106,21 @@ def test_kill_at_rmu_operation_is_bit_exact(case, reference):
 # uncommitted chunk is an odd one of the update (group 1's chunks start at 8: chunks 3 and 5 use
 # slot 1), so recovery must restore it from the slot the marker names (sub = 2), and one in
 # slot 0.
-@pytest.mark.parametrize("case", ["rmu.update+garbage", "rmu.delta+garbage", "update+pages@tolerance"])
-def test_kill_with_two_undo_slots_is_bit_exact(case, reference, monkeypatch):
+SLOT_CASES = {
+    # the uncommitted chunk is in slot 1 (sub = 2) and one of its undo pages is lost
+    "slot 1 undo page lost": ({"at": "rmu.update", "step": 2, "group": 1, "chunk": 3, "garbage": True,
+                               "pages": [{"tier": "device", "count": 1, "first": 3 * 4 + 1,
+                                          "state": "leto/rmu/undo"}]}, "finish"),
+}
+
+
+@pytest.mark.parametrize("case,overlap", [
+    *[(c, "0") for c in ("rmu.update+garbage", "rmu.delta+garbage", "update+pages@tolerance", *SLOT_CASES)],
+    ("rmu.delta+garbage", "1"), (next(iter(SLOT_CASES)), "1")])      # both options together
+def test_kill_with_two_undo_slots_is_bit_exact(case, overlap, reference, monkeypatch):
     monkeypatch.setenv("LETO_RMU_UNDO_PIPELINE", "1")
-    point, action = CASES[case]
+    monkeypatch.setenv("LETO_RMU_WB_OVERLAP", overlap)      # and both options together
+    point, action = {**CASES, **SLOT_CASES}[case]
     with SlotHarness(device="cpu", geometry=GEO, allow_wait=10) as h:
         rc, _, err = run(h.socket, [point], allow=h.allow)
         assert rc in (-9, -7), err
@@ -121,12 +135,26 @@ def test_kill_with_two_undo_slots_is_bit_exact(case, reference, monkeypatch):
 # kills while the marker names a group's write-back as possibly under way -- at the write-back
 # and tier 2 themselves, at the next group's load, in its chunks with pages of either group
 # lost, and before DONE.
+WB_CASES = {   # points where the marker names group 0's (or 2's) write-back, and just after
+    "wb pending: Q rows + data of group 0": ({"at": "rmu.update", "step": 2, "group": 1, "chunk": 0,
+                                              "garbage": True, "pages": [QROWS_G0, {**ROW16, "gindex": 0,
+                                                                                   "count": 14}]}, "finish"),
+    "wb drop + group 0 pages": ({"at": "rmu.writeback.drop", "step": 2, "group": 0,
+                                 "pages": [{**ROW16, "gindex": 0}]}, "finish"),
+    "after the drop: undo + group 0 pages": ({"at": "rmu.undo", "step": 2, "group": 1, "chunk": 1,
+                                              "pages": [{**ROW16, "gindex": 0}, {**P1, "gindex": 0}]}, "finish"),
+    "done + last group pages": ({"at": "rmu.done", "step": 3, "pages": [
+        {**ROW16, "gindex": 2, "count": 7, "first": 0}, {**P1, "gindex": 2}]}, "finish"),
+    "commit of the first chunk after a group": ({"at": "rmu.commit", "step": 1, "group": 1, "chunk": 0}, "finish"),
+}
+
+
 @pytest.mark.parametrize("case", ["rmu.writeback", "rmu.tier2", "rmu.load", "update+pages@tolerance",
                                   "writeback+pages@tolerance", "update+done group pages@tolerance",
-                                  "rmu.done"])
+                                  "rmu.done", *WB_CASES])
 def test_kill_with_the_write_back_overlap_is_bit_exact(case, reference, monkeypatch):
     monkeypatch.setenv("LETO_RMU_WB_OVERLAP", "1")
-    point, action = CASES[case]
+    point, action = {**CASES, **WB_CASES}[case]
     with SlotHarness(device="cpu", geometry=GEO, allow_wait=10) as h:
         rc, _, err = run(h.socket, [point], allow=h.allow)
         assert rc in (-9, -7), err
