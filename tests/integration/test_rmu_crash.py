@@ -88,7 +88,14 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kill_at_rmu_operation_is_bit_exact(case, reference):
-    point, action = CASES[case]
+    kill_and_recover(case, CASES[case], reference)
+
+
+def kill_and_recover(case, spec, reference):
+    """One worker killed at `spec`'s point, a second one recovering and training to the end:
+    resumed as the case says, bit-identical to the fault-free run, every parity consistent
+    right after the recovery and at the end."""
+    point, action = spec
     with SlotHarness(device="cpu", geometry=GEO, allow_wait=10) as h:
         rc, _, err = run(h.socket, [point], allow=h.allow)
         # SIGBUS when the scribbling touches a page the injection just made unavailable
@@ -120,15 +127,7 @@ SLOT_CASES = {
 def test_kill_with_two_undo_slots_is_bit_exact(case, overlap, reference, monkeypatch):
     monkeypatch.setenv("LETO_RMU_UNDO_PIPELINE", "1")
     monkeypatch.setenv("LETO_RMU_WB_OVERLAP", overlap)      # and both options together
-    point, action = {**CASES, **SLOT_CASES}[case]
-    with SlotHarness(device="cpu", geometry=GEO, allow_wait=10) as h:
-        rc, _, err = run(h.socket, [point], allow=h.allow)
-        assert rc in (-9, -7), err
-        rc, res, err = run(h.socket, [], allow=h.allow)
-        assert rc == 0, err
-    assert res["resume"][0] == action and res["resume"][1] == point["step"], res
-    assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
-    assert res["parity_problems"] == [] and res["parity_after_recovery"] == []
+    kill_and_recover(case, {**CASES, **SLOT_CASES}[case], reference)
 
 
 # The write-back overlap (LETO_RMU_WB_OVERLAP=1; on CPU in line, the marker protocol the same):
@@ -154,17 +153,7 @@ WB_CASES = {   # points where the marker names group 0's (or 2's) write-back, an
                                   "rmu.done", *WB_CASES])
 def test_kill_with_the_write_back_overlap_is_bit_exact(case, reference, monkeypatch):
     monkeypatch.setenv("LETO_RMU_WB_OVERLAP", "1")
-    point, action = {**CASES, **WB_CASES}[case]
-    with SlotHarness(device="cpu", geometry=GEO, allow_wait=10) as h:
-        rc, _, err = run(h.socket, [point], allow=h.allow)
-        assert rc in (-9, -7), err
-        rc, res, err = run(h.socket, [], allow=h.allow)
-        assert rc == 0, err
-    assert res["resume"][0] == action and res["resume"][1] == point["step"], res
-    assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
-    assert res["parity_problems"] == [] and res["parity_after_recovery"] == []
-    if ROW16 in point.get("pages", []):
-        assert res["repaired"] >= 16
+    kill_and_recover(case, {**CASES, **WB_CASES}[case], reference)
 
 
 @pytest.mark.parametrize("point", ["recovery.reconstruct", "recovery.finish"])
