@@ -22,8 +22,9 @@ memory, for:
 * **rmu_nolend**: the same with lending off (LETO_LEND=0): what lending saves in memory.
 * The default `rmu` path and its alternatives, each one change away from it:
   **rmu_pipelined** (LETO_RMU_UNDO_PIPELINE=1: two undo slots, each chunk's undo copy beside the
-  previous chunk's kernel instead of in line), **rmu_wboverlap** (LETO_RMU_WB_OVERLAP=1: each
-  group's parity write-back and tier 2 on the side stream beside the next group's chunks),
+  previous chunk's kernel instead of in line), **rmu_inlinewb** (LETO_RMU_WB_OVERLAP=0: each
+  group's parity write-back and tier 2 in line, before the next group's chunks; the default
+  until 2026-11-30 03:30 UTC),
   **rmu_twokernel** (LETO_RMU_FUSED_SYNDROME=0:
   AdamW writing delta pages, then the batched syndrome delta, instead of cuda/adamw_syndrome.cu;
   one undo slot), **rmu_hostfunc** (LETO_RMU_STREAM_MARKER=hostfunc: marker writes by a host
@@ -74,11 +75,11 @@ BASELINES = ("reference", "sync_snapshot", "async_snapshot")
 # Environment of each RMU variant's child process (the candidates measured against `rmu`).
 RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
            "rmu_pipelined": {"LETO_RMU_UNDO_PIPELINE": "1"},
-           "rmu_wboverlap": {"LETO_RMU_WB_OVERLAP": "1"},
+           "rmu_inlinewb": {"LETO_RMU_WB_OVERLAP": "0"},
            "rmu_twokernel": {"LETO_RMU_FUSED_SYNDROME": "0"},
            "rmu_hostfunc": {"LETO_RMU_STREAM_MARKER": "hostfunc"},
            "rmu_prev": {"LETO_RMU_FUSED_SYNDROME": "0", "LETO_RMU_STREAM_MARKER": "hostfunc"}}
-ALTERNATIVES = ("rmu_pipelined", "rmu_wboverlap", "rmu_twokernel", "rmu_hostfunc", "rmu_prev")
+ALTERNATIVES = ("rmu_pipelined", "rmu_inlinewb", "rmu_twokernel", "rmu_hostfunc", "rmu_prev")
 ALL = (*BASELINES, *RMU_ENV)
 
 

@@ -77,7 +77,7 @@ class Record:
                              # kept when the next iteration begins: a peer may need it to finish
     wb: int = -1             # a group whose parity write-back (tier 1 and 2) may still be under
                              # way beside the current group's work (-1: none); its authoritative
-    wb_auth: int = 0         # buffer is `wb_auth` (updater: LETO_RMU_WB_OVERLAP=1)
+    wb_auth: int = 0         # buffer is `wb_auth` (the write-back overlap: updater default)
 
     @classmethod
     def empty(cls) -> "Record":

@@ -144,7 +144,7 @@ def current_group(rec: Record, transactions: bool = True) -> int | None:
 
 def pending_writeback(rec: Record, transactions: bool = True) -> int | None:
     """A group whose host parity may be torn by a write-back still under way beside the
-    current group (updater: LETO_RMU_WB_OVERLAP=1), else None.  Its buffer `wb_auth` is
+    current group (the updater's write-back overlap, its default), else None.  Its buffer `wb_auth` is
     authoritative, as `auth` is for the current group."""
     if not transactions or rec.phase != Phase.UPDATING or rec.wb < 0:
         return None

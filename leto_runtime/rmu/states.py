@@ -11,7 +11,7 @@ Role: name, allocate/attach and describe the memory of data-parallel AdamW train
                      retained, unprotected (chunk commits make them recoverable, DESIGN.md §6).
                      Group g's pair (auth 0/1) is buffers (2g, 2g+1) mod 4, so group g+1's pair
                      is two buffers group g never touches: the updater prefetches g+1's host
-                     parity into one while g's chunks run, and (LETO_RMU_WB_OVERLAP=1) writes
+                     parity into one while g's chunks run, and (by default; LETO_RMU_WB_OVERLAP=0: in line) writes
                      g's authoritative buffer back to the host while g+1's chunks run.
 
 On CUDA, U and Q are idle outside the update phase and are lent to the caching allocator for

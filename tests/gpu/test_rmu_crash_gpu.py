@@ -49,9 +49,9 @@ def reference():
     return res["digest"]
 
 
-@pytest.mark.parametrize("case", list(cpu.CASES))
+@pytest.mark.parametrize("case", [*cpu.CASES, *cpu.WB_CASES])
 def test_kill_at_rmu_operation_is_bit_exact_on_cuda(case, reference):
-    point, action = cpu.CASES[case]
+    point, action = {**cpu.CASES, **cpu.WB_CASES}[case]
     with SlotHarness(device="cuda:0", geometry=GEO, allow_wait=10, ready_timeout=120) as h:
         rc, _, err = run(h.socket, [point], allow=h.allow)
         assert rc == -9, err
@@ -66,25 +66,25 @@ def test_kill_at_rmu_operation_is_bit_exact_on_cuda(case, reference):
         assert res["repaired"] >= 16
 
 
-# The default path (above) is AdamW + the parity delta in one kernel reading the undo copy and
-# marker records stored by a kernel into registered host memory.  The alternatives stay
-# selectable -- the two-kernel chunk and host-function markers it replaced, two undo slots with
-# the next chunk's copy beside the kernel (LETO_RMU_UNDO_PIPELINE=1; on 2026-11-30 the
-# default-path cases above ran with it on, 13 passed before the call's time ran out), and each
-# group's write-back beside the next group's chunks (LETO_RMU_WB_OVERLAP=1) -- each with the
-# kill points around what it changes.  Both runs of a case use the path.
+# The default path (above) is AdamW + the parity delta in one kernel reading the undo copy,
+# marker records stored by a kernel into registered host memory, and each group's write-back
+# and tier 2 on the side stream beside the next group's chunks.  The alternatives stay
+# selectable -- the two-kernel chunk and host-function markers it replaced, the in-line
+# write-back (LETO_RMU_WB_OVERLAP=0), and two undo slots with the next chunk's copy beside the
+# kernel (LETO_RMU_UNDO_PIPELINE=1) -- each with the kill points around what it changes.  Both
+# runs of a case use the path.  H200, 2026-11-30 03:24 UTC, before the overlap became the
+# default: CASES passed with it off, WB_CASES and the overlap's points with it on (all 11),
+# pipelined undo + overlap 3 of 3 run (the call's time ran out).
 ALTERNATIVES = {
     "twokernel": ({"LETO_RMU_FUSED_SYNDROME": "0"},
                   ["rmu.undo", "rmu.update+garbage", "rmu.delta+garbage", "rmu.commit", "update+pages@tolerance"]),
     "pipelined-undo": ({"LETO_RMU_UNDO_PIPELINE": "1"},
-                       ["rmu.undo", "rmu.delta+garbage", "update+pages@tolerance", "rmu.load",
-                        "slot 1 undo page lost"]),
-    "wb-overlap": ({"LETO_RMU_WB_OVERLAP": "1"},
-                   ["rmu.writeback", "rmu.tier2", "rmu.load", "writeback+pages@tolerance",
-                    "update+done group pages@tolerance", "rmu.done", *cpu.WB_CASES]),
-    "both": ({"LETO_RMU_UNDO_PIPELINE": "1", "LETO_RMU_WB_OVERLAP": "1"},
-             ["rmu.update+garbage", "rmu.delta+garbage", "rmu.load", "rmu.writeback",
-              "wb pending: Q rows + data of group 0"]),
+                       ["rmu.undo", "rmu.update+garbage", "rmu.delta+garbage", "update+pages@tolerance",
+                        "rmu.load", "rmu.writeback", "slot 1 undo page lost",
+                        "wb pending: Q rows + data of group 0"]),
+    "inline-writeback": ({"LETO_RMU_WB_OVERLAP": "0"},
+                         ["rmu.writeback", "rmu.tier2", "rmu.load", "writeback+pages@tolerance",
+                          "update+done group pages@tolerance", "rmu.done"]),
     "hostfunc-marker": ({"LETO_RMU_STREAM_MARKER": "hostfunc"},
                         ["sync.after", "rmu.undo", "rmu.commit", "rmu.writeback", "commit+marker page lost"]),
 }

@@ -130,10 +130,10 @@ def test_kill_with_two_undo_slots_is_bit_exact(case, overlap, reference, monkeyp
     kill_and_recover(case, {**CASES, **SLOT_CASES}[case], reference)
 
 
-# The write-back overlap (LETO_RMU_WB_OVERLAP=1; on CPU in line, the marker protocol the same):
-# kills while the marker names a group's write-back as possibly under way -- at the write-back
-# and tier 2 themselves, at the next group's load, in its chunks with pages of either group
-# lost, and before DONE.
+# The write-back overlap (the default since 2026-11-30; on CPU the write-back runs in line, the
+# marker protocol is the same): kills while the marker names a group's write-back as possibly
+# under way -- at the write-back and tier 2 themselves (CASES above), in the next group's chunks
+# with pages of either group lost, at the drop, and before DONE.
 WB_CASES = {   # points where the marker names group 0's (or 2's) write-back, and just after
     "wb pending: Q rows + data of group 0": ({"at": "rmu.update", "step": 2, "group": 1, "chunk": 0,
                                               "garbage": True, "pages": [QROWS_G0, {**ROW16, "gindex": 0,
@@ -148,11 +148,14 @@ WB_CASES = {   # points where the marker names group 0's (or 2's) write-back, an
 }
 
 
-@pytest.mark.parametrize("case", ["rmu.writeback", "rmu.tier2", "rmu.load", "update+pages@tolerance",
-                                  "writeback+pages@tolerance", "update+done group pages@tolerance",
-                                  "rmu.done", *WB_CASES])
-def test_kill_with_the_write_back_overlap_is_bit_exact(case, reference, monkeypatch):
-    monkeypatch.setenv("LETO_RMU_WB_OVERLAP", "1")
+# WB_CASES need the overlap (the marker must name a pending write-back); the in-line write-back
+# (LETO_RMU_WB_OVERLAP=0, the default until 2026-11-30) keeps the kill points around it.
+@pytest.mark.parametrize("case,overlap", [
+    *[(c, "1") for c in WB_CASES],
+    *[(c, "0") for c in ("rmu.writeback", "rmu.tier2", "rmu.load", "writeback+pages@tolerance",
+                         "update+done group pages@tolerance", "rmu.done")]])
+def test_kill_with_and_without_the_write_back_overlap_is_bit_exact(case, overlap, reference, monkeypatch):
+    monkeypatch.setenv("LETO_RMU_WB_OVERLAP", overlap)
     kill_and_recover(case, {**CASES, **WB_CASES}[case], reference)
 
 
