@@ -28,8 +28,11 @@ memory, for:
   **rmu_twokernel** (LETO_RMU_FUSED_SYNDROME=0:
   AdamW writing delta pages, then the batched syndrome delta, instead of cuda/adamw_syndrome.cu;
   one undo slot), **rmu_hostfunc** (LETO_RMU_STREAM_MARKER=hostfunc: marker writes by a host
-  function instead of cuda/marker_kernel.cu), and **rmu_prev** (two kernels and host-function
-  markers: the default until 2026-11-30).
+  function instead of cuda/marker_kernel.cu), **rmu_prev** (two kernels and host-function
+  markers: the default until 2026-11-30), and the one kernel's other layouts
+  (LETO_RMU_FUSED_LAYOUT): **rmu_f4s** (state-major grid: a tile's three state CTAs adjacent,
+  sharing g and the moments through L2), **rmu_f2** (2 KiB tiles: four CTAs per SM instead of
+  two), **rmu_f2s** (both).
 
 Each iteration: stream sync, compute, stream sync, update, stream sync (the syncs are the same in
 every variant).  Peak GPU memory is device-wide (`cudaMemGetInfo`: total - free, sampled after
@@ -78,8 +81,13 @@ RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
            "rmu_inlinewb": {"LETO_RMU_WB_OVERLAP": "0"},
            "rmu_twokernel": {"LETO_RMU_FUSED_SYNDROME": "0"},
            "rmu_hostfunc": {"LETO_RMU_STREAM_MARKER": "hostfunc"},
-           "rmu_prev": {"LETO_RMU_FUSED_SYNDROME": "0", "LETO_RMU_STREAM_MARKER": "hostfunc"}}
-ALTERNATIVES = ("rmu_pipelined", "rmu_inlinewb", "rmu_twokernel", "rmu_hostfunc", "rmu_prev")
+           "rmu_prev": {"LETO_RMU_FUSED_SYNDROME": "0", "LETO_RMU_STREAM_MARKER": "hostfunc"},
+           # the one-kernel chunk's other layouts (cuda/adamw_syndrome.cu; default 4x2x3)
+           "rmu_f4s": {"LETO_RMU_FUSED_LAYOUT": "4x2x3-statemajor"},
+           "rmu_f2": {"LETO_RMU_FUSED_LAYOUT": "2x2x3"},
+           "rmu_f2s": {"LETO_RMU_FUSED_LAYOUT": "2x2x3-statemajor"}}
+ALTERNATIVES = ("rmu_pipelined", "rmu_inlinewb", "rmu_twokernel", "rmu_hostfunc", "rmu_prev",
+                "rmu_f4s", "rmu_f2", "rmu_f2s")
 ALL = (*BASELINES, *RMU_ENV)
 
 
@@ -425,6 +433,11 @@ def run_rmu(a, dev, name) -> dict:
         res["update_breakdown_ms"] = {k: round(v, 2) for k, v in sorted(up.profile.items(), key=lambda kv: -kv[1])}
         res["fused_adamw"] = up.fused is not None
         res["fused_syndrome"] = up.fused_syndrome
+        if up.fused_syndrome:
+            res["fused_layout"] = up.fused.layout
+        else:                   # e.g. a layout that failed its self-check: say why
+            from leto_runtime.rmu import fused as FZ
+            res["fused_syndrome_why_not"] = FZ.why_not_syndrome or FZ.why_not
         res["marker_mode"] = up.marker.mode if up.streamed else "fenced"
         res["undo_slots"] = up.slots
         res["wb_overlap"] = up.wb_overlap

@@ -86,7 +86,7 @@ void adamw_syndrome(torch::Tensor p, torch::Tensor m, torch::Tensor v, const tor
                     const std::optional<torch::Tensor>& coef, const torch::Tensor& outs,
                     const torch::Tensor& bases, const torch::Tensor& mix, const torch::Tensor& scale,
                     int64_t page_bytes, double decay, double beta1, double beta2, double eps,
-                    double bc2_sqrt, double step_size, bool has_decay, int64_t variant) {
+                    double bc2_sqrt, double step_size, bool has_decay, int64_t variant, int64_t layout) {
   for (auto* t : {&p, &m, &v}) check(*t, p, "state", torch::kFloat32);
   check(g, p, "g", torch::kFloat32);
   for (const auto* t : {&up, &um, &uv}) check(*t, p, "undo", torch::kFloat32);
@@ -140,7 +140,8 @@ void adamw_syndrome(torch::Tensor p, torch::Tensor m, torch::Tensor v, const tor
   f.s = scalars(decay, beta1, beta2, eps, bc2_sqrt, step_size, coef.has_value(), has_decay);
   const c10::cuda::CUDAGuard guard(p.device());
   try {
-    leto_rmu::adamw_syndrome(a, f, c.data(), static_cast<int>(variant), c10::cuda::getCurrentCUDAStream().stream());
+    leto_rmu::adamw_syndrome(a, f, c.data(), static_cast<int>(variant), static_cast<int>(layout),
+                             c10::cuda::getCurrentCUDAStream().stream());
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, "leto rmu CUDA: ", e.what());
   }
@@ -161,6 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("up"), py::arg("um"), py::arg("uv"),
         py::arg("coef"), py::arg("outs"), py::arg("bases"), py::arg("mix"), py::arg("scale"),
         py::arg("page_bytes"), py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("variant") = 0);
+        py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("variant") = 0,
+        py::arg("layout") = 0);
   register_marker_stream(m);
 }

@@ -34,9 +34,25 @@ namespace {
 
 constexpr int kInputs = 4;   // old p, old m, old v, g (state 0); states 1, 2 use slots 0 and 1
 
-// Cfg of the fused loop: 4 KiB tiles (NB = 4, 256 threads), 2 pages per stage, 3 stages.
+// Cfgs of the fused loop (the `layout` argument; leto_runtime/rmu/fused.py LAYOUTS):
+//  0: 4 KiB tiles (NB = 4, 256 threads), 2 pages per stage, 3 stages; grid (tiles, 3 states).
+//     102 KiB of shared memory: two CTAs per SM, as the 128 registers allow.
+//  1: the same, state-major grid (3 states, tiles): the three CTAs of a tile are adjacent in
+//     launch order, so they run together and g, old m and old v -- which two or three of them
+//     read -- come from L2 instead of HBM for all but the first (44 -> ~28 bytes of HBM
+//     traffic per parameter if they stay in step).
+//  2: 2 KiB tiles (NB = 2, 128 threads), 2 pages per stage, 3 stages: 51 KiB, four CTAs per SM
+//     at the same 16 warps, so one CTA's barrier-bound AdamW phase overlaps another's Horner.
+//  3: 2 with the state-major grid.
+// Each is checked against the two-kernel path on the device before use (fused.py).
 template <bool B>
 using CfgFused = Cfg<4, 2, 3, true, true, B, false>;
+template <bool B>
+using CfgFusedNarrow = Cfg<2, 2, 3, true, true, B, false>;
+template <class C>
+struct StateMajor : C {
+  static constexpr bool kTileY = true;
+};
 
 template <class C>
 struct FusedSmem {
@@ -54,13 +70,13 @@ __device__ __forceinline__ void fused_loop(const SyndromeArgs& a, const leto_rmu
   const int tid = threadIdx.x;
   const int col = thread_col();
   const int bl = col / 16, q = col % 16;
-  const size_t tile_off = static_cast<size_t>(blockIdx.x) * NB * 1024;
+  const size_t tile_off = static_cast<size_t>(tile_index<C>()) * NB * 1024;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
   const int n_pad = (a.n + 15) & ~15;
   const int n_stages = n_pad / C::kP;
   // This thread's 16 bytes of every page (as syndrome_mix's copy duty).
   const int cbl = tid / 64, cch = tid % 64;
-  const bool cvalid = static_cast<int>(blockIdx.x) * NB + cbl < blocks;
+  const bool cvalid = tile_index<C>() * NB + cbl < blocks;
   const size_t csrc = tile_off + static_cast<size_t>(cbl) * 1024 + cch * 16;
   const int cdst = cbl * C::kBlockStride + cch * 16;
   const int n_in = y == 0 ? 4 : 2;
@@ -157,7 +173,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinBlocks)
                           const __grid_constant__ MixMasks masks) {
   extern __shared__ __align__(16) uint8_t smem[];
   SyndromeArgs a = a_in;
-  const int y = static_cast<int>(blockIdx.y);
+  const int y = static_cast<int>(C::kTileY ? blockIdx.x : blockIdx.y);
   a.outs += static_cast<int64_t>(y) * a.m_out;
   a.bases += static_cast<int64_t>(y) * a.m_out;
   switch (thread_group()) {
@@ -179,7 +195,9 @@ void launch_fused(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, c
   }();
   (void)attr;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
-  const dim3 grid((blocks + C::NB - 1) / C::NB, 3);
+  const unsigned tiles = static_cast<unsigned>((blocks + C::NB - 1) / C::NB);
+  if (C::kTileY && tiles > 65535u) throw std::runtime_error("adamw_syndrome: a state-major grid holds 65535 tiles");
+  const dim3 grid = C::kTileY ? dim3(3, tiles) : dim3(tiles, 3);
   kern<<<grid, C::kThreads, smem, stream>>>(a, f, masks);
   check(cudaGetLastError(), "adamw_syndrome kernel launch");
 }
@@ -189,8 +207,9 @@ void launch_fused(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, c
 namespace leto_rmu {
 
 void adamw_syndrome(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, int variant,
-                    cudaStream_t stream) {
+                    int layout, cudaStream_t stream) {
   if (variant != 0) throw std::runtime_error("adamw_syndrome: only AdamW spelling (variant) 0 is compiled");
+  if (layout < 0 || layout > 3) throw std::runtime_error("adamw_syndrome: layout must be 0..3");
   if (args.m_out < 1 || args.m_out > 16) throw std::runtime_error("adamw_syndrome: 1..16 parity outputs");
   if (args.page_bytes <= 0 || args.page_bytes % 1024) throw std::runtime_error("adamw_syndrome: page_bytes % 1024 != 0");
   if (args.bases == nullptr) throw std::runtime_error("adamw_syndrome: base parity pages are required");
@@ -206,8 +225,16 @@ void adamw_syndrome(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const 
   a.batch = 3;
   MixMasks masks{};
   const bool baked = prepare_mix(a, coef, masks);
-  if (baked) launch_fused<CfgFused<true>>(a, f, masks, stream);
-  else launch_fused<CfgFused<false>>(a, f, masks, stream);
+  switch (layout * 2 + (baked ? 1 : 0)) {
+    case 0: launch_fused<CfgFused<false>>(a, f, masks, stream); break;
+    case 1: launch_fused<CfgFused<true>>(a, f, masks, stream); break;
+    case 2: launch_fused<StateMajor<CfgFused<false>>>(a, f, masks, stream); break;
+    case 3: launch_fused<StateMajor<CfgFused<true>>>(a, f, masks, stream); break;
+    case 4: launch_fused<CfgFusedNarrow<false>>(a, f, masks, stream); break;
+    case 5: launch_fused<CfgFusedNarrow<true>>(a, f, masks, stream); break;
+    case 6: launch_fused<StateMajor<CfgFusedNarrow<false>>>(a, f, masks, stream); break;
+    default: launch_fused<StateMajor<CfgFusedNarrow<true>>>(a, f, masks, stream); break;
+  }
 }
 
 }  // namespace leto_rmu

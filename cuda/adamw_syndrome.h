@@ -23,7 +23,8 @@ struct AdamWSyndromeArgs {
 // outs[y] = bases[y] ^ sum_t coef[i][t] scale[t] S_t(old_y ^ new_y) (args as for syndrome_mix:
 // outs/bases device arrays of 3 x m_out page addresses, scale = the run offset's x^(f t)).
 // Throws std::runtime_error on a bad argument or launch error.
+// layout: the kernel's tiling and grid order (adamw_syndrome.cu, 0..3; all give the same bits).
 void adamw_syndrome(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, int variant,
-                    cudaStream_t stream);
+                    int layout, cudaStream_t stream);
 
 }  // namespace leto_rmu

@@ -36,6 +36,10 @@ template <int NB_, int KP_, int NS_, bool ROLLED_, bool PIPE_, bool BAKED_, bool
 struct Cfg {
   static constexpr int NB = NB_, kP = KP_, kNS = NS_;
   static constexpr bool kRolled = ROLLED_, kPipe = PIPE_, kBaked = BAKED_, kZfill = ZFILL_;
+  // The tile a CTA owns is blockIdx.x; a kernel that orders its grid otherwise (the fused
+  // AdamW + syndrome kernel's state-major grid: the three states of a tile in adjacent CTAs)
+  // derives a Cfg with kTileY = true, and the tile is blockIdx.y.
+  static constexpr bool kTileY = false;
   static_assert(!kZfill || (kRolled && kPipe), "ZFILL is a refinement of the rolled pipeline");
   static_assert(kRolled || kP * kNS == 16, "the unrolled loop covers one rotation period");
   static_assert(NB == 2 || NB == 4, "a warp must hold 32 columns of one group");
@@ -55,6 +59,8 @@ struct Cfg {
 // the code of one group only: the unrolled page loop of one group (~30 KB) instead of two.
 __device__ __forceinline__ int thread_group() { return (threadIdx.x / 32) % 4; }
 __device__ __forceinline__ int thread_col() { return (threadIdx.x / 128) * 32 + threadIdx.x % 32; }
+template <class C>
+__device__ __forceinline__ int tile_index() { return static_cast<int>(C::kTileY ? blockIdx.y : blockIdx.x); }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -91,13 +97,13 @@ __device__ __forceinline__ void page_loop(const SyndromeArgs& a, uint8_t* smem,
   const int tid = threadIdx.x;
   const int col = thread_col();
   const int bl = col / 16, q = col % 16;
-  const size_t tile_off = static_cast<size_t>(blockIdx.x) * NB * 1024;
+  const size_t tile_off = static_cast<size_t>(tile_index<C>()) * NB * 1024;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
   const int n_pad = (a.n + 15) & ~15;
   const int n_stages = n_pad / C::kP;
   // Copy duty: one 16-byte chunk of every page of a stage (64*NB threads, 64*NB chunks).
   const int cbl = tid / 64, cch = tid % 64;
-  const bool cvalid = static_cast<int>(blockIdx.x) * NB + cbl < blocks;
+  const bool cvalid = tile_index<C>() * NB + cbl < blocks;
   const size_t csrc = tile_off + static_cast<size_t>(cbl) * 1024 + cch * 16;
   const int cdst = cbl * C::kBlockStride + cch * 16;
 
@@ -115,7 +121,7 @@ __device__ __forceinline__ void page_loop(const SyndromeArgs& a, uint8_t* smem,
     cp_async_commit();  // always, so that group counting stays uniform
   };
 
-  const bool mine_valid = static_cast<int>(blockIdx.x) * NB + bl < blocks;
+  const bool mine_valid = tile_index<C>() * NB + bl < blocks;
   const size_t gword = tile_off + static_cast<size_t>(bl) * 1024 + q * 4;
 
   if constexpr (C::kZfill) {
@@ -311,8 +317,8 @@ __device__ __forceinline__ void run_group_with(const SyndromeArgs& a, const MixM
     }
   }
   const int blocks = static_cast<int>(a.page_bytes / 1024);
-  if (static_cast<int>(blockIdx.x) * NB + bl >= blocks) return;
-  const size_t off = static_cast<size_t>(blockIdx.x) * NB * 1024 + static_cast<size_t>(bl) * 1024 + q * 4;
+  if (tile_index<C>() * NB + bl >= blocks) return;
+  const size_t off = static_cast<size_t>(tile_index<C>()) * NB * 1024 + static_cast<size_t>(bl) * 1024 + q * 4;
   static_for<4>([&](auto o) {
     if (i0 + LETO_CV(o) < a.m_out) {
       uint8_t* dst = a.outs[i0 + LETO_CV(o)] + off;

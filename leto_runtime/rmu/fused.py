@@ -27,7 +27,8 @@ Calling contract: `Fused.for_device(device, cfg)` -> a `Fused` or None; then
 `f.step_(p, m, v, g, step=, lr=, coef=, deltas=)` queues the update on the current stream
 (no synchronization); `f.syndrome_ok(device)` -> bool, then `f.chunk_syndrome_(...)`.
 LETO_RMU_FUSED=0 turns the fast path off; LETO_RMU_FUSED_VARIANT=N checks and uses only
-spelling N (cross-checks).
+spelling N (cross-checks); LETO_RMU_FUSED_LAYOUT=NAME picks the one-kernel chunk's tiling and
+grid order (`LAYOUTS`; a name not in it raises `LayoutError`).
 """
 from __future__ import annotations
 
@@ -48,6 +49,26 @@ why_not_syndrome: str = ""
 
 def wanted() -> bool:
     return os.environ.get("LETO_RMU_FUSED", "1") != "0"
+
+
+# The one-kernel chunk's tiling and grid order (cuda/adamw_syndrome.cu, its `layout` argument):
+# all give the same bits -- each is self-checked against the two-kernel path before use -- and
+# which is fastest is measured (benchmarks/rmu_overhead.py, the rmu_f* variants).
+LAYOUT_ENV = "LETO_RMU_FUSED_LAYOUT"
+LAYOUTS = {"4x2x3": 0, "4x2x3-statemajor": 1, "2x2x3": 2, "2x2x3-statemajor": 3}
+
+
+class LayoutError(ValueError):
+    """LETO_RMU_FUSED_LAYOUT names no layout of the kernel."""
+
+
+def layout() -> int:
+    name = os.environ.get(LAYOUT_ENV, "4x2x3")
+    if name not in LAYOUTS:
+        raise LayoutError(f"{LAYOUT_ENV}={name!r} is not a layout of the AdamW + parity kernel "
+                          f"(cuda/adamw_syndrome.cu): use one of {', '.join(LAYOUTS)}, or unset it "
+                          f"for the default 4x2x3")
+    return LAYOUTS[name]
 
 
 def load():
@@ -75,6 +96,7 @@ class Fused:
 
     def __init__(self, ext, cfg: "A.AdamWConfig", variant: int = 0):
         self.ext, self.cfg, self.variant = ext, cfg, variant
+        self.layout = layout()
 
     @classmethod
     def for_device(cls, device, cfg: "A.AdamWConfig") -> Optional["Fused"]:
@@ -84,7 +106,8 @@ class Fused:
         if device.type != "cuda" or not wanted():
             why_not = "not a CUDA device" if device.type != "cuda" else "LETO_RMU_FUSED=0"
             return None
-        key = (str(device), cfg)
+        lay = layout()      # a bad LETO_RMU_FUSED_LAYOUT is the user's to fix, not a fallback
+        key = (str(device), cfg, lay)
         if key not in _cache:
             f, bad = None, ""
             try:
@@ -136,7 +159,7 @@ class Fused:
         if os.environ.get("LETO_RMU_FUSED_SYNDROME", "1") == "0":
             why_not_syndrome = "LETO_RMU_FUSED_SYNDROME=0"
             return False
-        key = ("syndrome", str(torch.device(device)), self.cfg, self.variant, m)
+        key = ("syndrome", str(torch.device(device)), self.cfg, self.variant, self.layout, m)
         if key not in _cache:
             bad = ("only AdamW spelling 0 is compiled into the syndrome kernel, this device needs "
                    f"{self.variant}") if self.variant != 0 else ""
@@ -171,7 +194,7 @@ class Fused:
         self.ext.adamw_syndrome(*[f32(t) for t in states], f32(g), *[f32(t) for t in undo],
                                 None if coef is None else coef.reshape(1),
                                 be._ptrs(rows(outs), dev), be._ptrs(rows(bases), dev), mix, sc,
-                                code.page_bytes, *self._hyper(step, lr), self.variant)
+                                code.page_bytes, *self._hyper(step, lr), self.variant, self.layout)
 
     def syndrome_check(self, device, m: int = 16) -> str:
         """'' when chunk_syndrome_ gives the two-kernel path's bits on `device`, else what

@@ -161,13 +161,17 @@ def test_batched_scaled_delta_equals_reencode_on_cuda(k, first, count):
         assert torch.equal(b, o)
 
 
-def test_adamw_syndrome_kernel_passes_its_self_check(monkeypatch):
+@pytest.mark.parametrize("layout", list(F.LAYOUTS))
+def test_adamw_syndrome_kernel_passes_its_self_check(layout, monkeypatch):
     """cuda/adamw_syndrome.cu (AdamW and the chunk's parity delta in one kernel, reading the undo
-    copy) gives the bits of the fused AdamW kernel followed by the batched syndrome delta."""
+    copy) gives the bits of the fused AdamW kernel followed by the batched syndrome delta, in
+    each of its layouts (tiling, grid order)."""
     monkeypatch.setenv("LETO_RMU_FUSED_SYNDROME", "1")
+    monkeypatch.setenv(F.LAYOUT_ENV, layout)
     cfg = AdamWConfig(lr=2.2e-4, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0)
     f = F.Fused.for_device(torch.device("cuda"), cfg)
     assert f is not None, F.why_not
+    assert f.layout == F.LAYOUTS[layout]
     assert f.syndrome_check(torch.device("cuda")) == ""
     assert f.syndrome_ok("cuda"), F.why_not_syndrome
 
@@ -185,11 +189,13 @@ def test_updater_adamw_syndrome_kernel_equals_torch_ops_path(monkeypatch):
         assert torch.equal(a.cpu(), b)
 
 
-def test_adamw_syndrome_kernel_on_full_size_groups(monkeypatch):
+@pytest.mark.parametrize("layout", list(F.LAYOUTS))
+def test_adamw_syndrome_kernel_on_full_size_groups(layout, monkeypatch):
     """2 MiB pages, a baked (1024-page) group: a 256-page chunk at offset 768, as the updater runs
-    it on a 1B-parameter model, against the two-kernel path."""
+    it on a 1B-parameter model, against the two-kernel path, in each layout."""
     from leto_runtime.parity import ParityCode as PC
     monkeypatch.setenv("LETO_RMU_FUSED_SYNDROME", "1")
+    monkeypatch.setenv(F.LAYOUT_ENV, layout)
     dev = torch.device("cuda")
     cfg = AdamWConfig(lr=2.2e-4, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0)
     f = F.Fused.for_device(dev, cfg)

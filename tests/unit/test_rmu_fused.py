@@ -4,6 +4,7 @@ torch-ops AdamW.  The kernel itself is tested against torch.optim.AdamW on the G
 (tests/gpu/test_rmu_fused_gpu.py)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from leto_runtime.rmu import fused as F
@@ -32,3 +33,17 @@ def test_updater_on_cpu_uses_the_torch_ops():
                      chunk_pages=2)
     up = Updater(ss, CFG, backend="cpu")
     assert up.fused is None and up._side is None      # no fused kernel, no prefetch stream
+
+
+def test_fused_layout_is_read_from_the_env_and_a_bad_name_says_the_fix(monkeypatch):
+    """LETO_RMU_FUSED_LAYOUT picks the one-kernel chunk's layout (cuda/adamw_syndrome.cu's 0..3);
+    a name the kernel does not have is a typed error listing the names, not a silent fallback."""
+    monkeypatch.delenv(F.LAYOUT_ENV, raising=False)
+    assert F.layout() == 0
+    assert sorted(F.LAYOUTS.values()) == [0, 1, 2, 3]
+    for name, i in F.LAYOUTS.items():
+        monkeypatch.setenv(F.LAYOUT_ENV, name)
+        assert F.layout() == i
+    monkeypatch.setenv(F.LAYOUT_ENV, "2x2x3-rowmajor")
+    with pytest.raises(F.LayoutError, match="2x2x3-rowmajor.*one of 4x2x3, 4x2x3-statemajor"):
+        F.layout()
