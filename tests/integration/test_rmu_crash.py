@@ -49,7 +49,17 @@ def run(sock, plan, *extra, allow=None):
 def reference():
     rc, res, err = run("-", [], "--local")
     assert rc == 0, err
+    REFERENCE_PARTS[:] = res["parts"]
     return res["digest"]
+
+
+REFERENCE_PARTS: list = []      # the fault-free run's per-state, per-group digests
+
+
+def differing_parts(res) -> list:
+    """(state, group) pairs whose final contents differ from the fault-free run's."""
+    return [(i, g) for i, (a, b) in enumerate(zip(res["parts"], REFERENCE_PARTS))
+            for g, (x, y) in enumerate(zip(a, b)) if x != y]
 
 
 CASES = {
@@ -100,10 +110,14 @@ def kill_and_recover(case, spec, reference):
         rc, _, err = run(h.socket, [point], allow=h.allow)
         # SIGBUS when the scribbling touches a page the injection just made unavailable
         assert rc in (-9, -7), err
+        rc1, err1 = rc, err
         rc, res, err = run(h.socket, [], allow=h.allow)
         assert rc == 0, err
     assert res["resume"][0] == action and res["resume"][1] == point["step"], res
-    assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
+    # (what a rare failure needs to be understood: both workers' exits and the recovery's figures)
+    assert res["digest"] == reference, (f"{case}: state differs from the fault-free run in (state, "
+                                        f"group) {differing_parts(res)}; first worker exit {rc1}, "
+                                        f"recovery {res}; stderr:\n{err1[-2000:]}\n---\n{err[-3000:]}")
     assert res["parity_problems"] == [] and res["parity_after_recovery"] == []
     if ROW16 in point.get("pages", []):
         assert res["repaired"] >= 16      # + the tier-1 page (rebuilt, or rewritten by the write-back)
@@ -169,7 +183,8 @@ def test_second_crash_during_recovery_is_bit_exact(point, reference):
         assert run(h.socket, [again], allow=h.allow)[0] == -9
         rc, res, err = run(h.socket, [], allow=h.allow)
         assert rc == 0, err
-    assert res["digest"] == reference
+    assert res["digest"] == reference, (f"differs in (state, group) {differing_parts(res)}; "
+                                        f"recovery {res}; stderr:\n{err[-3000:]}")
 
 
 def test_more_losses_than_tolerated_is_unrecoverable_and_writes_nothing():

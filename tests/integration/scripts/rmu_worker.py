@@ -96,7 +96,12 @@ for t in range(start, total):
     G[:N].copy_((torch.randn(N, generator=torch.Generator().manual_seed(1000 + t)) * 0.3).to(G.device))
     up.step(t)
 h = hashlib.sha256()
+parts = []          # per state and protection group: which part differs, when one does
+GE = GEO.data_pages * GEO.page_bytes // 4
 for st in ss.model:
-    h.update(ss.flat(st)[:N].cpu().numpy().tobytes())
+    flat = ss.flat(st)[:N].cpu()
+    h.update(flat.numpy().tobytes())
+    parts.append([hashlib.sha256(flat[i:i + GE].numpy().tobytes()).hexdigest()[:12]
+                  for i in range(0, N, GE)])
 bad = check_consistent(ss, up)
-print(json.dumps({**info, "digest": h.hexdigest(), "parity_problems": bad}), flush=True)
+print(json.dumps({**info, "digest": h.hexdigest(), "parts": parts, "parity_problems": bad}), flush=True)
