@@ -47,6 +47,37 @@ from benchmarks.recovery import presets, report, systems
 from benchmarks.recovery.launch import Launch, run_system
 
 MIN_SYSTEM_S = 20.0      # a system is not started with less budget left (or 1.5 x the training)
+WALL_MARGIN = 1.1        # ... or than 1.1 x the longest wall time of its kind measured so far
+
+
+def system_fits(left_s: float, train_seconds: float, mode: str,
+                walls: dict[str, float]) -> tuple[bool, str]:
+    """Whether a system of train.py mode `mode` should start with `left_s` of the budget left,
+    and why.  `walls`: the longest launch wall time measured so far per mode ("ref" for the
+    reference, which also calibrates, so it is an upper bound for a first system of a kind).
+    A system started without the time to finish is stopped by the budget's timeout and leaves
+    a partial run that a --continue call cannot redo; skipped, it can."""
+    need = max(MIN_SYSTEM_S, 1.5 * train_seconds)
+    basis = f"1.5 x the {train_seconds:.0f} s of training"
+    known = walls.get(mode) or walls.get("ref")
+    if known and WALL_MARGIN * known > need:
+        need = WALL_MARGIN * known
+        basis = (f"{WALL_MARGIN:g} x the longest {mode} system so far ({known:.0f} s)" if walls.get(mode)
+                 else f"{WALL_MARGIN:g} x the reference's {known:.0f} s")
+    if left_s < need:
+        return False, f"time budget: {left_s:.0f} s left, needs ~{need:.0f} s ({basis})"
+    return True, f"{left_s:.0f} s left, needs ~{need:.0f} s ({basis})"
+
+
+def walls(res: dict) -> dict[str, float]:
+    """The longest launch wall time per train.py mode among the systems in `res` so far."""
+    out: dict[str, float] = {}
+    runs = [("ref", res.get("reference"))] + [(r.get("mode"), r) for r in res.get("systems", {}).values()]
+    for mode, r in runs:
+        w = ((r or {}).get("launch") or {}).get("wall_s")
+        if mode and w:
+            out[mode] = max(out.get(mode, 0.0), float(w))
+    return out
 
 
 def log(msg: str) -> None:
@@ -316,9 +347,10 @@ def main(argv: list[str] | None = None) -> int:
                 ok &= bool(res["systems"][sysm.name].get("complete"))
                 continue
             left = budget - (time.monotonic() - t_begin)
-            if left < max(MIN_SYSTEM_S, 1.5 * preset.train_seconds):
-                res["skipped"][sysm.name] = f"time budget: {left:.0f} s left"
-                log(f"{sysm.name}: skipped ({res['skipped'][sysm.name]})")
+            fits, why = system_fits(left, preset.train_seconds, sysm.mode, walls(res))
+            if not fits:
+                res["skipped"][sysm.name] = why
+                log(f"{sysm.name}: skipped ({why})")
                 ok = False
                 continue
             run_dir = os.path.join(work, sysm.name)
