@@ -214,6 +214,7 @@ class Fused:
             cfg = replace(self.cfg, clip_grad_norm=clip, weight_decay=wd)
             code = ParityCode(k, mm, S, backend="cuda")
             f = Fused(self.ext, cfg, self.variant)
+            f.layout = self.layout          # the layout under check, whatever the environment says
             st = [torch.randn(n * E, generator=gen) for _ in range(2)] + [torch.rand(n * E, generator=gen)]
             st = [t.to(device) for t in st]
             ref = [t.clone() for t in st]
