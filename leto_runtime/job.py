@@ -104,6 +104,11 @@ class Job:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)      # the CUDA context now (level L2), not later
+        # The native kernels are built (first run on a machine: minutes) before the first
+        # heartbeat arms the launcher's hang detection, and before any peer waits on this rank
+        # in the process group (leto_runtime/kernels.py).
+        from leto_runtime import kernels
+        kernels.prepare(self.device)
         per_gpu = torch.cuda.device_count() >= ctx.local_world_size if self.device.type == "cuda" else False
         self.backend = backend or ("nccl" if per_gpu else "gloo")
         self.faults = Faults(ctx)

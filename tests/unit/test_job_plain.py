@@ -84,3 +84,29 @@ def test_buffers_need_a_recompute_function(plain_job):
         model = torch.nn.BatchNorm1d(4)
     with pytest.raises(ValueError, match="buffers"):
         plain_job.retain(model)
+
+
+def test_the_kernels_are_built_before_the_first_heartbeat(monkeypatch):
+    """The first heartbeat arms leto-run's hang detection, so the native kernels -- compiled on
+    a machine's first run, about a minute on CPU -- must be ready before it: on a fresh machine
+    the README's demo (--hang-timeout 10 s) had its trainers killed as hung while they compiled.
+    Observed here: what the parity loader holds when Job sends its first heartbeat."""
+    import importlib
+
+    from leto_runtime.parity import _ext
+    hb = importlib.import_module("leto_runtime.heartbeat")   # (the package exports the function)
+
+    for k in list(os.environ):
+        if (k.startswith("LETO_") and k != "LETO_EXT_DIR") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+            monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(_ext, "_cache", {})            # as in a fresh process: nothing loaded
+    seen = []
+    real = hb.heartbeat
+    monkeypatch.setattr(hb, "heartbeat", lambda step=None: (seen.append(set(_ext._cache)), real(step)))
+    J._JOB = None
+    try:
+        J.init(seed=3, device="cpu")
+    finally:
+        J._JOB = None
+    assert seen, "Job sent no heartbeat at start-up"
+    assert "cpu" in seen[0], f"the C++ codec was not loaded before the first heartbeat: {seen[0]}"
