@@ -108,7 +108,12 @@ class Job:
         # heartbeat arms the launcher's hang detection, and before any peer waits on this rank
         # in the process group (leto_runtime/kernels.py).
         from leto_runtime import kernels
-        kernels.prepare(self.device)
+        if self.device.type == "cuda":
+            # A setting only the first opt.step() would read is checked here, before the
+            # process group: a typo is a start-up error, not a crash of every promoted shadow.
+            from leto_runtime.rmu import fused
+            fused.layout()
+        kernels.prepare(self.device, retained=self.inplace)
         per_gpu = torch.cuda.device_count() >= ctx.local_world_size if self.device.type == "cuda" else False
         self.backend = backend or ("nccl" if per_gpu else "gloo")
         self.faults = Faults(ctx)

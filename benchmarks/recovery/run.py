@@ -264,7 +264,8 @@ def evaluate(sysm, preset, ln: Launch, ref: dict, ref_recs: list[dict], interval
             kw.update(ckpt=sysm.ckpt, cost_s=cost)
         else:
             kw.update(recovery_s=rec)
-        out["model_run"] = M.model_run(steps=n, failures=len(done), T_ref=ref["T_ref"],
+        # every failure cost the run its recovery, caught up before the next one or not
+        out["model_run"] = M.model_run(steps=n, failures=len(fails), T_ref=ref["T_ref"],
                                        mttf_s=preset.mtbf_s, interval=interval, **kw)
         out["extrapolated"] = M.model_ettr(mttf_s=M.PAPER_MTTF_S, **kw)
     out["timeline"] = timeline(recs, t0) if t0 is not None else []

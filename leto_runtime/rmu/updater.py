@@ -383,6 +383,7 @@ class Updater:
                 self._finish_writeback()
                 rec = self._mark(group=g + 1, chunk=0, sub=0, auth=0, gstate=GState.LOAD, wb=g,
                                  wb_auth=m.rec.auth)
+                self.lap("markers")
                 self._writeback(t, g, rec.wb_auth, side=True)
                 self.lap("parity load/write-back")
                 return

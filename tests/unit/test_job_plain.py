@@ -110,3 +110,26 @@ def test_the_kernels_are_built_before_the_first_heartbeat(monkeypatch):
         J._JOB = None
     assert seen, "Job sent no heartbeat at start-up"
     assert "cpu" in seen[0], f"the C++ codec was not loaded before the first heartbeat: {seen[0]}"
+
+
+def test_kernels_prepare_reports_what_it_cannot_build_and_never_raises(monkeypatch):
+    """On this CPU-only torch, preparing for a CUDA device finds the CUDA kernels unavailable and
+    says why, skips what the settings turn off, and raises nothing: the code that needs a kernel
+    reports its absence itself, when and if it needs it."""
+    from leto_runtime import kernels
+
+    monkeypatch.setenv("LETO_LEND", "0")
+    monkeypatch.setenv("LETO_RMU_FUSED", "0")
+    monkeypatch.setenv("LETO_RMU_STREAM_MARKER", "0")
+    monkeypatch.setenv("LETO_RMP_MAP", "python")
+    got = kernels.prepare("cpu")
+    assert got == {"parity_cpu": "ready"}
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA kernels are available here")
+    got = kernels.prepare("cuda", retained=True)
+    assert got["parity_cpu"] == "ready"
+    assert got["parity_cuda"].startswith("ParityBackendUnavailable") and "CUDA" in got["parity_cuda"]
+    assert got["rmu_cuda"] == got["lend_alloc"] == "not used"
+    assert set(got) == {"parity_cpu", "parity_cuda", "rmu_cuda", "lend_alloc", "rmp_map"}
+    assert kernels.prepare("cuda", retained=False).keys() == {"parity_cpu", "parity_cuda", "rmu_cuda",
+                                                               "lend_alloc"}

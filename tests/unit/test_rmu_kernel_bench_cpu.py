@@ -25,3 +25,10 @@ def test_a_chunk_past_its_group_is_refused(capsys):
     with pytest.raises(SystemExit) as e:
         kb.parse_args(["--k", "1024", "--first", "900", "--pages", "256"])
     assert e.value.code == 2 and "exceed the group's 1024 pages" in capsys.readouterr().err
+
+
+def test_an_unknown_layout_is_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit) as e:
+        kb.parse_args(["--layouts", "4x2x3,3x3x3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "3x3x3 not among 4x2x3, 4x2x3-statemajor" in err
