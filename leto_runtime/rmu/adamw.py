@@ -283,3 +283,28 @@ def adamw_chunk_(p: Tensor, m: Tensor, v: Tensor, g: Tensor, *, step: int, lr: f
     else:
         denom = (v.sqrt() / bias_correction2_sqrt).add_(cfg.eps)
     p.addcdiv_(m, denom, value=-step_size)
+
+
+_warm = False
+
+
+def warm_cpu_math() -> None:
+    """Run the CPU AdamW's `sqrt` once, split over every intra-op thread, before a process's
+    first real update.
+
+    Why: torch's CPU sqrt is MKL VML's (not IEEE: 21 of 4096 values differ from the correctly
+    rounded ones) and a 4096-element call is split between the intra-op threads.  In a fresh
+    process the first such call did not always compute its second half the way every later call
+    does (a few ulps in the denominator).  A fault-free run meets that call at step 0, a promoted
+    or recovering trainer on the chunk it redoes, so a recovered CPU run differed from the
+    fault-free one in half a chunk of parameters (tests/integration/test_rmu_crash.py, about
+    one module run in two in CI's environment, 2026-11-29 .. 11-30; none in 5 runs with this
+    warm-up).  Idempotent; CPU only (the GPU path uses Leto's own kernels)."""
+    global _warm
+    if _warm:
+        return
+    n = 4096 * max(1, torch.get_num_threads())
+    v = torch.linspace(1e-8, 1.0, n)
+    for _ in range(2):
+        torch.sqrt(v).div_(0.5).add_(1e-8)
+    _warm = True

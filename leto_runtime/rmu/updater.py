@@ -94,6 +94,8 @@ class Updater:
 
         self.ss, self.cfg, self.backend, self.transactions = ss, cfg, backend, transactions
         self.inject = inject or _noinject
+        if torch.device(ss.device).type == "cpu":
+            A.warm_cpu_math()       # before the first real update of this process (adamw.py)
         self.marker = Marker(ss.marker, backend=backend)
         g = ss.geo
         self._codes: dict[int, ParityCode] = {}
