@@ -19,6 +19,7 @@ docs/PARITY.md; coefficients come from gf16.py.
 """
 from __future__ import annotations
 
+import ctypes
 import operator
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
@@ -185,6 +186,41 @@ class ParityCode:
         news, ndev = _as_pages(new, len(idx), self.page_bytes, "new")
         stacked = (old if isinstance(old, torch.Tensor) else None, new if isinstance(new, torch.Tensor) else None)
         self._delta(parity, idx, olds, news, dev, ndev, stacked, scratch, base, method)
+
+    def prepare_update(self, parity: Pages, index, old: Pages, new: Pages, *,
+                       base: Optional[Pages] = None):
+        """update(parity, index, old, new, base=base) as a call with nothing left to look up or
+        check, for pages that stay where they are; None where it does not apply (then call
+        update()).  Applies on CPU when the plan is pagewise (a short run, as RMU's chunks on
+        CPU): the call copies base into parity, then runs the pagewise kernel, exactly what
+        update() does there.  It holds the pages' addresses, not the tensors (no view is kept
+        alive), so the caller must not call it once any of those pages moved or was unmapped."""
+        idx = _indices(index, self.k)
+        olds, dev = _as_pages(old, len(idx), self.page_bytes, "old")
+        news, ndev = _as_pages(new, len(idx), self.page_bytes, "new")
+        par, pdev = _as_pages(parity, self.m, self.page_bytes, "parity")
+        if not (dev == ndev == pdev):
+            raise PageShapeError(f"parity on {pdev}, old on {dev}, new on {ndev}: use one device")
+        be = self.backend_for(dev)
+        prep = getattr(be, "prepared_delta", None)
+        plan = _delta.choose(be.name, self.m, self.m, idx, method=_delta.method_from_env("auto"))
+        if dev.type != "cpu" or prep is None or plan.method != "pagewise":
+            return None
+        moves = []
+        if base is not None:
+            bpages, bdev = _as_pages(base, self.m, self.page_bytes, "base")
+            if bdev != dev:
+                raise PageShapeError(f"base is on {bdev}, pages on {dev}")
+            moves = [(p.data_ptr(), b.data_ptr()) for p, b in zip(par, bpages) if p.data_ptr() != b.data_ptr()]
+        kernel = prep(par, olds, news, self.G[:, idx], self.page_bytes)
+        n = self.page_bytes
+
+        def call() -> None:
+            for dst, src in moves:
+                ctypes.memmove(dst, src, n)
+            kernel()
+            self._last_plan = plan
+        return call
 
     def update_delta(self, parity: Pages, index, delta: Pages, *, scratch: Optional[torch.Tensor] = None,
                      base: Optional[Pages] = None, method: str = "auto") -> None:

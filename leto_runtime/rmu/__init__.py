@@ -2,7 +2,8 @@
 
 Modules: `adamw` (the arithmetic, bitwise equal to torch.optim.AdamW), `states` (which retained
 states exist and how they are laid out), `marker` (the crash-safe progress record), `updater`
-(Pseudocode 1: gradient protection, global synchronization, chunk transactions), `recovery`
+(Pseudocode 1: gradient protection, global synchronization, chunk transactions), `cpu_chunks`
+(its CPU chunk copies and parity deltas, prepared once and replayed), `recovery`
 (resume point across ranks, page repair from a consistent boundary).  `leto_runtime.job` puts
 them together for training scripts.
 """

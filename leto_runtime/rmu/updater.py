@@ -46,6 +46,10 @@ parity launch.  The next group's host parity is loaded on a side stream while th
 group's chunks run, into a buffer the current group never touches (`StateSet.q(..., group)`).
 `profile = {}` makes every `lap()` synchronize and charge the time to a phase (benchmarks).
 
+CPU path: each chunk's undo copy and parity delta are looked up once per Updater and replayed
+from the pages' addresses (`cpu_chunks.ChunkCalls`; same kernels, same bits): on CPU's small
+chunks the lookups had cost ~4x the arithmetic.
+
 Marker writes on CUDA are stream-ordered (`Marker.write_async`, cudaLaunchHostFunc): each is
 queued right behind the operation it claims and before the one it guards, so the host queues a
 whole group without waiting and the GPU runs the operations back to back (H200, 1.42B
@@ -79,6 +83,7 @@ import time
 import torch
 
 from leto_runtime.rmu import adamw as A
+from leto_runtime.rmu.cpu_chunks import ChunkCalls
 from leto_runtime.rmu.marker import GState, Marker, Phase, Record
 from leto_runtime.rmu.states import StateSet
 
@@ -151,6 +156,8 @@ class Updater:
         self._wb_done = None                    # CUDA: the event after the queued write-back
         nc = [len(ss.chunks(g)) for g in range(len(ss.model[0].groups))]
         self._chunk_base = [sum(nc[:g]) for g in range(len(nc))]
+        # CPU: each chunk's undo copy and parity delta looked up once, then replayed (cpu_chunks.py)
+        self._cpu = None if self.cuda else ChunkCalls(ss)
 
     # ---- helpers -------------------------------------------------------------------------
     def lap(self, name: str) -> None:
@@ -245,6 +252,8 @@ class Updater:
             self.lender.leave(t)
 
     def close(self) -> None:
+        if self._cpu is not None:
+            self._cpu.clear()
         if self.lender is not None:
             self.lender.close()
             self.lender = None
@@ -303,6 +312,8 @@ class Updater:
 
     def update(self, t: int) -> None:
         self.end_lending(t)
+        if self._cpu is not None:
+            self._cpu.check()
         self._mark(t=t, phase=Phase.UPDATING, group=0, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
         self._run(t, start_group=0)
 
@@ -312,6 +323,8 @@ class Updater:
         if rec.done_step >= t:
             return
         self.end_lending(t)
+        if self._cpu is not None:
+            self._cpu.check()
         if rec.t != t or rec.phase < Phase.PROTECTED:
             raise RuntimeError(f"cannot finish iteration {t} from marker {rec.describe()}")
         if rec.phase < Phase.UPDATING:
@@ -469,6 +482,9 @@ class Updater:
         first, count = self.ss.chunks(g)[j]
         p0 = self.ss.model[0].groups[g].first + first
         s = self.slot(g, j)
+        if self._cpu is not None:
+            self._cpu.undo_copy(g, j, s)
+            return
         for i in range(3):
             self.ss.undo_pages(i, count, s).copy_(self.ss.model[i].pages(p0, count))
 
@@ -553,6 +569,8 @@ class Updater:
         if deltas is not None:
             code.update_delta_many([ss.q(i, 1 - auth, g) for i in range(3)], idx, deltas,
                                    bases=[ss.q(i, auth, g) for i in range(3)])
+        elif self._cpu is not None and self._cpu.parity_delta(g, j, auth, self.slot(g, j), code):
+            pass
         else:
             for i, st in enumerate(ss.model):
                 code.update(ss.q(i, 1 - auth, g), idx, ss.undo_pages(i, count, self.slot(g, j)),
