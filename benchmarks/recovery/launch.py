@@ -14,13 +14,15 @@ nproc=...)` -> `Launch` (`events_path`: leto-run's event log, for shadow readine
 raises for a failed or timed-out run (the result says so), and leaves no process behind: the
 launcher's session is stopped SIGTERM -> grace -> SIGKILL, then any process whose command line
 names `run_dir` (trainers, shadows, state managers: torchrun puts workers in sessions of their
-own) is SIGKILLed by pid.  KeyboardInterrupt is passed on after the teardown.
+own) is SIGKILLed by pid.  KeyboardInterrupt is passed on after the teardown.  `run_dir` is
+emptied first: what an earlier run left there is not this run's.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -179,7 +181,10 @@ def _tail(path: str, n: int = 40) -> str:
 def run_system(argv: list[str], env: dict, run_dir: str, schedule: list[tuple[float, int]],
                timeout_s: float, progress=None, events_path: str | None = None,
                nproc: int = 1) -> Launch:
-    os.makedirs(run_dir, exist_ok=True)
+    # The directory holds this launch's outputs only: step records or events left by an earlier
+    # run in the same --work-dir would be read as this run's (its first step, its victims).
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
     log_path = os.path.join(run_dir, "launcher.log")
     marker = os.path.abspath(run_dir).encode() + b"/"
     files = JsonlTail(step_files(os.path.join(run_dir, "steps")))
