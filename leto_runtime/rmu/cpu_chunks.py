@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import ctypes
 
+import torch
+
 
 class ChunkCalls:
     def __init__(self, ss) -> None:
-        if str(ss.device) != "cpu":
+        if torch.device(ss.device).type != "cpu":
             raise ValueError(f"ChunkCalls is the CPU path; the states are on {ss.device}")
         self.ss = ss
         self._calls: dict[tuple, object] = {}

@@ -109,3 +109,4 @@ def test_chunk_calls_decline_a_plan_other_than_pagewise():
     assert cc.parity_delta(0, 0, 0, 0, code) is False
     with pytest.raises(ValueError, match="CPU path"):
         ChunkCalls(type("SS", (), {"device": "cuda:0"})())
+    ChunkCalls(type("SS", (), {"device": "cpu:0"})())      # an index on CPU is still CPU
