@@ -312,8 +312,6 @@ class Updater:
 
     def update(self, t: int) -> None:
         self.end_lending(t)
-        if self._cpu is not None:
-            self._cpu.check()
         self._mark(t=t, phase=Phase.UPDATING, group=0, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
         self._run(t, start_group=0)
 
@@ -323,8 +321,6 @@ class Updater:
         if rec.done_step >= t:
             return
         self.end_lending(t)
-        if self._cpu is not None:
-            self._cpu.check()
         if rec.t != t or rec.phase < Phase.PROTECTED:
             raise RuntimeError(f"cannot finish iteration {t} from marker {rec.describe()}")
         if rec.phase < Phase.UPDATING:
@@ -344,6 +340,8 @@ class Updater:
         self._run(t, start_group=self.marker.rec.group)
 
     def _run(self, t: int, start_group: int) -> None:
+        if self._cpu is not None:
+            self._cpu.check()
         coef = torch.tensor(self.marker.rec.coef, dtype=torch.float32, device=self.gflat.device)
         lr = A.lr_at(self.cfg, t)
         for g in range(start_group, len(self.ss.model[0].groups)):
@@ -479,12 +477,12 @@ class Updater:
         return (self._chunk_base[g] + j) % self.slots
 
     def _copy_undo(self, g: int, j: int) -> None:
-        first, count = self.ss.chunks(g)[j]
-        p0 = self.ss.model[0].groups[g].first + first
         s = self.slot(g, j)
         if self._cpu is not None:
             self._cpu.undo_copy(g, j, s)
             return
+        first, count = self.ss.chunks(g)[j]
+        p0 = self.ss.model[0].groups[g].first + first
         for i in range(3):
             self.ss.undo_pages(i, count, s).copy_(self.ss.model[i].pages(p0, count))
 
@@ -569,9 +567,7 @@ class Updater:
         if deltas is not None:
             code.update_delta_many([ss.q(i, 1 - auth, g) for i in range(3)], idx, deltas,
                                    bases=[ss.q(i, auth, g) for i in range(3)])
-        elif self._cpu is not None and self._cpu.parity_delta(g, j, auth, self.slot(g, j), code):
-            pass
-        else:
+        elif self._cpu is None or not self._cpu.parity_delta(g, j, auth, self.slot(g, j), code):
             for i, st in enumerate(ss.model):
                 code.update(ss.q(i, 1 - auth, g), idx, ss.undo_pages(i, count, self.slot(g, j)),
                             st.pages(gi.first + first, count), base=ss.q(i, auth, g), scratch=self.scratch)
