@@ -376,6 +376,8 @@ class RecoveryConfig:
     chunk_pages: int = 0                     # RMU transaction size in pages (0: the runtime picks)
     pg_timeout: float = 600.0                # seconds: trainers' process-group and store waits
     demote: str = "release"                  # release | replace (see the docstring)
+    max_inplace_recoveries: int = 20         # in-place recoveries allowed per window (0: none)
+    inplace_window: float = 3600.0           # seconds: the sliding window of that budget
 
     def __post_init__(self) -> None:
         if self.mode not in RECOVERY_MODES:
@@ -407,6 +409,10 @@ class RecoveryConfig:
                       example="0 (the runtime picks) or 64")
         _check_number("recovery.pg_timeout", self.pg_timeout, minimum=0, strict=True,
                       example="600")
+        _check_number("recovery.max_inplace_recoveries", self.max_inplace_recoveries,
+                      minimum=0, integer=True, example="20 (0: every failure restarts)")
+        _check_number("recovery.inplace_window", self.inplace_window, minimum=0, strict=True,
+                      example="3600")
         if self.demote not in DEMOTE_MODES:
             raise _err("recovery.demote", f"{self.demote!r} is not a demotion mode",
                        "use replace (survivors are killed, fresh shadows start) or release "

@@ -312,6 +312,13 @@ OPTIONS: tuple[Option, ...] = (
            "What happens to surviving actives of a HOF: replace (killed, fresh shadows) or "
            "release (they release GPU memory and become shadows in process).",
            "replace|release", fix="use replace or release"),
+    _leto("recovery.max_inplace_recoveries", ("--max-inplace-recoveries",), conv_int,
+          "In-place recoveries allowed within --inplace-window; past it, failures follow "
+          "--max-restarts (0: every failure restarts).", "N",
+          env="LETO_MAX_INPLACE_RECOVERIES", fix="use an integer >= 0, e.g. 20"),
+    _leto("recovery.inplace_window", ("--inplace-window",), conv_float,
+          "Seconds of the sliding window that --max-inplace-recoveries counts in.", "SECONDS",
+          env="LETO_INPLACE_WINDOW", fix="use a number of seconds > 0, e.g. 3600"),
 )
 INJECT_OPTION = _leto("inject", ("--inject",), conv_str,
                       "Inject a failure, e.g. kill:rank=1:after=5s, hang:rank=0:step=20, "

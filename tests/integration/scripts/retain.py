@@ -45,6 +45,12 @@ if attempt == 0:
         names = [s["name"] for s in c.list()]             # reconnects to the new state manager
         report(f"{'ok' if sha(st) == want and f'params.{rank}' in names else 'BAD'} {names}")
         sys.exit(0)
+    # Steps (and so the step-triggered kill) begin only once every rank has written: a rank
+    # still importing when its peer reaches the kill step would have nothing to attach.
+    open(os.path.join(out, f"written_{rank}"), "w").close()
+    world = int(os.environ["WORLD_SIZE"])
+    while not all(os.path.exists(os.path.join(out, f"written_{r}")) for r in range(world)):
+        time.sleep(0.02)
     for step in range(1000):
         leto.heartbeat(step)
         time.sleep(0.02)
