@@ -6,8 +6,9 @@ TRAINING_SCRIPT goes to the script untouched.  The click options are generated f
 `leto_run.config_load.OPTIONS`; values arrive here as raw strings and are converted and validated
 by `build_config`, so every bad value produces the same one-line `ConfigError` format.
 
-Calling contract: `main()` parses, builds the `JobConfig`, then (lazily, so a broken agent can't
-break `--help`) calls `leto_run.agent.run_job(cfg)` and exits with its return code.
+Calling contract: `main()` parses, builds the `JobConfig`, checks this machine's side of it
+(`leto_run.preflight`: paths, programs), then (lazily, so a broken agent can't break `--help`)
+calls `leto_run.agent.run_job(cfg)` and exits with its return code.
 `ConfigError` and click usage errors exit 2 with one line on stderr:
 `leto-run: error: <key> (<source>): <problem> -- fix: <fix>`; other `LetoError`s exit with their
 `.exit_code`.  Exit codes are defined in `leto_run.errors` only.
@@ -26,6 +27,7 @@ from leto_run import config as C
 from leto_run.config_load import INJECT_OPTION, OPTIONS, Option, build_config, default_of
 from leto_run.errors import (EXIT_RESTARTS_EXHAUSTED, EXIT_UNRECOVERABLE, EXIT_USAGE,
                              EXIT_WORKER_FAILED, ConfigError, LetoError)
+from leto_run.preflight import preflight
 
 PROG = "leto-run"
 _TITLES = {
@@ -153,19 +155,24 @@ def _click_params() -> list[click.Parameter]:
     return params
 
 
-def _config(ctx: click.Context, params: dict, env: Mapping[str, str]) -> C.JobConfig:
+def _config(ctx: click.Context, params: dict, env: Mapping[str, str],
+            sources: dict[str, str] | None = None) -> C.JobConfig:
     given = {name for name in params
              if ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE}
     return build_config(params, given, env, params.get("config"),
-                        require_script=not params["print_config"])
+                        require_script=not params["print_config"], sources_out=sources)
 
 
 def _run(ctx: click.Context, **params) -> int:
-    cfg = _config(ctx, params, (ctx.obj or {}).get("env", os.environ))
+    env = (ctx.obj or {}).get("env", os.environ)
+    sources: dict[str, str] = {}
+    cfg = _config(ctx, params, env, sources)
     if params["print_config"]:
         click.echo("# leto-run resolved configuration (derived fields included)")
         click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
         return 0
+    # Paths and programs on this machine: checked before the agent starts anything.
+    preflight(cfg, env, sources)
     for w in cfg.warnings:
         click.echo(f"{PROG}: warning: {w}", err=True)
     from leto_run.agent import run_job   # lazy: the agent is not needed to parse or print config

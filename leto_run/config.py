@@ -8,8 +8,10 @@ loader computes.
 
 Contract: a `JobConfig` that exists is valid.  Values are checked when the object is built
 (`__post_init__`) and every problem raises `ConfigError` naming the key, the value and the fix;
-callers never re-validate.  The loader adds the *source* (YAML file:line, `--option`, `PET_X`)
-to errors raised here.  The loader also resolves torchrun's rendezvous rules (standalone,
+callers never re-validate.  Every number is bounded above too (`leto_run.limits`: a value that
+passes `>= 0` but overflows later is an error here), and injections that can never fire in this
+job are refused (`leto_run.inject_checks`).  The loader adds the *source* (YAML file:line,
+`--option`, `PET_X`) to errors raised here.  The loader also resolves torchrun's rendezvous rules (standalone,
 single-node auto-c10d, default master port, static `rank`), so the agent reads final values.
 """
 from __future__ import annotations
@@ -20,8 +22,12 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from leto_run import limits as L
+from leto_run.config_values import (_STD_HELP, normalize_signal, parse_endpoint,  # noqa: F401
+                                    parse_nnodes, parse_rdzv_conf, parse_std)
 from leto_run.errors import ConfigError
-from leto_run.inject import InjectSpec, signal_name, signal_number
+from leto_run.inject import InjectSpec, signal_name, signal_number  # noqa: F401 (re-exported)
+from leto_run.inject_checks import check_injects
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -31,7 +37,6 @@ NUMA_MODES = ("node", "socket", "exclusive", "core-complex")   # torchrun's --nu
 DEFAULT_MASTER_PORT = 29500
 # Signals torchrun forwards by default, plus the ones Slurm users need (ANCHORS.md §1, #154849).
 FORWARDABLE_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
-_STD_HELP = "0 (none), 1 (stdout), 2 (stderr), 3 (both), or per local rank like 0:1,1:2"
 
 # torchrun options Leto parses for drop-in compatibility but does not implement: any value
 # other than the default is rejected (never silently ignored).  key -> (default, what instead)
@@ -50,73 +55,25 @@ UNSUPPORTED = {
 }
 
 
-# ---- value parsers shared by the loader and the checks below (ValueError = bad syntax) --------
-def parse_nnodes(nnodes: str) -> tuple[int, int]:
-    """`"2"` -> (2, 2); `"1:4"` -> (1, 4).  Syntax only; ranges are checked by LaunchConfig."""
-    m = re.fullmatch(r"\s*(-?\d+)\s*(?::\s*(-?\d+)\s*)?", str(nnodes))
-    if not m:
-        raise ValueError(f"nnodes {nnodes!r} is not N or MIN:MAX")
-    lo = int(m[1])
-    return lo, int(m[2]) if m[2] is not None else lo
-
-
-def parse_std(spec: str) -> int | dict[int, int]:
-    """torchrun's `--redirects`/`--tee` value: `"3"` -> 3; `"0:1,1:2"` -> {0: 1, 1: 2}."""
-    s = str(spec).strip()
-    if re.fullmatch(r"[0-3]", s):
-        return int(s)
-    if re.fullmatch(r"\d+:[0-3](,\d+:[0-3])*", s):
-        out: dict[int, int] = {}
-        for item in s.split(","):
-            r, v = item.split(":")
-            if int(r) in out:
-                raise ValueError(f"local rank {r} appears twice in {spec!r}")
-            out[int(r)] = int(v)
-        return out
-    raise ValueError(f"{spec!r} is not a stream selector")
-
-
-def parse_rdzv_conf(text: str) -> tuple[tuple[str, str], ...]:
-    """`k=v,k2=v2` -> (("k", "v"), ("k2", "v2")), as torchrun's `_parse_rendezvous_config`."""
-    out: list[tuple[str, str]] = []
-    for kv in filter(None, (p.strip() for p in str(text).strip().split(","))):
-        k, _, v = kv.partition("=")
-        if not k.strip() or not v.strip():
-            raise ValueError(f"{kv!r} is not key=value")
-        out.append((k.strip(), v.strip()))
-    return tuple(out)
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int | None]:
-    """`host`, `host:port`, `[::1]:port` -> (host, port or None)."""
-    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\s\[\]]+)(?::(\d{1,5}))?", endpoint.strip())
-    if not m:
-        raise ValueError(f"{endpoint!r} is not HOST or HOST:PORT")
-    port = int(m[2]) if m[2] is not None else None
-    if port is not None and port > 65535:
-        raise ValueError(f"port {port} in {endpoint!r} is above 65535")
-    return m[1], port
-
-
-def normalize_signal(name: str) -> str:
-    """`term` / `SIGTERM` / `15` -> `SIGTERM`; ValueError for non-signals."""
-    return signal_name(signal_number(name))
-
-
 def _err(key: str, problem: str, fix: str) -> ConfigError:
     return ConfigError(key, problem, fix)
 
 
 def _check_number(key: str, value, *, minimum: float, strict: bool = False,
-                  integer: bool = False, example: str = "") -> None:
+                  integer: bool = False, example: str = "", maximum: float | None = None) -> None:
+    """`value` is a number (an int when `integer`) >= `minimum` (> when `strict`) and, every
+    option having one (`leto_run.limits`), <= `maximum`."""
     kinds = (int,) if integer else (int, float)
     bad_type = isinstance(value, bool) or not isinstance(value, kinds)
+    op = ">" if strict else ">="
+    what = "an integer" if integer else "a number"
+    top = "" if maximum is None else f" and <= {L.seconds_text(maximum) if not integer else maximum}"
+    fix = f"set {key} to {what} {op} {minimum:g}{top}" + (f", e.g. {example}" if example else "")
     if bad_type or (not integer and not math.isfinite(value)) or value < minimum or (
             strict and value == minimum):
-        op = ">" if strict else ">="
-        what = "an integer" if integer else "a number"
-        raise _err(key, f"{value!r} is not {what} {op} {minimum:g}",
-                   f"set {key} to {what} {op} {minimum:g}" + (f", e.g. {example}" if example else ""))
+        raise _err(key, f"{value!r} is not {what} {op} {minimum:g}", fix)
+    if maximum is not None and value > maximum:
+        raise _err(key, f"{value!r} is above the maximum {maximum:g}", fix)
 
 
 def _check_supported(obj, section: str) -> None:
@@ -168,6 +125,9 @@ class LaunchConfig:
             raise _err("launch.nnodes", f"{self.nnodes!r} needs 1 <= MIN <= MAX (got MIN={lo}, "
                        f"MAX={hi})", "use N >= 1 or MIN:MAX, e.g. "
                        + (f"{hi}:{lo}" if lo > hi > 0 else "2 or 1:4"))
+        if hi > L.MAX_NODES:
+            raise _err("launch.nnodes", f"{self.nnodes!r}: MAX={hi} is above {L.MAX_NODES} nodes",
+                       f"use at most {L.MAX_NODES} nodes, e.g. 1:4")
         if (self.min_nodes, self.max_nodes) == (1, 1):   # not given: derive from nnodes
             _freeze(self, "min_nodes", lo)
             _freeze(self, "max_nodes", hi)
@@ -175,14 +135,16 @@ class LaunchConfig:
             raise _err("launch.nnodes", f"{self.nnodes!r} contradicts min_nodes={self.min_nodes}, "
                        f"max_nodes={self.max_nodes}", "give nnodes only; min/max are derived")
         self._check_nproc()
-        _check_number("launch.node_rank", self.node_rank, minimum=0, integer=True)
+        _check_number("launch.node_rank", self.node_rank, minimum=0, integer=True,
+                      maximum=L.MAX_NODES - 1)
         _check_number("launch.max_restarts", self.max_restarts, minimum=0, integer=True,
-                      example="3")
+                      example="3", maximum=L.MAX_COUNT)
         _check_number("launch.monitor_interval", self.monitor_interval, minimum=0, strict=True,
-                      example="0.1")
-        _check_number("launch.shutdown_timeout", self.shutdown_timeout, minimum=0, example="30")
+                      example="0.1", maximum=L.MAX_SECONDS)
+        _check_number("launch.shutdown_timeout", self.shutdown_timeout, minimum=0, example="30",
+                      maximum=L.MAX_SECONDS)
         _check_number("launch.exit_barrier_timeout", self.exit_barrier_timeout, minimum=0,
-                      example="300")
+                      example="300", maximum=L.MAX_SECONDS)
         if self.start_method not in START_METHODS:
             raise _err("launch.start_method", f"{self.start_method!r} is not a start method",
                        f"use one of {', '.join(START_METHODS)}")
@@ -198,11 +160,17 @@ class LaunchConfig:
     def _check_nproc(self) -> None:
         v = self.nproc_per_node
         s = str(v).strip().lower() if not isinstance(v, bool) else ""
-        if re.fullmatch(r"\+?\d+", s) and int(s) > 0:
+        fix = (f"use a positive integer <= {L.MAX_NPROC_PER_NODE} (e.g. 4) or "
+               f"{', '.join(NPROC_KEYWORDS)}")
+        if re.fullmatch(r"\+?[0-9]+", s) and s.lstrip("+0"):
+            if len(s.lstrip("+0")) > len(str(L.MAX_NPROC_PER_NODE)) or \
+                    int(s) > L.MAX_NPROC_PER_NODE:
+                raise _err("launch.nproc_per_node", f"{v!r} is above the maximum "
+                           f"{L.MAX_NPROC_PER_NODE} workers per node", fix)
             s = str(int(s))
         elif s not in NPROC_KEYWORDS:
             raise _err("launch.nproc_per_node", f"{v!r} is not a positive integer or "
-                       f"{'/'.join(NPROC_KEYWORDS)}", "use a positive integer (e.g. 4) or auto, cpu, gpu")
+                       f"{'/'.join(NPROC_KEYWORDS)}", fix)
         _freeze(self, "nproc_per_node", s)
 
     def _check_entrypoint(self) -> None:
@@ -277,14 +245,14 @@ class RendezvousConfig:
             raise _err("rendezvous.id", f"{self.id!r} is empty", "use a job id, e.g. $SLURM_JOB_ID")
         _freeze(self, "conf", tuple((str(k), str(v)) for k, v in self.conf))
         for k, v in self.conf:
-            if k.endswith("timeout"):
+            if k.endswith(("timeout", "interval")):    # torch turns these into timedeltas
                 try:
-                    ok = math.isfinite(float(v)) and float(v) > 0
+                    x = float(v)
                 except ValueError:
-                    ok = False
-                if not ok:
-                    raise _err("rendezvous.conf", f"{k}={v!r} is not a positive number of seconds",
-                               f"e.g. {k}=600")
+                    x = math.nan
+                if not (math.isfinite(x) and 0 < x <= L.MAX_SECONDS):
+                    raise _err("rendezvous.conf", f"{k}={v!r} is not a number of seconds > 0 "
+                               f"and <= {L.seconds_text(L.MAX_SECONDS)}", f"e.g. {k}=600")
         if len({k for k, _ in self.conf}) != len(self.conf):
             raise _err("rendezvous.conf", f"duplicate key in {self.conf!r}", "give each key once")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
@@ -336,9 +304,10 @@ class LogsConfig:
                 raise _err(f"logs.{name}", str(e), f"use {_STD_HELP}") from None
             _freeze(self, name, str(v).strip())
         ranks = tuple(self.local_ranks_filter)
-        if any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
-            raise _err("logs.local_ranks_filter", f"{ranks!r} must be local ranks (integers >= 0)",
-                       "e.g. --local-ranks-filter 0,1")
+        if any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < L.MAX_NPROC_PER_NODE
+               for r in ranks):
+            raise _err("logs.local_ranks_filter", f"{ranks!r} must be local ranks (integers "
+                       f"0..{L.MAX_NPROC_PER_NODE - 1})", "e.g. --local-ranks-filter 0,1")
         _freeze(self, "local_ranks_filter", tuple(dict.fromkeys(ranks)))
         if self.status not in (None, True, False):
             raise _err("logs.status", f"{self.status!r} is not true/false", "use --status or "
@@ -384,35 +353,48 @@ class RecoveryConfig:
             raise _err("recovery.mode", f"{self.mode!r} is not a recovery mode",
                        f"use one of {', '.join(RECOVERY_MODES)}")
         _check_number("recovery.hang_timeout", self.hang_timeout, minimum=0,
-                      example="60 (0 disables hang detection)")
+                      example="60 (0 disables hang detection)", maximum=L.MAX_SECONDS)
         _check_number("recovery.page_bytes", self.page_bytes, minimum=4096, integer=True,
-                      example="2097152 (2 MiB)")
+                      example="2097152 (2 MiB)", maximum=L.MAX_PAGE_BYTES)
         if self.page_bytes % 4096:
             # The codec needs multiples of 1024; the pool maps whole memory pages (4 KiB).
             raise _err("recovery.page_bytes", f"{self.page_bytes} is not a multiple of 4096",
                        "use a multiple of 4096 (and so of 1024), e.g. 2097152 (2 MiB)")
         _check_number("recovery.data_pages", self.data_pages, minimum=1, integer=True,
-                      example="1024")
-        _check_number("recovery.tier1", self.tier1, minimum=1, integer=True, example="16")
+                      example="1024", maximum=L.MAX_GROUP_PAGES)
+        _check_number("recovery.tier1", self.tier1, minimum=1, integer=True, example="16",
+                      maximum=L.MAX_GROUP_PAGES)
         if self.tier1 > 16:
             raise _err("recovery.tier1", f"{self.tier1} is above 16",
                        "use 1..16 tier-1 parity pages (the codec's exponent window)")
-        _check_number("recovery.tier2", self.tier2, minimum=0, integer=True, example="1")
+        if type(self.tier2) is int and self.tier2 == 0:
+            # A group's tier-1 parity is itself protected (it can be rebuilt without the data);
+            # the codec has no code with zero parity pages, so every trainer would fail.
+            raise _err("recovery.tier2", "0 tier-2 parity pages: every protection group needs "
+                       "at least one (its tier-1 parity pages are protected by tier 2)",
+                       f"use 1..{self.tier1} tier-2 parity pages (default 1)")
+        _check_number("recovery.tier2", self.tier2, minimum=1, integer=True, example="1",
+                      maximum=L.MAX_GROUP_PAGES)
         if self.tier2 > self.tier1:
             raise _err("recovery.tier2", f"{self.tier2} is above tier1={self.tier1}",
-                       f"use 0..{self.tier1} tier-2 parity pages (at most tier1)")
+                       f"use 1..{self.tier1} tier-2 parity pages (at most tier1)")
         if self.data_pages + self.tier1 > 65535:
             raise _err("recovery.data_pages", f"data_pages + tier1 = "
                        f"{self.data_pages + self.tier1} is above 65535 (GF(2^16) code length)",
                        f"use data_pages <= {65535 - self.tier1}")
         _check_number("recovery.chunk_pages", self.chunk_pages, minimum=0, integer=True,
                       example="0 (the runtime picks) or 64")
+        if self.chunk_pages > self.data_pages:
+            raise _err("recovery.chunk_pages", f"{self.chunk_pages} is above data_pages="
+                       f"{self.data_pages} (a chunk, one RMU transaction, is part of one "
+                       "protection group)", f"use 0 (the runtime picks) or 1..{self.data_pages}")
         _check_number("recovery.pg_timeout", self.pg_timeout, minimum=0, strict=True,
-                      example="600")
+                      example="600", maximum=L.MAX_SECONDS)
         _check_number("recovery.max_inplace_recoveries", self.max_inplace_recoveries,
-                      minimum=0, integer=True, example="20 (0: every failure restarts)")
+                      minimum=0, integer=True, example="20 (0: every failure restarts)",
+                      maximum=L.MAX_COUNT)
         _check_number("recovery.inplace_window", self.inplace_window, minimum=0, strict=True,
-                      example="3600")
+                      example="3600", maximum=L.MAX_WINDOW_SECONDS)
         if self.demote not in DEMOTE_MODES:
             raise _err("recovery.demote", f"{self.demote!r} is not a demotion mode",
                        "use replace (survivors are killed, fresh shadows start) or release "
@@ -458,19 +440,7 @@ class JobConfig:
             if bad:
                 raise _err("logs.local_ranks_filter", f"local rank(s) {bad} do not exist with "
                            f"nproc_per_node {nproc}", f"use local ranks 0..{nproc - 1}")
-        world = la.max_nodes * nproc if nproc is not None else None
-        for i, spec in enumerate(self.inject):
-            if not isinstance(spec, InjectSpec):
-                raise _err(f"inject[{i}]", f"{spec!r} is not an InjectSpec",
-                           "parse it with leto_run.inject.parse_inject")
-            if world is not None and spec.rank >= world:
-                raise _err(f"inject[{i}]", f"{spec.text!r}: rank {spec.rank} is not below the world "
-                           f"size {world} (max nodes {la.max_nodes} x nproc_per_node {nproc})",
-                           f"use a rank in 0..{world - 1}")
-            if self.recovery.mode == "restart" and spec.attempt > la.max_restarts:
-                raise _err(f"inject[{i}]", f"{spec.text!r}: attempt {spec.attempt} never happens "
-                           f"with max_restarts {la.max_restarts}",
-                           f"use attempt <= {la.max_restarts} or raise --max-restarts")
+        check_injects(self)
 
     @property
     def max_world_size(self) -> int | None:

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from leto_run import config as C
+from leto_run.config_conv import (conv_bool, conv_conf, conv_filters, conv_float,  # noqa: F401
+                                  conv_int, conv_opt_str, conv_ranks, conv_script_args,
+                                  conv_signals, conv_status, conv_std, conv_str,
+                                  conv_str_or_int)
 from leto_run.errors import ConfigError
 from leto_run.inject import GRAMMAR, parse_inject, parse_inject_mapping
 from leto_run.yaml_source import YamlDoc, load_yaml
@@ -32,135 +35,6 @@ SECTIONS = {"launch": C.LaunchConfig, "rendezvous": C.RendezvousConfig, "logs": 
 DERIVED = {"launch.min_nodes": "launch.nnodes", "launch.max_nodes": "launch.nnodes",
            "rendezvous.auto_c10d": "rendezvous.backend"}
 LETO_CONFIG_ENV = "LETO_CONFIG"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-# ---- converters: raw value (str from env/CLI, or a YAML-native value) -> field value ----------
-def _type_error(raw, want: str) -> ValueError:
-    return ValueError(f"expected {want}, got {type(raw).__name__} {raw!r}")
-
-
-def conv_str(raw) -> str:
-    if not isinstance(raw, str):
-        raise _type_error(raw, "a string")
-    return raw
-
-
-def conv_opt_str(raw) -> str | None:
-    """Paths and addresses: "" means unset, as in torchrun (`if not log_dir: mkdtemp()`)."""
-    return None if raw is None or conv_str(raw).strip() == "" else raw
-
-
-def conv_str_or_int(raw) -> str:
-    """nnodes / nproc_per_node / redirects: YAML may say `4` or `"1:4"`."""
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        return str(raw)
-    return conv_str(raw).strip()
-
-
-def conv_int(raw) -> int:
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        raise _type_error(raw, "an integer")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{raw!r} is not an integer") from None
-
-
-def conv_float(raw) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-        raise _type_error(raw, "a number")
-    try:
-        x = float(raw)
-    except ValueError:
-        raise ValueError(f"{raw!r} is not a number") from None
-    if not math.isfinite(x):
-        raise ValueError(f"{raw!r} is not a finite number")
-    return x
-
-
-def conv_bool(raw) -> bool:
-    if isinstance(raw, bool):
-        return raw
-    if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
-        return raw.strip().lower() in _TRUE
-    raise ValueError(f"{raw!r} is not a boolean (use 1/0, true/false)")
-
-
-def conv_status(raw) -> bool | None:
-    if raw is None or (isinstance(raw, str) and raw.strip().lower() == "auto"):
-        return None
-    return conv_bool(raw)
-
-
-def _conv_list(raw, item: Callable[[Any], Any], split: Callable[[str], list[str]]) -> tuple:
-    if isinstance(raw, str):
-        return tuple(item(x) for x in split(raw))
-    if isinstance(raw, (list, tuple)):
-        return tuple(item(x) for x in raw)
-    raise _type_error(raw, "a list or a comma-separated string")
-
-
-def _commas(s: str) -> list[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def conv_signals(raw) -> tuple[str, ...]:
-    return _conv_list(raw, lambda x: str(x).strip(), _commas)
-
-
-def conv_ranks(raw) -> tuple[int, ...]:
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        return (raw,)
-    if isinstance(raw, str) and not raw.strip():
-        return ()      # torchrun: an empty filter shows every rank
-
-    def rank(x):
-        if isinstance(x, int) and not isinstance(x, bool):
-            return x
-        if isinstance(x, str) and x.strip().isdigit():
-            return int(x)
-        raise ValueError(f"{x!r} is not a local rank (an integer >= 0)")
-    return _conv_list(raw, rank, lambda s: [x.strip() for x in s.split(",")])
-
-
-def conv_filters(raw) -> tuple[str, ...]:
-    """torchrun's comma list where `,,` escapes a literal comma."""
-    def split(s: str) -> list[str]:
-        ph = "\0"
-        return [x.replace(ph, ",") for x in s.replace(",,", ph).split(",") if x]
-    return _conv_list(raw, conv_str, split)
-
-
-def conv_std(raw) -> str:
-    if isinstance(raw, dict):   # YAML: {0: 1, 1: 2}
-        raw = ",".join(f"{conv_int(k)}:{conv_int(v)}" for k, v in raw.items())
-    s = conv_str_or_int(raw)
-    C.parse_std(s)
-    return s
-
-
-def conv_conf(raw) -> tuple[tuple[str, str], ...]:
-    if isinstance(raw, dict):   # YAML: {join_timeout: 900}
-        out = []
-        for k, v in raw.items():
-            if isinstance(v, (dict, list, bool)) or v is None:
-                raise ValueError(f"{k}: {v!r} is not a scalar")
-            out.append((str(k), str(v)))
-        return tuple(out)
-    return C.parse_rdzv_conf(conv_str(raw))
-
-
-def conv_script_args(raw) -> tuple[str, ...]:
-    if not isinstance(raw, (list, tuple)):
-        raise _type_error(raw, "a list of strings")
-    for i, a in enumerate(raw):
-        if not isinstance(a, str):
-            raise ValueError(f"item {i} is {type(a).__name__} {a!r}, not a string (quote it: "
-                             f"'{a}')")
-    return tuple(raw)
-
-
 # ---- the option table -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Option:
@@ -490,6 +364,9 @@ def resolve_rendezvous(values: dict[str, Any], given: set[str], max_nodes: int,
         run_id = new_id() if run_id == "none" else run_id
         values["rendezvous.auto_c10d"] = True
     port = values.setdefault("rendezvous.master_port", C.DEFAULT_MASTER_PORT)
+    if not 0 < port <= 65535:      # before it goes into the endpoint and is blamed there
+        raise ConfigError("rendezvous.master_port", f"{port!r} is not a port 1..65535",
+                          f"e.g. {C.DEFAULT_MASTER_PORT}, or omit it on a single node")
     conf = list(get("rendezvous.conf"))
     if backend == "static":
         endpoint = endpoint or f"{get('rendezvous.master_addr')}:{port}"
@@ -512,12 +389,13 @@ def resolve_rendezvous(values: dict[str, Any], given: set[str], max_nodes: int,
 
 def build_config(cli_values: Mapping[str, Any] | None = None, cli_given: set[str] | None = None,
                  env: Mapping[str, str] | None = None, yaml_path: str | None = None, *,
-                 require_script: bool = True,
-                 new_id: Callable[[], str] | None = None) -> C.JobConfig:
+                 require_script: bool = True, new_id: Callable[[], str] | None = None,
+                 sources_out: dict[str, str] | None = None) -> C.JobConfig:
     """Merge every source into a validated, resolved `JobConfig` (see module doc).
 
     cli_values: click's `ctx.params` (dest -> value); cli_given: the dests whose parameter source
     is the command line; env: the environment; yaml_path: `--config` (None: `LETO_CONFIG`).
+    sources_out: filled with where each given key came from (`--log-dir`, `job.yaml:7`).
     """
     cli_values, cli_given, env = cli_values or {}, set(cli_given or ()), env or {}
     raw: dict[str, _Raw] = {}
@@ -535,6 +413,8 @@ def build_config(cli_values: Mapping[str, Any] | None = None, cli_given: set[str
     sources = {k: r.source for k, r in raw.items()}
     specs, inject_sources = _parse_injects(cli_values, cli_given, yaml_items)
     sources.update({f"inject[{i}]": s for i, s in enumerate(inject_sources)})
+    if sources_out is not None:
+        sources_out.update(sources)
 
     def with_source(e: ConfigError) -> ConfigError:
         if e.source:

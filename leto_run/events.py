@@ -7,28 +7,60 @@ machine), ``wall`` (Unix time), ``event``, ``generation``, and where it applies 
 ``failure_detected``, ``hang_detected``, ``stack_dump``, ``inject``, ``stop``, ``restart``,
 ``signal``, ``job_end``; in-place recovery (`leto_run.inplace`): ``inplace``, ``shadow_ready``,
 ``hof``, ``demote``, ``promote``, ``promoted``, ``phase``, ``inplace_done``, ``shadow_exit``,
-``shadow_respawn``, ``inplace_fallback``.
+``shadow_respawn``, ``inplace_fallback``; and ``event_log_degraded`` (below).
 
-Contract: only the agent's main thread writes; each line is flushed as it is written, so a
-crashed agent leaves a readable log up to its last event.
+Contract: only the agent's main thread writes; each line goes to the file in one `write`, so a
+crashed agent leaves a readable log up to its last event.  `records` keeps every event in
+memory (the recovery report is computed from it), the oldest dropped past MAX_RECORDS
+(`records_dropped` counts them).
+
+The event log never decides a job's fate: when the file cannot be opened or a write fails
+(ENOSPC, EIO), a torn last line is cut off again, the file is closed and stays a clean prefix
+of the job's events, one warning goes to the console, an ``event_log_degraded`` record (kept in
+memory only) says where the file stopped, and `unwritten` counts the events the file misses.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
 import time
-from typing import Any
+from typing import Any, Callable
+
+MAX_RECORDS = 100_000
+
+
+def console_warning(msg: str) -> None:
+    """Default warning sink of the event log and the log files: one line on stderr."""
+    try:
+        sys.stderr.write(f"[leto-run] warning: {msg}\n")
+        sys.stderr.flush()
+    except (ValueError, OSError):
+        pass
 
 
 class EventLog:
-    def __init__(self, path: str | None, node: str):
+    def __init__(self, path: str | None, node: str,
+                 warn: Callable[[str], None] = console_warning):
         self.path = path
         self.node = node
-        self._f = None
         self.records: list[dict[str, Any]] = []   # kept in memory for the end-of-run summary
+        self.records_dropped = 0
+        self.written = 0
+        self.unwritten = 0
+        self.write_error: str | None = None
+        self._warn = warn
+        self._fd = -1
+        self._size = 0           # bytes of whole lines in the file: where a torn line starts
         if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._f = open(path, "a", buffering=1, encoding="utf-8")
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
+                                   0o644)
+                self._size = os.fstat(self._fd).st_size
+            except OSError as e:
+                self._degrade(e, "open")
 
     def emit(self, event: str, generation: int, *, rank: int | None = None,
              local_rank: int | None = None, role: str | None = None,
@@ -47,15 +79,55 @@ class EventLog:
         if role is not None:
             rec["role"] = role
         rec.update(fields)
-        self.records.append(rec)
-        if self._f:
-            self._f.write(json.dumps(rec, default=str) + "\n")
+        self._keep(rec)
+        if self._fd >= 0:
+            self._write((json.dumps(rec, default=str) + "\n").encode())
+        elif self.path:
+            self.unwritten += 1
         return rec
 
+    def _keep(self, rec: dict[str, Any]) -> None:
+        self.records.append(rec)
+        if len(self.records) > MAX_RECORDS:
+            cut = MAX_RECORDS // 10          # in bulk: trimming stays cheap per event
+            del self.records[:cut]
+            self.records_dropped += cut
+
+    def _write(self, line: bytes) -> None:
+        view = memoryview(line)
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                if not n:
+                    raise OSError(errno.EIO, "the file took no bytes")
+                view = view[n:]
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, self._size)     # a regular file: cut the torn line
+            except OSError:
+                pass
+            os.close(self._fd)
+            self._fd = -1
+            self.unwritten += 1
+            self._degrade(e, "write")
+            return
+        self._size += len(line)
+        self.written += 1
+
+    def _degrade(self, e: OSError, what: str) -> None:
+        self.write_error = f"{what}: {e.strerror or e}"
+        self._warn(f"cannot {what} the event log {self.path} ({e.strerror or e}); it holds the "
+                   f"first {self.written} events, later ones are kept in memory only (the "
+                   "recovery report still prints); the job goes on")
+        self._keep({"event": "event_log_degraded", "mono": time.monotonic(), "wall": time.time(),
+                    "node": self.node, "generation": self.records[-1]["generation"]
+                    if self.records else 0, "path": self.path, "error": self.write_error,
+                    "written": self.written})
+
     def close(self) -> None:
-        if self._f:
-            self._f.close()
-            self._f = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def read_events(path: str) -> list[dict[str, Any]]:

@@ -1,20 +1,30 @@
 """The guardian: a tiny forked process that cleans up if the agent is killed with SIGKILL.
 
 A `kill -9` of `leto-run` runs no Python code in the agent.  Workers die of their parent-death
-signal, but their grandchildren are not covered by it.  The guardian is forked before anything
-else starts (no threads, no torch), reads the agent's announcements over a pipe, and when the
-pipe reaches EOF without a final ``done`` line, it SIGKILLs every announced process group and
-every process that carries this job's token in its environment, then exits.
+signal, but their grandchildren are not covered by it, and the agent's run directory (sockets,
+allow files; 0700) stays in $TMPDIR.  The guardian is forked before anything else starts (no
+threads, no torch), reads the agent's announcements over a pipe, and when the pipe reaches EOF
+without a final ``done`` line, it SIGKILLs every announced process group and every process that
+carries this job's token in its environment, waits (bounded) until they are gone, removes every
+directory it was given, then exits.
 
 Contract: `start_guardian(token)` -> `Guardian`; call `.announce(pgid)` for each spawned process
-group and `.release()` after a clean shutdown (the guardian then exits without killing).
+group, `.own_dir(path)` for each directory to remove after a kill of the agent (the agent's run
+directory, right after creating it), and `.release()` after a clean shutdown (the guardian then
+exits without killing or removing anything: the agent cleans up itself).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import time
 
 from leto_run.procs import kill_pids, pids_with_token
+
+# How long the guardian waits for the processes it killed to be gone before it removes the
+# directories (a dying process could still create a socket file in one).
+KILL_WAIT_S = 5.0
 
 
 class Guardian:
@@ -32,6 +42,11 @@ class Guardian:
     def announce(self, pgid: int) -> None:
         self._say(f"pgid {pgid}")
 
+    def own_dir(self, path: str) -> None:
+        """Remove `path` (recursively) if the agent dies without `release()`."""
+        # hex: any byte of a path (spaces, newlines) survives the line protocol
+        self._say(f"dir {os.fsencode(os.path.abspath(path)).hex()}")
+
     def release(self) -> None:
         """Clean shutdown: the guardian exits without killing anything."""
         self._say("done")
@@ -42,6 +57,30 @@ class Guardian:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _clean_up(pgids: list[int], dirs: list[str], token_kv: str) -> None:
+    for g in pgids:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    victims = set(pids_with_token(token_kv))
+    kill_pids(victims)
+    victims |= set(pgids)          # a group's leader pid is the group id
+    deadline = time.monotonic() + KILL_WAIT_S
+    while time.monotonic() < deadline and any(_alive(p) for p in victims):
+        time.sleep(0.02)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def start_guardian(token_kv: str) -> Guardian:
@@ -65,6 +104,7 @@ def start_guardian(token_kv: str) -> Guardian:
             os.dup2(devnull, fd)
         os.setsid()  # leave the agent's group so a killpg aimed at it does not hit us
         pgids: list[int] = []
+        dirs: list[str] = []
         buf = b""
         clean = False
         while True:
@@ -77,14 +117,14 @@ def start_guardian(token_kv: str) -> Guardian:
                 word, _, arg = line.decode(errors="replace").partition(" ")
                 if word == "pgid" and arg.isdigit():
                     pgids.append(int(arg))
+                elif word == "dir":
+                    try:
+                        dirs.append(os.fsdecode(bytes.fromhex(arg)))
+                    except ValueError:
+                        pass
                 elif word == "done":
                     clean = True
         if not clean:
-            for g in pgids:
-                try:
-                    os.killpg(g, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            kill_pids(pids_with_token(token_kv))
+            _clean_up(pgids, dirs, token_kv)
     finally:
         os._exit(0)

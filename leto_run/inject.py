@@ -27,7 +27,8 @@ In-place recovery keys (DESIGN.md §3, §6):
 `step`) names where inside a step a step-triggered spec fires; it needs `step=`.  `group=G`,
 `chunk=C` and `garbage=1` (kill, signal) narrow an `rmu.*` point to one protection group / chunk
 and make the runtime overwrite the chunk with garbage before the signal; they need an `rmu.*`
-point.  A time-triggered spec with `gen=N` fires `after` seconds after generation N started (its
+point that passes them (`CHUNK_POINTS`, `GROUP_POINTS`, `GARBAGE_POINTS`): anything else could
+never fire, and is refused.  A time-triggered spec with `gen=N` fires `after` seconds after generation N started (its
 promotion time for N > 0).
 
 Who fires what: time-triggered specs are fired by the agent; step-triggered ones are shipped in
@@ -44,27 +45,35 @@ shape.
 Calling contract: `parse_inject` (text) and `parse_inject_mapping` (YAML mapping) return a valid,
 frozen `InjectSpec` or raise `ConfigError`.  `InjectSpec.to_json()` is the wire form that
 `leto_runtime` reads (plain JSON types; `kind` as its string), so the runtime never imports
-`leto_run`.  Range checks that need the job (rank < world size) are done by `JobConfig`.
+`leto_run`.  Every number is bounded (`leto_run.limits`).  Checks that need the job (rank <
+world size, the recovery mode, the geometry) are `leto_run.inject_checks`', run by `JobConfig`.
 """
 from __future__ import annotations
 
 import difflib
 import enum
 import math
-import re
 import signal as _signal
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from leto_run import limits as L
 from leto_run.errors import ConfigError
+from leto_run.inject_values import (ROLES, _choice, _flag01, _fmt_seconds, _inject_signal,  # noqa: F401
+                                    _nonneg_int, _point, _positive_int, _role, parse_duration,
+                                    signal_name, signal_number)
 from leto_runtime.contract import INJECT_POINTS
 
 GRAMMAR = ("KIND[=ARG]:rank=R:(after=T|step=N)[:attempt=A][:gen=G][:at=POINT][:role=active]"
            "[:group=G:chunk=C:garbage=1]")
 EXAMPLE = "kill:rank=1:after=5s"
-ROLES = ("active",)          # `shadow` arrives with shadow trainers
-# Signals whose default action is to do nothing: injecting one would not fail the process.
-_HARMLESS = frozenset({"SIGCHLD", "SIGCONT", "SIGURG", "SIGWINCH"})
+# Where the runtime passes which coordinates (leto_runtime/rmu/updater.py's `inject` calls): a
+# chunk only inside a chunk transaction, a group at every rmu.* point but the step's end, the
+# garbage callback at the two points that write into the chunk.  A key the point never passes
+# would never match, so the spec would never fire.
+CHUNK_POINTS = ("rmu.undo", "rmu.update", "rmu.delta", "rmu.commit")
+GROUP_POINTS = CHUNK_POINTS + ("rmu.load", "rmu.writeback", "rmu.tier2", "rmu.writeback.drop")
+GARBAGE_POINTS = ("rmu.update", "rmu.delta")
 
 
 class InjectKind(str, enum.Enum):
@@ -72,65 +81,6 @@ class InjectKind(str, enum.Enum):
     HANG = "hang"
     SIGNAL = "signal"
     PAGES = "pages"
-
-
-def signal_number(name: str | int) -> int:
-    """`SIGTERM` / `term` / `15` / 15 -> 15.  Raises ValueError for anything that is not a signal."""
-    if isinstance(name, bool):
-        raise ValueError(f"{name!r} is not a signal")
-    s = str(name).strip().upper()
-    if isinstance(name, int) or s.isdigit():
-        n = int(s)
-        # valid_signals() includes the unnamed real-time signals, which can be delivered too
-        if n not in {int(x) for x in _signal.valid_signals()}:
-            raise ValueError(f"{name!r} is not a signal number on this system")
-        return n
-    if not s.startswith("SIG"):
-        s = "SIG" + s
-    try:
-        return int(_signal.Signals[s])
-    except KeyError:
-        raise ValueError(f"{name!r} is not a signal name") from None
-
-
-def signal_name(num: int) -> str:
-    """15 -> 'SIGTERM'; a number without a name (real-time signals) -> its digits."""
-    try:
-        return _signal.Signals(num).name
-    except ValueError:
-        return str(num)
-
-
-# ---- value parsers (ValueError carries the problem text) ------------------------------------
-def _nonneg_int(v: str) -> int:
-    if not re.fullmatch(r"\d+", v):
-        raise ValueError(f"{v!r} is not a non-negative integer")
-    return int(v)
-
-
-_DURATION = re.compile(r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>ms|s|m)?")
-
-
-def parse_duration(v: str) -> float:
-    """`5s`, `500ms`, `2.5` (seconds), `1m` -> seconds as float."""
-    m = _DURATION.fullmatch(v.strip())
-    if not m:
-        raise ValueError(f"{v!r} is not a duration (use e.g. 5s, 500ms, 2.5, 1m)")
-    x = float(m["num"]) * {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}[m["unit"]]
-    if not math.isfinite(x):
-        raise ValueError(f"{v!r} is not a finite duration")
-    return x
-
-
-def _role(v: str) -> str:
-    if v not in ROLES:
-        raise ValueError(f"role {v!r} is not supported (allowed: {', '.join(ROLES)})")
-    return v
-
-
-def _fmt_seconds(x: float) -> str:
-    s = repr(float(x))
-    return (s[:-2] if s.endswith(".0") else s) + "s"
 
 
 # ---- the kind registry --------------------------------------------------------------------------
@@ -155,42 +105,6 @@ class KindRule:
     required_extra: frozenset[str] = frozenset()
 
 
-def _inject_signal(v: str) -> int:
-    n = signal_number(v)  # ValueError for unknown names
-    if n == 0 or signal_name(n) in _HARMLESS:
-        raise ValueError(f"{v!r} does not stop or fail a process by default")
-    return n
-
-
-def _positive_int(v: str) -> int:
-    n = _nonneg_int(v)
-    if n < 1:
-        raise ValueError(f"{v!r} must be >= 1")
-    return n
-
-
-def _point(v: str) -> str:
-    if v not in INJECT_POINTS:
-        close = difflib.get_close_matches(v, INJECT_POINTS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{v!r} is not an injection point{hint}")
-    return v
-
-
-def _flag01(v: str) -> int:
-    if v not in ("0", "1"):
-        raise ValueError(f"{v!r} is not 0 or 1")
-    return int(v)
-
-
-def _choice(*allowed: str) -> Callable[[str], str]:
-    def parse(v: str) -> str:
-        if v.lower() not in allowed:
-            raise ValueError(f"{v!r} is not one of {', '.join(allowed)}")
-        return v.lower()
-    return parse
-
-
 # `pages`: emulated memory faults in the rank's Resilient Memory Pool (leto_run/state_manager):
 # `count` consecutive pages from `first` of protection group `group` (default: the lowest) are
 # destroyed and made unavailable -- data pages for tier=device, tier-1 parity (`part=p1`, the
@@ -211,6 +125,7 @@ RMU_KEYS: dict[str, KeyRule] = {
     "chunk": KeyRule(_nonneg_int, "chunk=C with C a chunk index >= 0 within the group"),
     "garbage": KeyRule(_flag01, "garbage=1 (overwrite the chunk before the signal) or 0"),
 }
+_AT_RMU = (InjectKind.KILL, InjectKind.SIGNAL)
 
 KINDS: dict[str, KindRule] = {
     r.kind.value: r
@@ -235,6 +150,10 @@ COMMON_KEYS: dict[str, KeyRule] = {
     "role": KeyRule(_role, "role=active (shadow roles come with shadow trainers)"),
 }
 TRIGGERS = ("after", "step")
+# Bounds of the kind-specific integers: page numbers within a protection group, group and chunk
+# numbers.
+PARAM_MAX = {"count": L.MAX_GROUP_PAGES, "first": L.MAX_GROUP_PAGES - 1, "group": L.MAX_INDEX,
+             "chunk": L.MAX_INDEX}
 
 
 @dataclass(frozen=True)
@@ -261,22 +180,24 @@ class InjectSpec:
                             f"use one of {', '.join(KINDS)}") from None
         object.__setattr__(self, "kind", kind)
         rule = KINDS[kind.value]
-        for name in ("rank", "attempt", "gen"):
+        for name, top in (("rank", L.MAX_WORLD_SIZE - 1), ("attempt", L.MAX_COUNT),
+                          ("gen", L.MAX_COUNT), ("step", L.MAX_STEP)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise self._err(f"{name}={v!r} must be an integer >= 0", f"e.g. {name}=0")
+            if v is None and name == "step":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= top:
+                raise self._err(f"{name}={v!r} must be an integer 0..{top}", f"e.g. {name}=0")
         if (self.after_s is None) == (self.step is None):
             raise self._err("needs exactly one trigger, got "
                             + ("both after= and step=" if self.after_s is not None else "none"),
                             "add after=5s (time after start) or step=20 (trainer step), not both")
         if self.after_s is not None:
             a = self.after_s
-            if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) or a < 0:
-                raise self._err(f"after={a!r} must be a finite number of seconds >= 0", "e.g. after=5s")
-            object.__setattr__(self, "after_s", float(a))
-        if self.step is not None and (isinstance(self.step, bool) or not isinstance(self.step, int)
-                                      or self.step < 0):
-            raise self._err(f"step={self.step!r} must be an integer >= 0", "e.g. step=20")
+            if isinstance(a, bool) or not isinstance(a, (int, float)) or not math.isfinite(a) \
+                    or not 0 <= a <= L.MAX_SECONDS:
+                raise self._err(f"after={a!r} must be a number of seconds 0.."
+                                f"{L.seconds_text(L.MAX_SECONDS)}", "e.g. after=5s")
+            object.__setattr__(self, "after_s", float(a) + 0.0)
         if self.role not in ROLES:
             raise self._err(f"role={self.role!r} is not supported", f"use role={ROLES[0]}")
         if rule.parse_arg is None:
@@ -296,9 +217,23 @@ class InjectSpec:
         if unknown or missing:
             raise self._err(f"parameters {sorted(unknown)} not accepted / {sorted(missing)} missing "
                             f"for kind {kind.value}", f"see {GRAMMAR}")
-        object.__setattr__(self, "params", tuple(sorted(self.params)))
+        object.__setattr__(self, "params", tuple(sorted(
+            (k, self._param(k, v, rule.extra_keys[k])) for k, v in self.params)))
         self._check_point()
         object.__setattr__(self, "text", self._canonical())
+
+    def _param(self, key: str, value, rule: KeyRule):
+        """One kind-specific value, parsed again (a spec from JSON is not trusted) and bounded."""
+        try:
+            if isinstance(value, bool):
+                raise ValueError(f"{value!r} is not a value for {key}")
+            v = rule.parse(str(value))
+        except ValueError as e:
+            raise self._err(f"{key}: {e}", rule.fix) from None
+        top = PARAM_MAX.get(key)
+        if top is not None and v > top:
+            raise self._err(f"{key}={v} is above {top}", rule.fix + f", at most {top}")
+        return v
 
     def _check_point(self) -> None:
         if self.at not in INJECT_POINTS:
@@ -308,11 +243,26 @@ class InjectSpec:
             raise self._err(f"at={self.at} needs a step trigger (the runtime fires it)",
                             f"use step=N with at={self.at}, or drop at=")
         rmu = ({k for k, _ in self.params if k in RMU_KEYS}
-               if self.kind in (InjectKind.KILL, InjectKind.SIGNAL) else set())
+               if self.kind in _AT_RMU else set())
         if rmu and not self.at.startswith("rmu."):
             raise self._err(f"{', '.join(sorted(rmu))} only mean something at an rmu.* point "
                             f"(got at={self.at})",
                             "add at=rmu.update (or another rmu.* point), or drop them")
+        params = dict(self.params)
+        for key, points in (("chunk", CHUNK_POINTS), ("group", GROUP_POINTS)):
+            if key in rmu and self.at not in points:
+                raise self._err(f"{key}= never matches at {self.at} (the runtime names no "
+                                f"{key} there), so this never fires",
+                                f"use {key}= with at= one of {', '.join(points)}, or drop it")
+        if params.get("garbage") and self.kind != InjectKind.PAGES and \
+                self.at not in GARBAGE_POINTS:
+            raise self._err(f"garbage=1 does nothing at {self.at}: only "
+                            f"{' and '.join(GARBAGE_POINTS)} write into a chunk",
+                            f"use at={GARBAGE_POINTS[0]}, or drop garbage=1")
+        if self.kind == InjectKind.PAGES and params.get("tier") == "device" and \
+                params.get("part") in ("p1", "p2"):
+            raise self._err(f"part={params['part']} is parity, which lives in host memory, not "
+                            "on the device", f"use tier=host:part={params['part']}")
 
     def _err(self, problem: str, fix: str) -> ConfigError:
         return ConfigError("inject", problem, fix)
@@ -347,7 +297,7 @@ class InjectSpec:
         when absent or for other kinds: a `pages` spec's `group` is the faulted protection
         group and stays in `params`)."""
         params = {k: v for k, v in self.params}
-        rmu = self.kind in (InjectKind.KILL, InjectKind.SIGNAL)
+        rmu = self.kind in _AT_RMU
         return {"kind": self.kind.value, "rank": self.rank, "after_s": self.after_s,
                 "step": self.step, "signal": self.signal, "signal_name": signal_name(self.signal),
                 "attempt": self.attempt, "role": self.role, "text": self.text,

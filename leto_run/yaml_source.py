@@ -6,13 +6,20 @@ resolves to the last one -- are rejected here, because a duplicate usually means
 intended settings is being ignored.
 
 Calling contract: raises `ConfigError` (key `config`, or the dotted key for duplicates) for an
-unreadable file, a YAML syntax error, a duplicate key or a document that is not a mapping.  An
-empty document (or only comments) loads as an empty mapping.  Sexagesimal numbers are off
-(`1:4` is text, as in YAML 1.2).
+unreadable file (missing, a directory, not UTF-8 text, larger than MAX_BYTES, not readable
+within READ_TIMEOUT -- a pipe, e.g. `--config <(...)`, is read like a file), a YAML syntax error,
+nesting deeper than MAX_DEPTH (a job config needs four levels; the parser recurses), a
+duplicate key or a document that is not a mapping.  An empty document (or only comments)
+loads as an empty mapping.  Sexagesimal numbers are off (`1:4` is text, as in YAML 1.2).
 """
 from __future__ import annotations
 
+import os
 import re
+import select
+import stat
+import sys
+import time
 from dataclasses import dataclass, field
 
 import yaml
@@ -20,6 +27,10 @@ import yaml
 from leto_run.errors import ConfigError
 
 Path = tuple  # ("launch", "nnodes") or ("inject", 0)
+MAX_BYTES = 1 << 20
+MAX_DEPTH = 16
+READ_TIMEOUT = 10.0
+_FIX_PATH = "check the path given to --config / LETO_CONFIG"
 
 
 class _Loader(yaml.SafeLoader):
@@ -33,6 +44,23 @@ _Loader.yaml_implicit_resolvers = {
             for tag, rx in resolvers]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+
+
+class _TooLarge(yaml.constructor.ConstructorError):
+    pass
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    """YAML ints, refusing what `int()` would (past `sys.get_int_max_str_digits()` digits) with
+    the line; shorter ones reach the config, whose bounds name the key's range."""
+    digits = sum(c.isdigit() for c in str(node.value))
+    if 0 < sys.get_int_max_str_digits() < digits:
+        raise _TooLarge(None, None, f"an integer of {digits} digits is too large",
+                        node.start_mark)
+    return yaml.SafeLoader.construct_yaml_int(loader, node)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 @dataclass(frozen=True)
@@ -82,21 +110,87 @@ def _walk(node, path: Path, lines: dict, src: str, seen: set) -> None:
             _walk(item, path + (i,), lines, src, seen)
 
 
+def _read(path: str, source: str) -> str:
+    """The file's text: bounded in size and time, UTF-8 only."""
+    def fail(problem: str, fix: str = _FIX_PATH) -> ConfigError:
+        return ConfigError("config", f"{path!r}: {problem}", fix, source)
+    try:
+        if stat.S_ISDIR(os.stat(path).st_mode):
+            raise fail("is a directory, not a YAML file",
+                       "pass the job's YAML file, e.g. configs/minimal.yaml")
+        # Non-blocking: opening a FIFO must not wait for a writer; reads wait in select.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise fail(f"cannot read it: {e.strerror or e}") from None
+    chunks: list[bytes] = []
+    size, deadline = 0, time.monotonic() + READ_TIMEOUT
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise fail(f"nothing more to read for {READ_TIMEOUT:g} s (a pipe nobody writes?)")
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                raise fail(f"cannot read it: {e.strerror or e}") from None
+            if not data:
+                break
+            size += len(data)
+            if size > MAX_BYTES:
+                raise fail(f"is larger than {MAX_BYTES >> 20} MiB, not a job config",
+                           "pass the job's YAML file (a few KiB)")
+            chunks.append(data)
+    finally:
+        os.close(fd)
+    raw = b"".join(chunks)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise fail(f"is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}; a binary "
+                   "file?)", "pass a YAML text file, e.g. configs/minimal.yaml") from None
+
+
+def _check_depth(text: str, path: str) -> None:
+    """Refuse deep nesting from the parser's events, before the recursive composer sees it."""
+    depth = 0
+    for ev in yaml.parse(text, Loader=_Loader):
+        if isinstance(ev, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError("config", f"nesting deeper than {MAX_DEPTH} levels",
+                                  "a job config has sections, keys and short lists: remove the "
+                                  "extra nesting", f"{path}:{ev.start_mark.line + 1}")
+        elif isinstance(ev, yaml.CollectionEndEvent):
+            depth -= 1
+
+
 def load_yaml(path: str, source: str = "--config") -> YamlDoc:
     """Read and parse `path`; `source` names where the path itself came from, for errors."""
+    text = _read(path, source)
+    loader = None
+    lines: dict = {}
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise ConfigError("config", f"cannot read {path!r}: {e.strerror or e}",
-                          "check the path given to --config / LETO_CONFIG", source) from None
-    loader = _Loader(text)
-    try:
+        _check_depth(text, path)
+        loader = _Loader(text)
         node = loader.get_single_node()
-        lines: dict = {}
         if node is not None:
             _walk(node, (), lines, path, set())
         data = loader.construct_document(node) if node is not None else None
+    except yaml.reader.ReaderError as e:
+        ch = chr(e.character) if isinstance(e.character, int) else e.character
+        raise ConfigError("config", f"character {ch!r} at offset {e.position} "
+                          "is not allowed in YAML", "remove it (is this a text file?)",
+                          path) from None
+    except _TooLarge as e:
+        line = e.problem_mark.line + 1
+        keys = [k for k, n in lines.items() if n == line]
+        raise ConfigError(dotted(max(keys, key=len)) if keys else "config", e.problem,
+                          "write a number within the key's range (see configs/full.yaml)",
+                          f"{path}:{line}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else path
@@ -104,7 +198,8 @@ def load_yaml(path: str, source: str = "--config") -> YamlDoc:
         raise ConfigError("config", f"YAML syntax error: {problem}",
                           "fix the YAML (indentation, quoting, ':' after keys)", where) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if data is None:
         data = {}
     if not isinstance(data, dict):

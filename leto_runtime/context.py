@@ -42,6 +42,7 @@ class Context:
     pg_timeout: float = 600.0       # seconds for process-group formation and store waits
     chunk_pages: int = 0            # RMU transaction size in pages (0: the runtime picks)
     demote: str = "replace"         # replace | release (what this active does when it survives a HOF)
+    scrub_budget: float = 0.002     # share of the step time the background scrub may take (0: off)
     master_addr: str | None = None
     master_port: int | None = None
 

@@ -61,7 +61,9 @@ from leto_runtime.rmu.marker import Phase
 from leto_runtime.rmu.recovery import Progress, RecoveryError, prepare
 from leto_runtime.rmu.states import (GRADS, MARKER, MODEL, QBUF, UNDO, Geometry, Layout,
                                      open_states, pick_chunk_pages)
+from leto_runtime.rmu.guard import Guard
 from leto_runtime.rmu.updater import Updater
+from leto_runtime.rmp.reconstruct import Unrecoverable
 
 _JOB: "Job | None" = None
 DEFAULT_GEOMETRY = Geometry(1024, 16, 1, 2 << 20)
@@ -122,6 +124,7 @@ class Job:
         self.opt = None
         self.ss = None
         self.updater = None
+        self.guard: Guard | None = None           # step-boundary loss repair and scrub
         self.step_t: int | None = None
         self._stepped = True
         self.recovery_info: dict = {}
@@ -342,12 +345,18 @@ class Job:
             self.step_t, self._stepped = t, False
             hb.heartbeat(t)
             self.faults.fire("step", step=t)
+            self._boundary(t)
             self.updater.begin(t)
             self.ss.flat(self.ss.grads).zero_()
             torch.manual_seed(self.step_seed(t))
             yield t
         if not self._stepped:
             raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
+        if self.guard is not None and self.guard.scrubber is not None:
+            st = self.guard.scrubber.stats
+            self._report("scrub", action="summary", slices=st.slices, bytes=st.bytes,
+                         seconds=st.seconds, passes=st.passes, repaired=st.repaired,
+                         boundary_repairs=self.guard.repairs.count)
         demotion.finished()
         hb.done()
 
@@ -386,7 +395,6 @@ class Job:
                              gather=self._gather, fire=self.faults.fire, phase=self._phase,
                              transactions=self.transactions)
         except Exception as e:
-            from leto_runtime.rmp.reconstruct import Unrecoverable
             if isinstance(e, (RecoveryError, Unrecoverable)):
                 self._unrecoverable(e)
             demotion.on_error(e)      # the agreement's collective met a dead peer
@@ -426,10 +434,37 @@ class Job:
         hb.left_collective(None)
         return [Progress(*x.tolist()) for x in out]
 
+    def _boundary(self, t: int) -> None:
+        """Honour page losses and scrub a slice before step t touches retained memory."""
+        if self.guard is None:
+            return
+        try:
+            self.guard.at_boundary(t)
+        except Unrecoverable as e:
+            self._unrecoverable(e)
+
+    def _report(self, kind: str, **fields) -> None:
+        """A boundary repair or a scrub finding: the event log (a `phase` datagram) and, where
+        something was found, one line in this rank's log."""
+        if kind != "scrub" or fields.get("action") not in ("ok", "summary"):
+            _log(f"{kind}: {fields}")
+        if self.inplace:
+            from leto_runtime import promotion
+            promotion.report_phase(kind, float(fields.pop("seconds", 0.0)), **fields)
+
     def _unrecoverable(self, e: Exception) -> None:
-        _log(f"UNRECOVERABLE retained state: {e}. In-place recovery is impossible; the job "
-             f"must restart from a checkpoint (exit code {C.UNRECOVERABLE_EXIT}).")
+        """Say why (log and torchelastic error file, for the root-cause summary) and end with
+        UNRECOVERABLE_EXIT; called inside the handler of `e`."""
+        msg = (f"UNRECOVERABLE retained state: {e}. In-place recovery is impossible; the job "
+               f"must restart from a checkpoint (exit code {C.UNRECOVERABLE_EXIT}).")
+        _log(msg)
+        try:
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+            ErrorHandler().record_exception(e)
+        except Exception as werr:       # no error file: the log line above still says why
+            _log(f"could not write the error file: {type(werr).__name__}: {werr}")
         sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(C.UNRECOVERABLE_EXIT)
 
     # ---- demotion (leto_runtime.demotion) -------------------------------------------------
@@ -499,6 +534,7 @@ class Optimizer:
         j = self.job
         j.updater = Updater(j.ss, self.config, inject=j._inject,
                             transactions=j.transactions)
+        j.guard = Guard(j.ss, j.updater, report=j._report, scrub_budget=j.ctx.scrub_budget)
 
     @property
     def lr(self) -> float:

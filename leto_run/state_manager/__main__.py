@@ -18,8 +18,10 @@ import sys
 
 from leto_run.state_manager.keeper import KeeperLink, allow_file_path, sm_socket_path
 from leto_run.state_manager.metadata import Geometry, PoolMeta, SnapshotError
-from leto_run.state_manager.pool import FD_RESERVE, Pool, device_owner
+from leto_run.state_manager.pages import device_owner
+from leto_run.state_manager.pool import FD_RESERVE, Pool
 from leto_run.state_manager.server import Server
+from leto_runtime.rmp import bulletin
 from leto_runtime.rmp import protocol as P
 
 EXIT_ARGS, EXIT_DEVICE, EXIT_SNAPSHOT, EXIT_KEEPER = 2, 3, 4, 5
@@ -92,12 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         P.close_fds(list(kept.values()))
         log(f"cannot restore the kept pool: {e}")
         return EXIT_SNAPSHOT
-    pool = Pool(meta, device, keeper, log)
+    sock = a.socket or sm_socket_path(a.run_dir, a.slot)
+    try:
+        board = bulletin.Writer(bulletin.path_for(sock))
+    except OSError as e:     # trainers then ask at every step boundary instead
+        log(f"WARNING: no loss bulletin at {bulletin.path_for(sock)} ({e.strerror})")
+        board = None
+    pool = Pool(meta, device, keeper, log, bulletin=board)
     missing = pool.restore(kept)
     if missing:
         log(f"WARNING: {len(missing)} page(s) had no kept fd; marked failed for reconstruction")
 
-    server = Server(pool, a.socket or sm_socket_path(a.run_dir, a.slot),
+    server = Server(pool, sock,
                     allow_file=allow_file_path(a.run_dir, a.slot),
                     parent_pid=a.parent_pid or os.getppid(), allow_wait=a.allow_wait, log=log)
     for s in (signal.SIGTERM, signal.SIGINT):

@@ -11,8 +11,9 @@ retained state, mark every unavailable page as `failed` + `needs_remap`.  Three 
    state, one reserved range per state) and scans each range with MADV_POPULATE_READ,
    bisecting any part that fails with EHWPOISON (or EFAULT).  On kernels without
    CONFIG_MEMORY_FAILURE nothing can be poisoned for real, so this finds nothing there.
-3. **The poison registry**: host pages that `inject` destroyed (`poisoned` flag), consulted next
-   to the scan, because (2) cannot see emulated poison.
+3. **The loss registry**: pages that `inject` destroyed (`poisoned` flag: host pages and CPU
+   stand-in device pages, truncated), consulted next to the scan and the probe, which see a
+   truncated page too; it is what tells a live trainer (`status()["pending_losses"]`).
 4. **Pages the pool holds no memory for** (`retired`: an emulated GPU retirement dropped the
    fd).  A trainer that mapped the state *before* the fault (a shadow that pre-attached) still
    maps the old physical page and its probe finds it; the pool knows the page is gone, so it

@@ -13,8 +13,9 @@ states, so the snapshot carries only ids, flags and the geometry (32,768 pages ~
 Page flags:
   failed       contents lost; a protected page must be reconstructed before use
   needs_remap  the physical memory is unusable; `remap` replaces it with fresh memory
-  poisoned     the poison registry (injected host faults; DESIGN.md §5 -- this kernel cannot
-               poison pages for real); consulted next to the madvise scan
+  poisoned     the loss registry (injected faults, host pages and CPU stand-in device pages:
+               this kernel cannot poison pages for real); consulted next to the madvise scan,
+               counted by `Pool.pending_losses`
   retired      emulated GPU page retirement: the page has no fd any more (see pool.py)
 
 Page epochs (what a pre-attached mapping needs to catch up, `Pool.changes`): `epochs[pid]` is
@@ -61,8 +62,8 @@ class Geometry:
             out.append(f"data_pages={self.data_pages} must be >= 1")
         if not 1 <= self.tier1 <= 16:
             out.append(f"tier1={self.tier1} must be 1..16 (the codec's exponent window)")
-        if not 0 <= self.tier2 <= min(16, self.tier1):
-            out.append(f"tier2={self.tier2} must be 0..min(16, tier1)")
+        if not 1 <= self.tier2 <= min(16, self.tier1):
+            out.append(f"tier2={self.tier2} must be 1..min(16, tier1)")
         if self.page_bytes < 1024 or self.page_bytes % 4096:
             out.append(f"page_bytes={self.page_bytes} must be a positive multiple of 4096 "
                        "(memory pages; the codec needs multiples of 1024)")
@@ -183,10 +184,21 @@ class PoolMeta:
         self.next_page += 1
         return pid
 
+    def page_bytes(self, tier: str) -> int:
+        return self.device_page_bytes if tier == "device" else self.geometry.page_bytes
+
+    def page_counts(self, nbytes: int, tier: str, protected: bool) -> tuple[int, int]:
+        """(data pages, parity pages) `plan_state` would create for these arguments, in O(1):
+        what a request is checked against before any page id exists."""
+        n = pages_needed(nbytes, self.page_bytes(tier))
+        g = self.geometry
+        return n, (-(-n // g.data_pages) * (g.tier1 + g.tier2) if protected else 0)
+
     def plan_state(self, name: str, nbytes: int, kind: str, protected: bool, tier: str,
                    dtype: str | None, shape: list[int] | None) -> State:
-        """A new State with fresh page and group ids (not yet added; `add_state` does)."""
-        page = self.device_page_bytes if tier == "device" else self.geometry.page_bytes
+        """A new State with fresh page and group ids (not yet added; `add_state` does).
+        Its work and memory grow with `nbytes`: check `page_counts` first."""
+        page = self.page_bytes(tier)
         n = pages_needed(nbytes, page)
         st = State(name, nbytes, kind, protected, tier, page, dtype, shape,
                    [self.new_page_id() for _ in range(n)])
@@ -226,8 +238,12 @@ class PoolMeta:
         """Page ids of `st` whose memory changed after `version`; None: re-import everything."""
         if version < self.epoch_floor:
             return None
-        return [pid for pid, v in self.epochs.items()
-                if v > version and self.where[pid].state == st.name]
+        # whichever is smaller: the pool's page history or the state's pages, so that a
+        # request naming every state costs at most the pool's size
+        if len(self.epochs) <= len(st.data):
+            return [pid for pid, v in self.epochs.items()
+                    if v > version and self.where[pid].state == st.name]
+        return [pid for pid in self.page_ids(st) if self.epochs.get(pid, -1) > version]
 
     def _index_state(self, st: State) -> None:
         covered = set()
@@ -276,7 +292,11 @@ class PoolMeta:
     def marks(self, st: State) -> dict:
         """Failure marks of one state: {"data": [i], "p1": {gi: [i]}, "p2": {gi: [i]}, ...}."""
         out: dict = {"data": [], "p1": {}, "p2": {}, "unmapped": []}
-        for pid, f in self.flags.items():
+        if len(self.flags) <= len(st.data):        # the cheaper walk, as in changed_since
+            flagged = list(self.flags.items())
+        else:
+            flagged = [(pid, self.flags[pid]) for pid in self.page_ids(st) if pid in self.flags]
+        for pid, f in flagged:
             w = self.where.get(pid)
             if w is None or w.state != st.name:
                 continue

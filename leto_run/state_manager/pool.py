@@ -5,22 +5,20 @@ one fd per page, and the link to the agent's fd keeper; every mutation ends in `
 hands the keeper duplicates of new fds and the new metadata snapshot *before* the client hears
 about it, so a state manager killed at any point restarts with consistent memory and metadata.
 
-Page owners:
-* `MemfdPages`: host pages (retained host state and all parity) and, on machines without CUDA,
-  the stand-in for device pages (DESIGN.md §9).  Created with memfd_create, sized, and
-  fallocate'd so that "out of memory" is an allocation error, not a later SIGBUS.
-* `CudaPages`: one cuMemCreate allocation per page with POSIX-fd handles, exported, then the
-  handle is released: the fd alone keeps the memory (MECHANICS.md §1).  Only context-free
-  driver calls are made (cuInit, device attributes, granularity, cuMemCreate, export): the
-  state manager never creates a CUDA context and uses 0 bytes of HBM for itself.
+Page owners (`pages.py`): memfd pages (host state, parity, the CPU stand-in for device pages)
+and CUDA VMM pages held as fds without a context.
 
 Emulated faults (`inject`; DESIGN.md §5 -- the recovery path must not be able to tell them from
-real ones):
-* host page: contents overwritten with random bytes, page entered into the poison registry
-  (the `poisoned` flag), which localization consults next to the real madvise scan;
-* CPU stand-in device page: random bytes, then the memfd is truncated to 0 bytes, so every
-  mapping of it -- a live trainer's too -- traps (SIGBUS) and MADV_POPULATE_READ fails with
-  EFAULT: the client finds it by a real probe;
+real ones).  A loss is atomic, as real poison is: no reader ever sees half-destroyed contents,
+only the old bytes or a trap.  Every loss is entered into the loss registry at once (the flags
+`poisoned`/`retired`), which localization consults and `status()["pending_losses"]` counts, so a
+live trainer learns of it at its next safe point and repairs it before any use
+(`leto_runtime.rmu.guard`):
+* memfd page (host state, parity, and the CPU stand-in for device pages): the memfd is truncated
+  to 0 bytes, so every CPU mapping of it -- a live trainer's too -- traps (SIGBUS) and
+  MADV_POPULATE_READ fails with EFAULT (found by a real probe and by the state manager's scan);
+  pages pinned for DMA (GPU machines) keep their old physical page until unpinned, as a retired
+  GPU page stays behind a live mapping;
 * GPU page: the state manager drops its fd and the keeper's (emulated retirement: the physical
   page goes away with the last live mapping); the next importer gets no mapping for that page,
   and cuPointerGetAttribute fails on it.  Live mappings keep working until their process ends:
@@ -34,7 +32,6 @@ operation at a time); errors are `leto_runtime.rmp.protocol` typed errors.
 """
 from __future__ import annotations
 
-import fcntl
 import os
 import resource
 import threading
@@ -42,6 +39,7 @@ import time
 from typing import Callable
 
 from leto_run.state_manager.metadata import NAME_RE, DTYPES, MAX_STATE_BYTES, PoolMeta, State
+from leto_run.state_manager.pages import MemfdPages
 from leto_runtime.rmp import protocol as P
 from leto_runtime.rmp.mapping import HostMapping
 
@@ -51,153 +49,13 @@ FD_RESERVE = 64 + 2 * P.MAX_FDS_PER_MESSAGE      # sockets, logs and one fd trai
 FAULT_EMULATION_ENV = "LETO_SM_FAULT_EMULATION"
 
 
-def scramble(fd: int, nbytes: int) -> None:
-    """Destroy a memfd page's contents with random bytes (what an injected fault leaves)."""
-    chunk = os.urandom(min(nbytes, 1 << 20))
-    for off in range(0, nbytes, len(chunk)):
-        os.pwrite(fd, chunk[: nbytes - off], off)
-
-
-class MemfdPages:
-    """memfd pages.  `sealed`: no one can resize them (host pages); stand-in device pages stay
-    unsealed so an injected fault can truncate them."""
-
-    kind = "memfd"
-
-    def __init__(self, label: str, sealed: bool):
-        self.label, self.sealed = label, sealed
-
-    def create(self, nbytes: int) -> int:
-        fd = os.memfd_create(f"leto-{self.label}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, nbytes)
-            os.posix_fallocate(fd, 0, nbytes)
-            if self.sealed:
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
-            return fd
-        except OSError as e:
-            os.close(fd)
-            raise P.PoolOutOfMemory(f"memfd page of {nbytes} bytes: {e.strerror}") from None
-
-    def info(self) -> dict:
-        return {"kind": "memfd"}
-
-
-class CudaPages:
-    """GPU pages through the CUDA driver's virtual-memory API, without a context."""
-
-    kind = "cuda"
-
-    def __init__(self, ordinal: int):
-        from leto_runtime.rmp.mapping import cuda_driver
-
-        try:
-            cu = cuda_driver()
-        except ImportError as e:
-            raise P.DeviceUnavailable(f"cuda-python is not installed ({e}); "
-                                      "pip install cuda-python matching the driver") from None
-        self.cu, self.ordinal = cu, ordinal
-        ok = cu.CUresult.CUDA_SUCCESS
-
-        def call(r, what):
-            if r[0] != ok:
-                raise P.DeviceUnavailable(f"GPU {ordinal}: {what} failed: {r[0]!r}")
-            return r[1] if len(r) == 2 else None
-
-        try:
-            call(cu.cuInit(0), "cuInit")
-        except P.DeviceUnavailable:
-            raise
-        except Exception as e:    # no driver library at all (cuda-python raises, not returns)
-            raise P.DeviceUnavailable(f"GPU {ordinal}: no CUDA driver ({type(e).__name__}: "
-                                      f"{str(e)[:200]})") from None
-        count = call(cu.cuDeviceGetCount(), "cuDeviceGetCount")
-        if not 0 <= ordinal < count:
-            raise P.DeviceUnavailable(f"GPU {ordinal} does not exist ({count} visible)")
-        dev = call(cu.cuDeviceGet(ordinal), "cuDeviceGet")
-        A = cu.CUdevice_attribute
-        attr = lambda a: call(cu.cuDeviceGetAttribute(a, dev), f"cuDeviceGetAttribute({a.name})")
-        if not attr(A.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED):
-            raise P.DeviceUnavailable(f"GPU {ordinal} does not support CUDA virtual memory "
-                                      "management (cuMemCreate); it cannot serve a memory pool")
-        if not attr(A.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED):
-            raise P.DeviceUnavailable(f"GPU {ordinal} cannot export memory as POSIX fds")
-        mode = attr(A.CU_DEVICE_ATTRIBUTE_COMPUTE_MODE)
-        if mode != int(cu.CUcomputemode.CU_COMPUTEMODE_DEFAULT):
-            raise P.DeviceUnavailable(
-                f"GPU {ordinal} is in compute mode {mode}, not DEFAULT: the state manager, the "
-                "active and the shadow trainer share the GPU; run `nvidia-smi -c DEFAULT`")
-        self.name = call(cu.cuDeviceGetName(64, dev), "cuDeviceGetName").split(b"\0")[0].decode()
-        p = cu.CUmemAllocationProp()
-        p.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        p.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        p.location.id = ordinal
-        p.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        self.prop = p
-        self.fd_type = p.requestedHandleTypes
-        self.granularity = int(call(cu.cuMemGetAllocationGranularity(
-            p, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
-            "cuMemGetAllocationGranularity"))
-
-    def create(self, nbytes: int) -> int:
-        cu = self.cu
-        r = cu.cuMemCreate(nbytes, self.prop, 0)
-        if r[0] != cu.CUresult.CUDA_SUCCESS:
-            if r[0] == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-                raise P.PoolOutOfMemory(f"GPU {self.ordinal}: cuMemCreate({nbytes}) out of memory")
-            raise P.DeviceUnavailable(f"GPU {self.ordinal}: cuMemCreate({nbytes}): {r[0]!r}")
-        h = r[1]
-        try:
-            r = cu.cuMemExportToShareableHandle(h, self.fd_type, 0)
-            if r[0] != cu.CUresult.CUDA_SUCCESS:
-                raise P.DeviceUnavailable(f"GPU {self.ordinal}: export: {r[0]!r}")
-            fd = int(r[1])
-        finally:
-            cu.cuMemRelease(h)          # the exported fd alone keeps the memory
-        fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.FD_CLOEXEC)
-        return fd
-
-    def info(self) -> dict:
-        return {"kind": "cuda", "ordinal": self.ordinal, "name": self.name,
-                "granularity": self.granularity}
-
-
-def _cuda_device_count() -> int:
-    """GPUs the driver sees (cuInit creates no context), 0 without a usable driver."""
-    try:
-        from cuda.bindings import driver as cu
-        if cu.cuInit(0)[0] != cu.CUresult.CUDA_SUCCESS:
-            return 0
-        r = cu.cuDeviceGetCount()
-        return int(r[1]) if r[0] == cu.CUresult.CUDA_SUCCESS else 0
-    except Exception:
-        return 0
-
-
-def device_owner(spec: str, slot: int):
-    """`cpu` -> memfd stand-in; `cuda:N` -> GPU N; `auto` -> GPU `slot` if CUDA works, else cpu."""
-    if spec == "cpu":
-        return MemfdPages("device", sealed=False)
-    if spec.startswith("cuda:"):
-        return CudaPages(int(spec.split(":", 1)[1]))
-    if spec == "auto":
-        try:
-            return CudaPages(slot)
-        except P.DeviceUnavailable:
-            n = _cuda_device_count()
-            if n and slot >= n:
-                # More local ranks than GPUs (e.g. several gloo ranks on one GPU): the trainer
-                # of slot s uses GPU s % n, so its pool must live there too.
-                return CudaPages(slot % n)
-            return MemfdPages("device", sealed=False)
-    raise ValueError(f"device {spec!r}: use cpu, cuda:N or auto")
-
-
 class Pool:
     """Metadata + one fd per page + the keeper link.  See the module docstring."""
 
-    def __init__(self, meta: PoolMeta, device, keeper=None, log: Callable[[str], None] = print):
+    def __init__(self, meta: PoolMeta, device, keeper=None, log: Callable[[str], None] = print,
+                 bulletin=None):
         self.meta, self.device, self.keeper, self.log = meta, device, keeper, log
+        self.bulletin = bulletin                  # leto_runtime.rmp.bulletin.Writer, or None
         self.host = MemfdPages("host", sealed=True)
         self.fds: dict[int, int] = {}
         self.scan: dict[str, tuple[HostMapping, list[int]]] = {}   # the SM's view of host pages
@@ -267,7 +125,14 @@ class Pool:
         for st in self.meta.states.values():
             self._scan_map(st)
         self._commit(drop=[p for p in fds if p not in want])
+        if missing:
+            self._announce()
         return missing
+
+    def _announce(self) -> None:
+        """Tell live trainers that losses are registered (after they are: see bulletin.py)."""
+        if self.bulletin is not None:
+            self.bulletin.bump()
 
     # ---- operations ------------------------------------------------------------------------
     def allocate(self, name: str, nbytes: int, kind: str, protected: bool, tier: str,
@@ -492,24 +357,23 @@ class Pool:
         else:
             self.meta.version += 1
         self._commit(drop=[pid for pid in ids if how == "retired"])
+        self._announce()
         report = [{**self.meta.where[pid].describe(), "page_id": pid} for pid in ids]
         self.log(f"injected fault: {count} {part} page(s) of state {st.name!r} "
                  f"({tier} memory) destroyed and made unavailable ({how})")
         return {"pages": report, "emulation": how, "tier": tier, "part": part}
 
     def _fault_pages(self, ids: list[int], st: State) -> str:
-        if self.meta.where[ids[0]].tier == "host":
+        host = self.meta.where[ids[0]].tier == "host"
+        if host or (self.device.kind == "memfd" and os.environ.get(FAULT_EMULATION_ENV) != "retire"):
             for pid in ids:
-                if pid in self.fds:
-                    scramble(self.fds[pid], st.page_bytes)
+                # Registered first, then destroyed: a trainer that checks the registry after a
+                # read it did before the trap knows the read may be stale.  Truncation is the
+                # destruction: it is atomic for every mapping (no reader sees random bytes).
                 self.meta.flag(pid).poisoned = True
-            return "poison-registry"
-        if self.device.kind == "memfd" and os.environ.get(FAULT_EMULATION_ENV) != "retire":
-            for pid in ids:
                 if pid in self.fds:
-                    scramble(self.fds[pid], st.page_bytes)
-                    os.ftruncate(self.fds[pid], 0)    # every mapping of it now traps
-            return "truncated"
+                    os.ftruncate(self.fds[pid], 0)
+            return "poison-registry" if host else "truncated"
         for pid in ids:
             self.meta.flag(pid).retired = True        # fd dropped by _commit (ours and the keeper's)
         return "retired"
@@ -527,4 +391,10 @@ class Pool:
                            for n, s in self.meta.states.items()},
                 "data_bytes": by_tier, "fds_held": len(self.fds), "nofile": [soft, hard],
                 "keeper": self.keeper is not None, "keeper_ok": self.keeper_ok,
-                "metadata_version": self.meta.version, "cuda_context": False}
+                "metadata_version": self.meta.version, "cuda_context": False,
+                "pending_losses": self.pending_losses()}
+
+    def pending_losses(self) -> int:
+        """Pages registered lost (or remapped and not yet rebuilt) that a trainer has not
+        repaired: nonzero tells a live trainer to localize and repair before it reads again."""
+        return sum(1 for f in self.meta.flags.values() if f.any())

@@ -312,6 +312,7 @@ class RmpClient:
         self._id = 0
         self.states: dict[str, RetainedState] = {}
         self.last_remap: list[dict] = []          # what the last remap() replaced
+        self._bulletin = None                     # bulletin.Reader once opened; False: none
         self.info = self._call("hello").header
 
     # ---- transport -----------------------------------------------------------------------
@@ -328,12 +329,16 @@ class RmpClient:
         with self._lock:
             for attempt in (0, 1):
                 try:
+                    if self._sock is not None and P.peer_closed(self._sock):
+                        self._drop()             # closed while idle (or stopping): a new one
                     if self._sock is None:
                         self._connect()
                     return self._roundtrip(op, args, on_fds)
-                except P.Disconnected:
+                except P.Disconnected as e:
                     self._drop()
-                    if attempt or op not in RETRYABLE:
+                    # NotProcessed: the server closed between requests (Closing) or the request
+                    # could not be sent (NotSent) -- it never ran, so any op may be repeated
+                    if attempt or not (op in RETRYABLE or isinstance(e, P.NotProcessed)):
                         raise
                 except BaseException:
                     self._drop()                 # the stream may be mid-message: start over
@@ -417,6 +422,14 @@ class RmpClient:
 
     def list(self) -> list[dict]:
         return self._call("list").header["states"]
+
+    def loss_count(self) -> int | None:
+        """The state manager's loss bulletin (`bulletin.py`): a counter that moves whenever it
+        registers a page loss; None where it has none (then ask `status()`)."""
+        if self._bulletin is None:
+            from leto_runtime.rmp import bulletin
+            self._bulletin = bulletin.open(bulletin.path_for(self.path)) or False
+        return self._bulletin.value() if self._bulletin else None
 
     def status(self) -> dict:
         return self._call("status").header

@@ -27,6 +27,11 @@ Calling contract:
   Received fds of a rejected message are closed here, never leaked.
 * Replies are ``{"v", "ok": true, ...}`` or ``{"v", "ok": false, "error": {"code", "message"}}``;
   `raise_for_reply` turns the latter into the exception class registered for the code.
+* A header is plain data within `header.py`'s limits (nesting, int64, finite numbers); past
+  them it is a `BadMessage` that keeps the stream in sync, never an exception of the parser.
+* Between requests a server may close a connection (idle, stopping) after one unasked
+  ``closing`` error.  `Closing` and `NotSent` (the request could not be sent) are
+  `NotProcessed`: the request never ran, any op may be repeated on a new connection.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
+
+from leto_runtime.rmp import header as _header
 
 # 1: the first protocol.  2: `refresh` (what changed since a mapping was made), "uid" and
 # "version" in attach/allocate/list replies, retired pages marked by localize.
@@ -81,6 +88,7 @@ class ErrorCode(str, enum.Enum):
     DISCONNECTED = "disconnected"        # client side: the state manager went away
     VIEWS_ALIVE = "views_alive"          # client side: unmap while tensors still exist
     UNRECOVERABLE = "unrecoverable"      # client side: more lost pages than the parity tolerates
+    CLOSING = "closing"                  # the server closed the connection between requests
 
 
 class RmpError(Exception):
@@ -129,12 +137,16 @@ InternalError = _error_class("InternalError", ErrorCode.INTERNAL)
 RmpTimeout = _error_class("RmpTimeout", ErrorCode.TIMEOUT)
 Disconnected = _error_class("Disconnected", ErrorCode.DISCONNECTED)
 ViewsAlive = _error_class("ViewsAlive", ErrorCode.VIEWS_ALIVE)
+NotProcessed = _error_class("NotProcessed", ErrorCode.DISCONNECTED, Disconnected,
+                            doc="connection gone, request never ran: safe to repeat any op")
+NotSent = _error_class("NotSent", ErrorCode.DISCONNECTED, NotProcessed, doc="peer had closed")
+Closing = _error_class("Closing", ErrorCode.CLOSING, NotProcessed, doc="closed between requests")
 
 ERRORS: dict[str, type[RmpError]] = {
     c.code.value: c for c in (BadMessage, BadVersion, MessageTooLarge, TruncatedMessage, BadFds,
                               UnknownOp, BadArgument, UnknownName, AlreadyExists, SizeMismatch,
                               NotAuthorized, FdLimit, PoolOutOfMemory, DeviceUnavailable, Busy,
-                              InternalError, RmpTimeout, Disconnected, ViewsAlive)}
+                              InternalError, RmpTimeout, Disconnected, ViewsAlive, Closing)}
 
 
 def error_reply(err: RmpError) -> dict:
@@ -210,19 +222,22 @@ def _left(deadline: float) -> float:
     return t
 
 
-def _encode(header: dict, nfds: int) -> bytes:
+def encode(header: dict, nfds: int) -> bytes:
+    """The framed bytes of `header` announcing `nfds` fds (`MessageTooLarge` past MAX_MESSAGE)."""
     body = json.dumps({**header, "v": VERSION, "nfds": nfds}, separators=(",", ":")).encode()
     if len(body) > MAX_MESSAGE:
         raise MessageTooLarge(f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
     return _PREFIX.pack(len(body)) + body
 
 
-def send_message(sock: socket.socket, header: dict, fds: Sequence[int] = (), *,
+def send_message(sock: socket.socket, header: dict | bytes, fds: Sequence[int] = (), *,
                  deadline: float) -> None:
-    """One framed message with at most 253 fds (which stay open: the caller owns them)."""
+    """One framed message (`header`, or its `encode`d bytes) with at most 253 fds (which stay
+    open: the caller owns them).  A peer that had closed the connection raises `NotSent`: the
+    message did not arrive whole, and an incomplete one is never acted on."""
     if len(fds) > MAX_FDS_PER_MESSAGE:
         raise BadFds(f"{len(fds)} fds in one message (at most {MAX_FDS_PER_MESSAGE})")
-    data = _encode(header, len(fds))
+    data = header if isinstance(header, bytes) else encode(header, len(fds))
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     try:
         sock.settimeout(_left(deadline))
@@ -235,7 +250,7 @@ def send_message(sock: socket.socket, header: dict, fds: Sequence[int] = (), *,
     except socket.timeout:
         raise RmpTimeout("peer did not accept the message in time") from None
     except (BrokenPipeError, ConnectionResetError) as e:
-        raise Disconnected(f"peer closed the connection ({e.strerror})") from None
+        raise NotSent(f"peer closed the connection ({e.strerror})") from None
 
 
 def send_fd_train(sock: socket.socket, header: dict, fds: Sequence[int], *,
@@ -282,9 +297,9 @@ def recv_message(sock: socket.socket, *, deadline: float | None, max_fds: int = 
             err.desync = False          # the whole message was read: the stream is in sync
             raise err
         try:
-            header = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise BadMessage(f"header is not UTF-8 JSON: {e}") from None
+            header = _header.loads(body)
+        except _header.HeaderRefused as e:
+            raise BadMessage(f"header refused: {e}") from None
         if not isinstance(header, dict):
             raise BadMessage(f"header is a JSON {type(header).__name__}, not an object")
         if header.get("v") != VERSION:
@@ -384,6 +399,14 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float, fds: list[int],
             raise TruncatedMessage(f"peer closed after {got} of {n} bytes")
         got += k
     return bytes(buf)
+
+
+def peer_closed(sock: socket.socket) -> bool:
+    """Whether an idle connection can no longer carry a request: the peer closed it, or sent
+    its `closing` message (a server sends nothing else unasked).  One poll, no wait."""
+    p = select.poll()
+    p.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(0))
 
 
 # ---- peers and sockets ---------------------------------------------------------------------

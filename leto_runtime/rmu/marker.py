@@ -146,7 +146,10 @@ class Marker:
             self._rows += [row[:BLOCK] for row in p2] if (p2 is not None and state.h2) else []
         self._ext = self._dev = self._stream = self.mode = None
         self._mirror: _Mirror | None = None     # while writes are queued (write_async)
-        self._rec = self._read()
+        # Read on first use, not here: a recovering trainer builds its updater before it has
+        # localized and rebuilt lost pages, and the marker page may be one of them (a read of
+        # a lost page traps, as real poison does).
+        self._rec: Record | None = None
 
     def _block(self) -> torch.Tensor:
         return self.words_t.view(torch.uint8)
@@ -163,6 +166,8 @@ class Marker:
 
     @property
     def rec(self) -> Record:
+        if self._rec is None:
+            self._rec = self._read()
         return self._rec
 
     def _prepare(self, rows, old, block):
@@ -217,7 +222,7 @@ class Marker:
         """write(), queued on the current CUDA stream (synchronous without use_stream)."""
         if self._ext is None:
             return self.write(rec, **changes)
-        rec = replace(rec or self._rec, seq=self._rec.seq + 1, **changes)
+        rec = replace(rec or self.rec, seq=self.rec.seq + 1, **changes)
         mi = self._mirrored()
         w, b8, np = mi.w, mi.b8, mi.np
         cur = int(w[CUR]) if int(w[CUR]) in (0, 1) else 0
@@ -252,7 +257,7 @@ class Marker:
 
     def write(self, rec: Record | None = None, **changes) -> Record:
         self.settle()
-        rec = replace(rec or self._rec, seq=self._rec.seq + 1, **changes)
+        rec = replace(rec or self.rec, seq=self.rec.seq + 1, **changes)
         w = self.words
         cur = int(w[CUR]) if int(w[CUR]) in (0, 1) else 0
         nxt = 1 - cur

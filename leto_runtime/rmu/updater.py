@@ -222,14 +222,18 @@ class Updater:
             p2h.copy_(self.t2.encode(q), non_blocking=self.streamed)
 
     # ---- the iteration -------------------------------------------------------------------
-    def begin(self, t: int) -> None:
-        # Side-stream copies into U/Q that no update consumed (one that did not run: a peer
-        # failed first) end before anything queued from here on, activations included.
+    def quiesce(self) -> None:
+        """Side-stream copies into U/Q that no update consumed (one that did not run: a peer
+        failed first) and a queued write-back end before anything queued from here on, so U/Q
+        are free and the host parity final (a step boundary: `guard.Guard`)."""
         for pre in (self._undone, self._prefetched):
             if pre is not None:
                 torch.cuda.current_stream().wait_event(pre[-1])
         self._undone = self._prefetched = None
         self._finish_writeback()
+
+    def begin(self, t: int) -> None:
+        self.quiesce()           # activations included: nothing queued from here on races them
         # The marker says COMPUTE before any activation can land in U/Q (lend.py).
         self.marker.write(t=t, phase=Phase.COMPUTE, group=0, chunk=0, sub=0, auth=0,
                           gstate=GState.LOAD, wb=-1, wb_auth=0)

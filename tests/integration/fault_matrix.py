@@ -12,7 +12,11 @@ gradient protection, at and right after the global synchronization, at every RMU
 (with a partially written chunk and scratch parity where it applies), those combined with
 page loss at the tolerance (16 device pages of the group being updated + 1 host tier-1 parity
 page), two ranks in one iteration, a second HOF during the recovery, hangs, and HOFs in
-successive generations.  Survivors of a HOF are demoted in process (`--demote release`) on
+successive generations.  Mixed into the schedules from a second seeded stream (so the
+categories above are unchanged): latent losses -- a parity page (tier 1 or 2) or a few data
+pages lost at an earlier step with no failure, which the trainer must repair at the next step
+boundary before any use -- and page losses on a survivor (a rank other than the one killed),
+striking at the same step and point as the kill.  Survivors of a HOF are demoted in process (`--demote release`) on
 seeds 10-19, 30-39, ... (every category, both world sizes) and replaced by fresh shadows on
 the others (LETO_EXACTNESS_DEMOTE=replace|release forces one mode for every seed).
 """
@@ -132,16 +136,46 @@ def schedule(seed: int, pages_per_state: int | None = None) -> Schedule:
         s.injects.append(f"kill:rank={r2}:step=0:gen=1:at={rng.choice(RECOVERY_POINTS)}")
     elif cat == "hang":
         point = rng.choice(("step", "backward", "rmu.update", "sync.after"))
-        spec = f"hang:rank={r}:step={step}:at={point}"
-        if point == "rmu.update":
-            spec += f":group={rng.randrange(n_groups)}:chunk=0"
-        s.injects.append(spec)
+        s.injects.append(f"hang:rank={r}:step={step}:at={point}")   # (hang takes no group=)
         s.hang_timeout = 6.0      # survivors wait in collectives too: not much shorter on 2 cores
     elif cat == "two-generations":
         s.injects.append(rmu_kill(r, step)[0])
         s.injects.append(f"kill:rank={rng.randrange(world)}:step={step + 5}:gen=1:"
                          f"at={rng.choice(COMPUTE_POINTS + SYNC_POINTS + RMU_POINTS[1:3])}")
+    _mix_in(seed, s, step, n_groups, group_k)
     return s
+
+
+def _mix_in(seed: int, s: Schedule, step: int, n_groups: int, group_k: list[int]) -> None:
+    """Latent and survivor page losses (module docstring), from their own random stream."""
+    rng = random.Random(seed * 7919 + 17)
+    kills = [x for x in s.injects if x.startswith(("kill:", "hang:")) and ":gen=" not in x]
+    if rng.random() < 0.5 and step >= 2:
+        r, g = rng.randrange(s.world), rng.randrange(3 * n_groups)
+        t0 = rng.randint(1, step - 1)
+        if rng.random() < 0.6:
+            part = rng.choice(("p1", "p2"))
+            rows = GEOMETRY["tier1"] if part == "p1" else GEOMETRY["tier2"]
+            s.injects.insert(0, f"pages:rank={r}:step={t0}:tier=host:part={part}:group={g}:"
+                                f"first={rng.randrange(rows)}:count=1")
+        else:
+            k = group_k[g % n_groups]
+            n = rng.randint(1, min(4, k))
+            s.injects.insert(0, f"pages:rank={r}:step={t0}:tier=device:group={g}:"
+                                f"first={rng.randint(0, k - n)}:count={n}")
+    if kills and s.world > 1 and rng.random() < 0.4:
+        spec = kills[0]
+        killed = int(spec.split(":rank=")[1].split(":")[0])
+        at = spec.split(":at=")[1].split(":")[0] if ":at=" in spec else "step"
+        t = int(spec.split(":step=")[1].split(":")[0])
+        r = rng.choice([x for x in range(s.world) if x != killed])
+        g = rng.randrange(3 * n_groups)
+        k = group_k[g % n_groups]
+        n = rng.randint(1, min(4, k))
+        s.injects.insert(0, f"pages:rank={r}:step={t}:at={at}:tier=device:group={g}:"
+                            f"first={rng.randint(0, k - n)}:count={n}")
+        s.injects.insert(0, f"pages:rank={r}:step={t}:at={at}:tier=host:part=p1:group={g}:"
+                            f"first={rng.randrange(GEOMETRY['tier1'])}:count=1")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ def test_defaults_match_design():
     ("page_bytes", "--page-bytes", "PET_PAGE_BYTES", "65536", 65536),
     ("data_pages", "--data-pages", "PET_DATA_PAGES", "8", 8),
     ("tier1", "--tier1", "PET_TIER1", "4", 4),
-    ("tier2", "--tier2", "PET_TIER2", "0", 0),
+    ("tier2", "--tier2", "PET_TIER2", "2", 2),
     ("chunk_pages", "--chunk-pages", "PET_CHUNK_PAGES", "2", 2),
     ("pg_timeout", "--pg-timeout", "PET_PG_TIMEOUT", "30", 30.0),
     ("demote", "--demote", "PET_DEMOTE", "replace", "replace"),

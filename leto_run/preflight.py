@@ -1,0 +1,116 @@
+"""Checks of the machine around a valid config, made before anything of the job starts.
+
+A `JobConfig` is valid on its own (`leto_run.config`); whether its paths and programs work here
+depends on this machine, so it is checked here, by `leto_run.cli` right before the agent: the
+log directory can be created (or is a directory we can write), the event log can be written,
+a temporary directory exists for the run directory, the worker's program can be executed, and
+`--nproc-per-node auto|cpu|gpu` resolves.  Each problem is a `ConfigError` (exit 2) naming the
+path or option and the fix, raised before the guardian, the state managers or any worker
+exist.
+
+Contract: `preflight(cfg, env)` returns None or raises `ConfigError`.  It creates nothing that
+outlives it: writability is probed by creating and removing a temporary directory in the
+nearest existing ancestor (a permission check would say yes to root on a read-only bind mount,
+or no to a directory an ACL opens).  `env` is the environment the workers will get (PATH,
+PYTHON_EXEC).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Mapping
+
+from leto_run.config import JobConfig
+from leto_run.errors import ConfigError
+from leto_run.worker_cmd import resolve_nproc, worker_argv
+
+
+def _nearest_existing(path: str) -> str:
+    d = path
+    while not os.path.lexists(d):
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    return d
+
+
+def _probe(key: str, given: str, d: str, source: str) -> None:
+    """Create and remove a directory in `d`: can this process create entries there?"""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".leto-probe-", dir=d))
+    except OSError as e:
+        where = "" if os.path.abspath(given) == d else f": its existing ancestor {d!r}"
+        raise ConfigError(key, f"{given!r}{where} is not writable ({e.strerror or e})",
+                          "choose a directory you can write, or fix its permissions / free "
+                          "the file system", source) from None
+
+
+def _check_dir(key: str, given: str, source: str, flag: str, path: str | None = None) -> None:
+    """Directory `path` (default: `given`, the user's value) is one we can write, or one we
+    can create (mkdir -p)."""
+    path = os.path.abspath(given if path is None else path)
+    if os.path.lexists(path) and not os.path.exists(path):
+        raise ConfigError(key, f"{path!r} is a dangling symbolic link",
+                          f"point {flag} elsewhere, or remove the link", source)
+    top = _nearest_existing(path)
+    if not os.path.isdir(top):
+        what = ("exists and is not a directory" if top == os.path.abspath(given)
+                else f"cannot be created: {top!r} is a file, not a directory")
+        raise ConfigError(key, f"{given!r} {what}",
+                          f"point {flag} at a path under a directory, or move {top!r}", source)
+    _probe(key, given, top, source)
+
+
+def _check_events(given: str, source: str) -> None:
+    path = os.path.abspath(given)
+    if os.path.isdir(path):
+        raise ConfigError("logs.events", f"{given!r} is a directory",
+                          f"give a file path, e.g. {os.path.join(given, 'events.jsonl')}", source)
+    if os.path.lexists(path) and not os.path.exists(path):
+        raise ConfigError("logs.events", f"{given!r} is a dangling symbolic link",
+                          "give a file path, or remove the link", source)
+    if not os.path.exists(path):
+        _check_dir("logs.events", given, source, "--events", os.path.dirname(path))
+        return
+    try:     # opens as the event log will (append), without changing a byte; never blocks
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_CLOEXEC))
+    except OSError as e:
+        raise ConfigError("logs.events", f"{given!r} cannot be written: {e.strerror or e}",
+                          "give a file you can write, e.g. under --log-dir", source) from None
+
+
+def _check_program(cfg: JobConfig, env: Mapping[str, str]) -> None:
+    exe = worker_argv(cfg, env)[0]
+    key, source = ("launch.training_script", "TRAINING_SCRIPT") if cfg.launch.no_python \
+        and not cfg.launch.run_path else ("PYTHON_EXEC", "PYTHON_EXEC")
+    if os.sep in exe:
+        ok = os.path.isfile(exe) and os.access(exe, os.X_OK)
+    else:
+        ok = shutil.which(exe, path=env.get("PATH", os.defpath)) is not None
+    if not ok:
+        raise ConfigError(key, f"{exe!r} is not an executable program" +
+                          ("" if os.sep in exe else " on PATH"),
+                          "give the path of an executable (with --no-python the script is run "
+                          "directly: chmod +x it), or unset PYTHON_EXEC", source)
+
+
+def preflight(cfg: JobConfig, env: Mapping[str, str], sources: Mapping[str, str] | None = None
+              ) -> None:
+    """Raise `ConfigError` for the first thing that cannot work on this machine (module doc).
+    `sources`: where each key's value came from (`--log-dir`, `job.yaml:7`), for messages."""
+    sources = sources or {}
+    lg = cfg.logs
+    if lg.log_dir is not None:
+        _check_dir("logs.log_dir", lg.log_dir, sources.get("logs.log_dir"), "--log-dir")
+    if lg.events is not None:
+        _check_events(lg.events, sources.get("logs.events"))
+    try:
+        tmp = tempfile.gettempdir()    # the run directory (and the default log dir) go here
+    except FileNotFoundError as e:
+        raise ConfigError("TMPDIR", f"no usable temporary directory ({e})",
+                          "set TMPDIR to a directory you can write", "environment") from None
+    _probe("TMPDIR", tmp, os.path.abspath(tmp), "environment")
+    _check_program(cfg, env)
+    resolve_nproc(cfg.launch.nproc_per_node)
