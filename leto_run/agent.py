@@ -5,6 +5,12 @@ restart / finish.  In in-place mode a HOF is recovered inside `_supervise` witho
 (`leto_run.inplace`: shadows, promotion, demotion); only the fallback restarts the group.  Supervision is event driven: the loop sleeps in one selector on the pidfds of
 its children (exit seen within ~1 ms), the heartbeat socket, and the signal wakeup fd; the
 selector's timeout is the next deadline (hang, injection, status refresh, peer check).
+The handlers of what the selector reports live in `leto_run.agent_events` (a mixin).
+
+Every decision is logged and recorded (`decision` event, with the failure's classification
+where the failure policy judged one: `decisions.classify_failure`); when in-place recovery was
+not possible, the reason is part of it.  At the end, injections that never fired are reported
+(`inject_unfired`, `leto_run.unfired`).
 
 Contract: `run_job(cfg) -> exit code` (codes in `leto_run.errors`).  It always stops every
 worker and descendant before it returns, whatever happened.
@@ -26,27 +32,27 @@ from torch.distributed.elastic.utils import store as store_util
 
 from leto_run import errors as E
 from leto_run.config import JobConfig, signal_number
-from leto_run.decisions import Action, Decision, blame_hangs, decide_group, hang_verdict
+from leto_run.agent_events import AgentEvents
+from leto_run.decisions import Action, Decision, decide_group
 from leto_run.events import EventLog
-from leto_run.failures import FailureRecord, failure_from_exit, format_root_cause
+from leto_run.failures import FailureRecord, format_root_cause
 from leto_run.guardian import start_guardian
 from leto_run.heartbeat import HeartbeatServer
-from leto_run.inject import InjectKind, timed_for_generation, trainer_plan
+from leto_run.inject import timed_for_generation, trainer_plan
 from leto_run.inplace import InplaceRecovery
 from leto_run.logs import LogLayout, OutputPump
 from leto_run.procs import become_subreaper, reap_orphans, spawn
 from leto_run.rendezvous import RoundResult, make_handler, next_round
 from leto_run.report import format_report
-from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
+from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole, console_label
 from leto_run.state_managers import StateManagers
 from leto_run.status import StatusView
 from leto_run.stopper import stop_processes
+from leto_run.unfired import InjectLedger
 from leto_run.worker_cmd import resolve_nproc, worker_argv
 from leto_run.worker_env import (WorkerEnvSpec, build_worker_env, default_omp_threads,
                                  job_token_kv)
 from leto_runtime import contract as C
-
-_SHUTDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
 
 
 def run_job(cfg: JobConfig) -> int:
@@ -57,7 +63,7 @@ def run_job(cfg: JobConfig) -> int:
         agent.close()
 
 
-class Agent:
+class Agent(AgentEvents):
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         self.host = socket.getfqdn()
@@ -70,6 +76,7 @@ class Agent:
         self.nproc = resolve_nproc(cfg.launch.nproc_per_node)
         omp_warning = default_omp_threads(os.environ, self.nproc)
         self.run_dir = tempfile.mkdtemp(prefix="leto-")          # 0700 by construction
+        self.guardian.own_dir(self.run_dir)          # removed by the guardian after a kill -9 of us
         self.hb = HeartbeatServer(os.path.join(self.run_dir, "hb.sock"))
         self.handler, self.master_addr, self.master_port = make_handler(cfg)
         self.run_id = self.handler.get_run_id()
@@ -96,7 +103,7 @@ class Agent:
         self.group_started = 0.0
         self.timers: list[tuple[float, str, object]] = []
         self.next_peer_check = 0.0
-        self.catch_up_step: int | None = None     # the step a failed generation had reached
+        self.catch_up: tuple[int, int] | None = None  # (failed generation, the step it reached)
         # In-place mode: one state manager per local rank, outliving restarts (DESIGN.md §2).
         self.sms = (StateManagers(run_dir=self.run_dir, token=self.token,
                                   log_root=self.layout.root, guardian=self.guardian,
@@ -110,6 +117,7 @@ class Agent:
         self.resuming: dict[int, set[int]] = {}   # generation -> local ranks that beat a step
         self.leftovers: list = []             # Procs that outlived a bounded wait: stopped at the end
         self.attempt_base_gen = 0             # generation at which the current attempt started
+        self.ledger = InjectLedger()          # which injections fired (`inject_unfired`)
         self.inplace = InplaceRecovery(self) if cfg.recovery.mode == "inplace" else None
         self._closed = False
         if omp_warning:
@@ -158,15 +166,17 @@ class Agent:
                 self._start_group()
                 decision = self._supervise()
                 self.log(f"decision: {decision.action.value}: {decision.reason}")
+                cls = decision.classification
                 self.events.emit("decision", self.generation, action=decision.action.value,
-                                 reason=decision.reason)
+                                 reason=decision.reason, **(cls.fields() if cls else {}))
                 if decision.action == Action.UNRECOVERABLE:
-                    return self._unrecoverable(decision)
+                    return self._unrecoverable(decision.reason)
                 if decision.action == Action.SUCCEED:
                     self._stop_group("success")
                     self._exit_barrier()
-                    self.events.emit("job_end", self.generation, exit_code=E.EXIT_OK)
-                    return E.EXIT_OK
+                    return self._end(E.EXIT_OK)
+                if decision.action == Action.RESTART and self.inplace and self.failures:
+                    self.inplace.note_restart(self.failures)
                 self._stop_group(decision.reason)
                 if decision.action == Action.RESTART:
                     if decision.counts_as_restart:
@@ -178,32 +188,44 @@ class Agent:
                 code = (E.EXIT_RESTARTS_EXHAUSTED if la.max_restarts > 0
                         else E.EXIT_WORKER_FAILED)
                 self._print_root_cause()
-                self.events.emit("job_end", self.generation, exit_code=code,
-                                 reason=decision.reason)
-                return code
+                return self._end(code, decision.reason)
         except E.StoppedBySignal as e:
             self._stop_group(f"leto-run received {signal.Signals(e.signum).name}",
                              first_signal=e.signum)
-            self.events.emit("job_end", self.generation, exit_code=e.exit_code,
-                             reason=str(e))
             self.log(f"stopped by {signal.Signals(e.signum).name}; every worker stopped")
-            return e.exit_code
+            return self._end(e.exit_code, str(e))
+        except E.Unrecoverable as e:          # raised before a restart could start the group
+            self.log(f"decision: {Action.UNRECOVERABLE.value}: {e}")
+            self.events.emit("decision", self.generation, action=Action.UNRECOVERABLE.value,
+                             reason=str(e))
+            return self._unrecoverable(str(e))
         except E.RendezvousFailed as e:
             self._stop_group(str(e))
             self.log(f"error: {e}")
-            self.events.emit("job_end", self.generation, exit_code=e.exit_code, reason=str(e))
-            return e.exit_code
+            return self._end(e.exit_code, str(e))
 
-    def _unrecoverable(self, decision: Decision) -> int:
-        self._stop_group(decision.reason)
+    def _unrecoverable(self, reason: str) -> int:
+        self._stop_group(reason)
         self._print_root_cause()
         self.log("error: the retained state cannot be recovered in place; the job ends "
-                 f"(checkpoint fallback is not implemented yet): {decision.reason}")
-        self.events.emit("job_end", self.generation, exit_code=E.EXIT_UNRECOVERABLE,
-                         reason=decision.reason)
-        return E.EXIT_UNRECOVERABLE
+                 f"(checkpoint fallback is not implemented yet): {reason}")
+        return self._end(E.EXIT_UNRECOVERABLE, reason)
+
+    def _end(self, code: int, reason: str | None = None) -> int:
+        """The job ends with `code`: injections that never fired are reported first."""
+        ranks = {s.rank for s in self.slots}
+        for spec, why in self.ledger.unfired(self.cfg.inject, ranks):
+            self.events.emit("inject_unfired", self.generation, rank=spec.rank, spec=spec.text,
+                             reason=why, by="agent")
+            self.log(f"warning: injection '{spec.text}' never fired: {why}")
+        self.events.emit("job_end", self.generation, exit_code=code,
+                         **({"reason": reason} if reason is not None else {}))
+        return code
 
     def _start_group(self) -> None:
+        lost = self.sms.lost() if self.sms else None
+        if lost:          # a restart cannot bring the retained state back
+            raise E.Unrecoverable(f"the group cannot be started again: {lost}")
         self.generation += 1
         self.attempt_base_gen = self.generation
         self.failures.clear()
@@ -225,6 +247,7 @@ class Agent:
                 self.sms.ensure(slot, self.generation, self.restart_count)
         for slot in self.slots:
             self._spawn(slot, SlotRole.ACTIVE)
+            self.ledger.ran(slot.rank, self.restart_count, 0)
         self.group_started = time.monotonic()
         self.timers = [(self.group_started + spec.after_s, "inject", spec) for spec in
                        timed_for_generation(self.cfg.inject, {s.rank for s in self.slots},
@@ -265,13 +288,14 @@ class Agent:
         self.guardian.announce(proc.pid)
         if self.sms:
             self.sms.allow(ident.local_rank, proc.pid)
-        prefix = f"[r{ident.global_rank} {role.value} g{gen}]: "
+        prefix = console_label(ident.global_rank, role, gen)
         self.worker_pipes.update((out_r, err_r))
-        for fd, stream in ((out_r, "stdout"), (err_r, "stderr")):
-            self.pump.add(fd, self.layout.plan(self.restart_count, ident.local_rank, stream),
-                          prefix, stream, prefix_file=role == SlotRole.SHADOW)
+        pipes = tuple(self.pump.add(fd, self.layout.plan(self.restart_count, ident.local_rank,
+                                                         stream),
+                                    prefix, stream, prefix_file=role == SlotRole.SHADOW)
+                      for fd, stream in ((out_r, "stdout"), (err_r, "stderr")))
         sp = SlotProcess(role=role, generation=gen, attempt=self.restart_count,
-                         proc=proc, error_file=err_file, epoch=epoch)
+                         proc=proc, error_file=err_file, epoch=epoch, pipes=pipes)
         slot.procs[role] = sp
         self.sel.register(proc.pidfd, selectors.EVENT_READ, (slot, sp))
         self.events.emit("spawn", gen, rank=ident.global_rank,
@@ -279,13 +303,21 @@ class Agent:
                          mono=proc.started_mono, restart_count=self.restart_count, epoch=epoch)
         return sp
 
+    def relabel(self, slot: RankSlot, sp: SlotProcess) -> None:
+        """`sp` has a new role or generation (promotion, in-process demotion): its console
+        lines say so from now on."""
+        for stream in sp.pipes:
+            self.pump.relabel(stream, console_label(slot.rank, sp.role, sp.generation))
+
     def _supervise(self) -> Decision:
         la = self.cfg.launch
         multi_node = self.round.group_world_size > 1 or la.max_nodes > 1
         while True:
             now = time.monotonic()
             timeout = self._next_deadline(now, multi_node) - now
-            for key, _ in self.sel.select(timeout=max(0.0, timeout)):
+            ready = self.sel.select(timeout=max(0.0, timeout))
+            # Datagrams first: an `inject` sent just before a death is part of its facts.
+            for key, _ in sorted(ready, key=lambda kv: kv[0].data != "hb"):
                 if key.data == "hb":
                     self._on_beats()
                 elif key.data == "sig":
@@ -325,10 +357,19 @@ class Agent:
                                     la.max_restarts, nodes_waiting)
             if decision.action != Action.CONTINUE:
                 if inplace and inplace.action == Action.FALL_BACK:
-                    self.events.emit("inplace_fallback", self.generation, reason=inplace.reason)
-                    self.log(f"no in-place recovery: {inplace.reason}")
+                    return self._fell_back(inplace, decision)
                 return decision
             self._flush_revokes()
+
+    def _fell_back(self, inplace: Decision, group: Decision) -> Decision:
+        """In-place recovery was not possible: `group` (torchrun's semantics) decides, and its
+        decision carries why, and the failure's classification."""
+        cls = inplace.classification
+        self.events.emit("inplace_fallback", self.generation, reason=inplace.reason,
+                         **(cls.fields() if cls else {}))
+        self.log(f"no in-place recovery: {inplace.reason}")
+        return Decision(group.action, f"{group.reason}; no in-place recovery: {inplace.reason}",
+                        group.counts_as_restart, cls)
 
     def _next_deadline(self, now: float, multi_node: bool) -> float:
         cands = [now + 1.0, self.status.next_refresh(now)]
@@ -343,182 +384,6 @@ class Agent:
         return ({sp.proc.pid for s in self.slots for sp in s.all() if sp.proc.status is None}
                 | {p.pid for p in self.leftovers if p.status is None}
                 | (self.sms.pids() if self.sms else set()))
-
-    # ---- event handlers ------------------------------------------------------------------
-    def _on_exit(self, slot: RankSlot, sp: SlotProcess) -> None:
-        fd = sp.proc.pidfd
-        status = sp.proc.poll_exit()
-        if status is None:
-            return
-        self.sel.unregister(fd)
-        ident = slot.identity
-        if self.sms:
-            # Revoked after the decision (`_flush_revokes`): a dead pid cannot connect, and the
-            # file write has no place between a death and the survivors' SIGTERM.
-            self.pending_revokes.append((ident.local_rank, sp.proc.pid))
-        self.events.emit("exit", sp.generation, rank=ident.global_rank,
-                         local_rank=ident.local_rank, role=sp.role.value, pid=sp.proc.pid,
-                         exitcode=status.exitcode, how=status.describe(), mono=status.mono,
-                         step=sp.step)
-        if sp.done:              # already judged (e.g. a hang we killed)
-            return
-        if sp.role == SlotRole.SHADOW and sp.state != ProcState.STOPPING:
-            self.inplace.on_shadow_exit(slot, sp, status)
-        elif not status.ok and self.inplace and self.inplace.collateral(sp):
-            sp.move(ProcState.STOPPING)      # a survivor of a HOF recovered in place
-            sp.move(ProcState.STOPPED)
-        elif sp.state == ProcState.STOPPING:
-            sp.move(ProcState.SUCCEEDED if status.ok else ProcState.STOPPED)
-        elif status.ok:
-            sp.move(ProcState.SUCCEEDED)
-        else:
-            sp.move(ProcState.FAILED)
-            self._record_failure(slot, sp, status.exitcode, status.describe(), status.mono)
-        self.status.changed()
-
-    def _record_failure(self, slot: RankSlot, sp: SlotProcess, exitcode: int, how: str,
-                        mono: float, note: str | None = None) -> None:
-        ident = slot.identity
-        # The error file is written before exit; give the output pump no say in ordering.
-        rec = failure_from_exit(rank=ident.global_rank, local_rank=ident.local_rank,
-                                role=sp.role.value, generation=sp.generation,
-                                attempt=sp.attempt, pid=sp.proc.pid, exitcode=exitcode,
-                                how=how, error_file=sp.error_file, wall=time.time(),
-                                mono=mono, host=self.host, note=note)
-        if not self.failures and sp.step is not None:
-            self.catch_up_step = sp.step
-        self.failures.append(rec)
-        self.events.emit("failure_detected", sp.generation, rank=ident.global_rank,
-                         local_rank=ident.local_rank, role=sp.role.value, pid=sp.proc.pid,
-                         exitcode=exitcode, how=how, mono=mono,
-                         latency_from_spawn=mono - sp.proc.started_mono, step=sp.step)
-        self.log(f"rank {ident.global_rank} ({sp.role.value}, pid {sp.proc.pid}) failed: {how}")
-
-    def _on_beats(self) -> None:
-        by_pid = {sp.proc.pid: (slot, sp) for slot in self.slots for sp in slot.all()
-                  if not sp.done}
-        for beat in self.hb.drain(set(by_pid)):
-            slot, sp = by_pid[beat.pid]
-            if beat.kind in ("inplace", "promoted", "phase", "demoted"):
-                if self.inplace:
-                    self.inplace.on_datagram(slot, sp, beat)
-                continue
-            if sp.role == SlotRole.SHADOW and beat.kind != "inject":
-                continue        # a waiting shadow is not supervised for hangs until promoted
-            if beat.kind == "register":
-                # Sent once when the runtime loads, possibly long before the training loop (a
-                # shadow promoted while still importing): liveness starts with a real beat.
-                continue
-            if beat.kind == "inject":
-                sp.step = beat.step if beat.step is not None else sp.step   # it is in that step
-                self.events.emit("inject", sp.generation, rank=slot.rank, role=sp.role.value,
-                                 pid=beat.pid, spec=beat.detail, step=beat.step, by="runtime")
-                self.log(f"injecting '{beat.detail}' into rank {slot.rank} at step {beat.step}")
-                continue
-            if beat.kind == "bye":
-                sp.hang_deadline = None          # finished its loop; exiting is not a hang
-                continue
-            sp.on_beat(beat.step, beat.mono, self.cfg.recovery.hang_timeout)
-            sp.in_collective = beat.detail == "collective"   # waiting for peers from now on
-            self.status.changed()
-            if beat.step is None or sp.generation == 0:
-                continue
-            # Training has resumed once every local rank of the generation runs a step again
-            # (they meet at the next collective): the slowest rank's recovery is the cost.
-            seen = self.resuming.setdefault(sp.generation, set())
-            seen.add(slot.rank)
-            if sp.generation not in self.resumed_gens and len(seen) >= len(self.slots):
-                self.resumed_gens.add(sp.generation)
-                self.events.emit("resumed", sp.generation, rank=slot.rank, role=sp.role.value,
-                                 step=beat.step, mono=beat.mono)
-            if self.catch_up_step is not None and beat.step >= self.catch_up_step:
-                self.events.emit("caught_up", sp.generation, rank=slot.rank, step=beat.step,
-                                 mono=beat.mono)
-                self.catch_up_step = None
-
-    def _on_signals(self) -> None:
-        try:
-            data = os.read(self._sig_r, 512)
-        except BlockingIOError:
-            return
-        for signum in data:
-            if signum == signal.SIGCHLD:
-                continue
-            name = signal.Signals(signum).name
-            self.events.emit("signal", self.generation, signal=name)
-            if signum not in self.handled:
-                continue
-            if signum in _SHUTDOWN_SIGNALS:
-                # The stop forwards it (to every process group) after recording descendants.
-                self.log(f"received {name}: forwarding to every worker and stopping the job")
-                raise E.StoppedBySignal(signum)
-            self.log(f"received {name}: forwarding to every worker")
-            for slot in self.slots:
-                for sp in slot.all():
-                    if not sp.done:
-                        sp.proc.send_group(signum)
-
-    def _check_hangs(self, now: float) -> None:
-        timeout = self.cfg.recovery.hang_timeout
-        silent = {}
-        for slot in self.slots:
-            for sp in slot.all():
-                if sp.done or (self.inplace and self.inplace.collateral(sp)):
-                    continue
-                hung, why = hang_verdict(now, sp.hang_deadline, sp.last_beat, timeout)
-                if hung:
-                    silent[sp.proc.pid] = (slot, sp, why)
-        moving = any(s.active is not None and not s.active.done
-                     and s.active.proc.pid not in silent for s in self.slots)
-        blamed, _ = blame_hangs({pid: v[1].in_collective for pid, v in silent.items()},
-                                others_progressing=moving)
-        for pid, (slot, sp, why) in silent.items():
-            if pid not in blamed:
-                continue             # waits in a collective for the rank blamed now
-            self.events.emit("hang_detected", sp.generation, rank=slot.rank,
-                             role=sp.role.value, pid=sp.proc.pid, step=sp.step, reason=why)
-            self.log(f"rank {slot.rank} ({sp.role.value}, pid {sp.proc.pid}) hung at step "
-                     f"{sp.step}: {why}; dumping its Python stacks, then killing it")
-            sp.proc.send(C.DUMP_SIGNAL)
-            # faulthandler writes from its C signal handler; a short pause lets the dump
-            # reach the log before SIGKILL.
-            time.sleep(0.3)
-            self.events.emit("stack_dump", sp.generation, rank=slot.rank, role=sp.role.value,
-                             pid=sp.proc.pid)
-            sp.proc.send_group(signal.SIGKILL)
-            sp.move(ProcState.FAILED)
-            self._record_failure(slot, sp, -signal.SIGKILL, f"hang: {why}", now,
-                                 note=f"hang detected: {why}; Python stacks were dumped "
-                                      "to this rank's stderr")
-            self.status.changed()
-
-    def _fire_timers(self, now: float) -> None:
-        due = [t for t in self.timers if t[0] <= now]
-        self.timers = [t for t in self.timers if t[0] > now]
-        for _, kind, spec in due:
-            if kind != "inject":
-                continue
-            slot = next(s for s in self.slots if s.rank == spec.rank)
-            if spec.kind == InjectKind.PAGES:
-                if self.sms:
-                    self.sms.fire_pages(slot, spec, self.generation)
-                else:
-                    self.log(f"cannot inject '{spec.text}': page faults need the memory pool "
-                             "(--recovery inplace)")
-                continue
-            sp = slot.procs.get(SlotRole(spec.role))
-            if sp is None or sp.done:
-                continue
-            sig = spec.signal
-            if spec.kind == InjectKind.HANG:
-                # With the runtime, its hang handler blocks the main thread in Python (a real
-                # hang whose stack can be dumped); a plain script is frozen with SIGSTOP.
-                sig = C.HANG_SIGNAL if sp.beats > 0 else signal.SIGSTOP
-            self.events.emit("inject", sp.generation, rank=slot.rank, role=sp.role.value,
-                             pid=sp.proc.pid, spec=spec.text, signal=sig, by="agent",
-                             after_s=spec.after_s)
-            self.log(f"injecting '{spec.text}' into rank {slot.rank} (pid {sp.proc.pid})")
-            sp.proc.send(sig)
 
     # ---- stopping and finishing ----------------------------------------------------------
     def _stop_group(self, reason: str, first_signal: int = signal.SIGTERM) -> None:

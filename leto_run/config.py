@@ -347,6 +347,7 @@ class RecoveryConfig:
     demote: str = "release"                  # release | replace (see the docstring)
     max_inplace_recoveries: int = 20         # in-place recoveries allowed per window (0: none)
     inplace_window: float = 3600.0           # seconds: the sliding window of that budget
+    scrub_budget: float = 0.002              # share of the step time the scrub may take (0: off)
 
     def __post_init__(self) -> None:
         if self.mode not in RECOVERY_MODES:
@@ -395,6 +396,9 @@ class RecoveryConfig:
                       maximum=L.MAX_COUNT)
         _check_number("recovery.inplace_window", self.inplace_window, minimum=0, strict=True,
                       example="3600", maximum=L.MAX_WINDOW_SECONDS)
+        _check_number("recovery.scrub_budget", self.scrub_budget, minimum=0,
+                      example="0.002 (0.2% of the step time; 0 turns the scrub off)",
+                      maximum=L.MAX_SCRUB_BUDGET)
         if self.demote not in DEMOTE_MODES:
             raise _err("recovery.demote", f"{self.demote!r} is not a demotion mode",
                        "use replace (survivors are killed, fresh shadows start) or release "

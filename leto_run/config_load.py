@@ -193,6 +193,10 @@ OPTIONS: tuple[Option, ...] = (
     _leto("recovery.inplace_window", ("--inplace-window",), conv_float,
           "Seconds of the sliding window that --max-inplace-recoveries counts in.", "SECONDS",
           env="LETO_INPLACE_WINDOW", fix="use a number of seconds > 0, e.g. 3600"),
+    _leto("recovery.scrub_budget", ("--scrub-budget",), conv_float,
+          "Share of the step time the background scrub of retained state may take "
+          "(0.002: 0.2%; 0 turns it off).", "FRACTION",
+          env="LETO_SCRUB_BUDGET", fix="use a number 0..0.5, e.g. 0.002"),
 )
 INJECT_OPTION = _leto("inject", ("--inject",), conv_str,
                       "Inject a failure, e.g. kill:rank=1:after=5s, hang:rank=0:step=20, "

@@ -2,10 +2,48 @@
 
 Nothing here touches processes, clocks or I/O, so every rule is unit-tested directly and the
 reason string is logged verbatim (ANCHORS.md §3, principle 5).
+
+Failure classification (`classify_failure`, used by `decide_inplace`).  In-place recovery is for
+HOFs, failures of the hardware or the machine around a trainer; a failure of the script itself
+happens again wherever it runs, so recovering it in place only loops.  What the agent knows of a
+failure -- and nothing less reliable (no parsing of stderr) -- decides its kind:
+
+| kind        | how the agent knows                                               |
+|-------------|-------------------------------------------------------------------|
+| lost_state  | exit code `contract.UNRECOVERABLE_EXIT` (retained state gone)     |
+| hang        | the hang verdict (no heartbeat for --hang-timeout) killed it      |
+| signal      | killed by a signal (SIGKILL, SIGSEGV, SIGBUS, ...)                |
+| exception   | non-zero exit, a traceback in its torchelastic error file (@record) |
+| exit        | non-zero exit code and no error file                              |
+
+Its *signature* is what "the same way" compares: the signal's name, the traceback's identity
+(exception type and innermost frame, `failures.error_identity`: not the message, which often
+holds values that change between generations), the exit code, or `hang`.  Its *point* is the
+last step the failed trainer reported (None: it reported none in its generation).
+
+Verdicts, in this order:
+1. lost_state -> `Verdict.LOST_STATE`: the job ends (exit 4; `decide_inplace`).
+2. a failure of a process Leto injected a fault into -> transient: the user asked for a HOF.
+3. the same signature as the last failure the agent recovered (in place or by a restart) and
+   (a) at the same point, or (b) its generation completed no step since that recovery ->
+   `Verdict.DETERMINISTIC`: a failure that repeats where it happened, or that recovery cannot
+   get past, is not a HOF.
+4. its generation completed no step, and neither had the generation of the last recovered
+   failure, whatever the signatures -> `Verdict.DETERMINISTIC`: no progress at all since two
+   failures (a trainer that dies before its first step in every generation).
+5. anything else (a first failure, one at a new point or of another signature) -> transient.
+
+A deterministic failure is never recovered in place: `decide_inplace` falls back, and the group
+follows torchrun's semantics (`decide_group`: restart while `--max-restarts` allows, then exit 3;
+with `--max-restarts 0`, exit 1).  The history survives restarts, so a restarted group that
+fails the same way again uses up the next restart, as under torchrun.  Transient failures are
+recovered in place while the budget lasts: at most `--max-inplace-recoveries` in any
+`--inplace-window` seconds (`inplace_budget`); past it, failures follow `--max-restarts` too.
 """
 from __future__ import annotations
 
 import enum
+import signal
 from dataclasses import dataclass
 
 from leto_run.slot import ProcState, TERMINAL
@@ -22,11 +60,39 @@ class Action(str, enum.Enum):
     UNRECOVERABLE = "unrecoverable"   # retained state lost: end the job (checkpoint fallback later)
 
 
+class FailureKind(str, enum.Enum):
+    LOST_STATE = "lost_state"
+    HANG = "hang"
+    SIGNAL = "signal"
+    EXCEPTION = "exception"
+    EXIT = "exit"
+
+
+class Verdict(str, enum.Enum):
+    TRANSIENT = "transient"              # may be a HOF: recovered in place (within the budget)
+    DETERMINISTIC = "deterministic"      # repeats where it happened: not a HOF
+    LOST_STATE = "lost_state"            # the retained state is gone: nothing can be recovered
+
+
+@dataclass(frozen=True)
+class Classification:
+    verdict: Verdict
+    kind: FailureKind
+    signature: str
+    reason: str
+
+    def fields(self) -> dict:
+        """For the event log (`decision`, `inplace_fallback`)."""
+        return {"verdict": self.verdict.value, "kind": self.kind.value,
+                "signature": self.signature, "classification": self.reason}
+
+
 @dataclass(frozen=True)
 class Decision:
     action: Action
     reason: str
     counts_as_restart: bool = False
+    classification: Classification | None = None
 
 
 def decide_group(states: list[ProcState], failed_ranks: list[int], remaining_restarts: int,
@@ -91,45 +157,189 @@ class SlotView:
 
 @dataclass(frozen=True)
 class Failure:
+    """What the agent knows of one failed trainer (`classify_failure` says what it makes of it)."""
+
     rank: int
-    exitcode: int
+    exitcode: int                    # negative: killed by signal -exitcode
     how: str
+    step: int | None = None          # the last step it reported; None: none in its generation
+    error: str | None = None         # identity of its error file's traceback; None: no file
+    hang: bool = False               # the agent's hang verdict killed it
+    injected: str | None = None      # the fault Leto injected into this process, if any
+    progressed: bool = True          # its generation completed a step (on this node) first
+
+    @property
+    def kind(self) -> FailureKind:
+        if self.exitcode == UNRECOVERABLE_EXIT:
+            return FailureKind.LOST_STATE
+        if self.hang:
+            return FailureKind.HANG
+        if self.exitcode < 0:
+            return FailureKind.SIGNAL
+        return FailureKind.EXCEPTION if self.error else FailureKind.EXIT
+
+    @property
+    def signature(self) -> str:
+        kind = self.kind
+        if kind == FailureKind.HANG:
+            return "hang"
+        if kind == FailureKind.SIGNAL:
+            return _signal_name(-self.exitcode)
+        if kind == FailureKind.EXCEPTION:
+            return str(self.error)
+        return f"exit code {self.exitcode}"
+
+
+@dataclass(frozen=True)
+class PastFailure:
+    """One failure the agent recovered from, in place or by a restart (the history)."""
+
+    generation: int
+    kind: FailureKind | None         # None: a HOF another node declared (it judged it)
+    signature: str | None
+    step: int | None
+    mono: float                      # when it was recovered
+    inplace: bool                    # recovered in place (counts against the budget)
+    progressed: bool = True          # its generation had completed a step
+
+    @classmethod
+    def of(cls, f: Failure | None, generation: int, mono: float, inplace: bool) -> "PastFailure":
+        if f is None:
+            return cls(generation, None, None, None, mono, inplace)
+        return cls(generation, f.kind, f.signature, f.step, mono, inplace, f.progressed)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """`recovery.max_inplace_recoveries` within `recovery.inplace_window` seconds."""
+
+    max_recoveries: int = 20
+    window: float = 3600.0
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def _at(step: int | None) -> str:
+    return "before its first step" if step is None else f"at step {step}"
+
+
+def classify_failure(f: Failure, last: PastFailure | None) -> Classification:
+    """The verdict on failure `f`, given the last failure recovered before it (module
+    docstring, "Verdicts")."""
+    kind, sig = f.kind, f.signature
+    if kind == FailureKind.LOST_STATE:
+        return Classification(Verdict.LOST_STATE, kind, sig,
+                              f"rank {f.rank} exited with {UNRECOVERABLE_EXIT}: its retained "
+                              "state cannot be recovered in place")
+    if f.injected:
+        return Classification(Verdict.TRANSIENT, kind, sig,
+                              f"rank {f.rank}: {sig} {_at(f.step)} after the injected fault "
+                              f"'{f.injected}': a HOF")
+    same = last is not None and last.kind == kind and last.signature == sig
+    if same and last.step == f.step:
+        return Classification(Verdict.DETERMINISTIC, kind, sig,
+                              f"rank {f.rank} failed again {_at(f.step)} the same way as the "
+                              f"failure recovered in generation {last.generation} ({sig}): a "
+                              "deterministic failure of the script, not a HOF")
+    if same and not f.progressed:
+        return Classification(Verdict.DETERMINISTIC, kind, sig,
+                              f"rank {f.rank} failed the same way as the failure recovered in "
+                              f"generation {last.generation} ({sig}) before its generation "
+                              "completed a step: recovery cannot get past it, not a HOF")
+    if last is not None and last.kind is not None and not (f.progressed or last.progressed):
+        return Classification(Verdict.DETERMINISTIC, kind, sig,
+                              f"rank {f.rank} failed ({sig}) before its generation completed a "
+                              f"step, and so did generation {last.generation} "
+                              f"({last.signature}): no progress since two failures, not a HOF")
+    why = ("the first failure" if last is None or last.kind is None
+           else "not a repeat of the last failure recovered "
+                f"(generation {last.generation}: {last.signature} {_at(last.step)})")
+    return Classification(Verdict.TRANSIENT, kind, sig,
+                          f"rank {f.rank}: {sig} {_at(f.step)}, {why}: treated as a HOF")
+
+
+def inplace_budget(history: tuple[PastFailure, ...] | list[PastFailure], budget: Budget,
+                   now: float) -> tuple[bool, str]:
+    """May one more failure be recovered in place?  Counts the in-place recoveries of the
+    last `budget.window` seconds."""
+    if budget.max_recoveries <= 0:
+        return False, "in-place recovery is off (--max-inplace-recoveries 0)"
+    used = sum(1 for h in history if h.inplace and now - h.mono < budget.window)
+    if used >= budget.max_recoveries:
+        return False, (f"{used} in-place recoveries within {budget.window:g} s used up the "
+                       f"budget (--max-inplace-recoveries {budget.max_recoveries}, "
+                       f"--inplace-window {budget.window:g})")
+    return True, f"{used} of {budget.max_recoveries} in-place recoveries used"
 
 
 def decide_inplace(mode: str, generation: int, failures: list[Failure], slots: list[SlotView],
-                   remote_hof: str | None = None, shadows_unusable: str | None = None) -> Decision:
-    """A HOF of `generation` happened (local `failures`, or `remote_hof` declared by another
-    node): recover in place, end the job, or fall back to the restart path.
+                   remote_hof: str | None = None, shadows_unusable: str | None = None, *,
+                   history: tuple[PastFailure, ...] = (), budget: Budget = Budget(),
+                   now: float = 0.0, retained_lost: str | None = None) -> Decision:
+    """A HOF of `generation` happened (local `failures`, the first being the root cause, or
+    `remote_hof` declared by another node): recover in place, end the job, or fall back to
+    the restart path (`decide_group`).
 
-    In place needs in-place mode, every local slot in place with a live shadow of generation
-    + 1, and no trainer that said its retained state is lost (UNRECOVERABLE_EXIT).
-    `shadows_unusable` (why the shadows cannot be trusted, e.g. a shadow died on a multi-node
-    job) forces the fallback."""
-    lost = next((f for f in failures if f.exitcode == UNRECOVERABLE_EXIT), None)
-    if mode == "inplace" and lost is not None:
+    UNRECOVERABLE: a trainer said its retained state is lost (UNRECOVERABLE_EXIT), or
+    `retained_lost` says why this node's retained state cannot be served any more (a state
+    manager gone for good): no recovery can succeed.  FALL_BACK: restart mode; a slot not in
+    place; the root cause is deterministic (`classify_failure` over `history`); the in-place
+    budget is used up (`inplace_budget`); a slot without a live shadow of generation + 1;
+    `shadows_unusable` (why the shadows cannot be trusted, e.g. one died on a multi-node job).
+    A HOF another node declared is followed as it is: that node judged it."""
+    if mode != "inplace":
+        if not failures and remote_hof is None:
+            return Decision(Action.CONTINUE, "no failure")
+        return Decision(Action.FALL_BACK, f"{_cause(failures, remote_hof)}; recovery mode is "
+                        "restart")
+    root = failures[0] if failures else None
+    cls = classify_failure(root, history[-1] if history else None) if root else None
+    lost = next((f for f in failures if f.kind == FailureKind.LOST_STATE), None)
+    if lost is not None:
         return Decision(Action.UNRECOVERABLE,
                         f"rank {lost.rank} exited with {UNRECOVERABLE_EXIT}: its retained state "
                         "cannot be recovered in place (checkpoint fallback is not implemented "
-                        "yet)")
-    if not failures and remote_hof is None:
+                        "yet)", classification=classify_failure(lost, None))
+    if root is None and remote_hof is None:
         return Decision(Action.CONTINUE, "no failure")
-    cause = (f"rank {failures[0].rank} failed ({failures[0].how})" if failures
-             else f"HOF declared by {remote_hof}")
-    if mode != "inplace":
-        return Decision(Action.FALL_BACK, f"{cause}; recovery mode is restart")
-    want = generation + 1
+    cause = _cause(failures, remote_hof)
+    if retained_lost:
+        return Decision(Action.UNRECOVERABLE, f"{cause}; {retained_lost}", classification=cls)
     for s in slots:
         if not s.inplace:
             return Decision(Action.FALL_BACK, f"{cause}; rank {s.rank} does not run in place "
-                            "(its trainer did not call leto_runtime.init())")
+                            "(its trainer did not call leto_runtime.init())", classification=cls)
+    if cls is not None and cls.verdict == Verdict.DETERMINISTIC:
+        return Decision(Action.FALL_BACK, cls.reason, classification=cls)
+    ok, why = inplace_budget(history, budget, now)
+    if not ok and root is not None:
+        return Decision(Action.FALL_BACK, f"{cause}; {why}", classification=cls)
+    return _shadows_ready(cause, generation, slots, shadows_unusable, cls)
+
+
+def _cause(failures: list[Failure], remote_hof: str | None) -> str:
+    return (f"rank {failures[0].rank} failed ({failures[0].how})" if failures
+            else f"HOF declared by {remote_hof}")
+
+
+def _shadows_ready(cause: str, generation: int, slots: list[SlotView],
+                   shadows_unusable: str | None, cls: Classification | None) -> Decision:
+    want = generation + 1
+    for s in slots:
         if s.shadow_generation != want:
             have = ("no live shadow" if s.shadow_generation is None
                     else f"a shadow of generation {s.shadow_generation}")
             return Decision(Action.FALL_BACK, f"{cause}; rank {s.rank} has {have}, not one of "
-                            f"generation {want}")
+                            f"generation {want}", classification=cls)
     if shadows_unusable:
-        return Decision(Action.FALL_BACK, f"{cause}; {shadows_unusable}")
+        return Decision(Action.FALL_BACK, f"{cause}; {shadows_unusable}", classification=cls)
     if not slots:
-        return Decision(Action.FALL_BACK, f"{cause}; no local slots")
-    return Decision(Action.INPLACE, f"{cause} in generation {generation}; promoting the shadows "
-                    f"of generation {want} in place")
+        return Decision(Action.FALL_BACK, f"{cause}; no local slots", classification=cls)
+    why = f" ({cls.reason})" if cls is not None else ""
+    return Decision(Action.INPLACE, f"{cause} in generation {generation}{why}; promoting the "
+                    f"shadows of generation {want} in place", classification=cls)

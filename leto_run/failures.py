@@ -5,11 +5,18 @@ Worker tracebacks cross the process boundary as torchelastic error files (``@rec
 torch's.  The root cause is the *first failure the agent observed* (pidfd readiness order, or
 the hang deadline), not the lowest rank: with gloo, the survivors of a dead peer fail ~10 ms
 later with "Connection closed by peer", and naming them would send the user the wrong way.
+
+`error_identity` is what the failure classification (`leto_run.decisions`) compares to tell a
+failure that repeats from a new one: the exception type and the innermost frame of the
+traceback, not its message.  An error file that cannot be parsed (cut short by a kill, or not
+torch's format) is reported as such, never raised into the agent.
 """
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import re
 import socket
 from dataclasses import dataclass
 
@@ -31,24 +38,68 @@ class FailureRecord:
     message: str               # traceback from the error file, or a generated explanation
     wall: float
     mono: float
+    error: str | None = None   # `error_identity` of the error file; None: no usable error file
+    step: int | None = None    # the last step the trainer reported in its generation
+    hang: bool = False         # killed by the agent's hang verdict
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def error_identity(message) -> str | None:
+    """`ExcType at file:line in func` (innermost frame) of an error file's message (torch's
+    ``{"message": "T: text", "extraInfo": {"py_callstack": ...}}``, or a plain string: its
+    first line); None when there is nothing to identify."""
+    if isinstance(message, dict):
+        head = str(message.get("message") or "")
+        stack = str((message.get("extraInfo") or {}).get("py_callstack") or "")
+        frames = _FRAME.findall(stack)
+        etype = head.split(":", 1)[0].strip() if head else ""
+        if not etype and stack.strip():
+            etype = stack.strip().splitlines()[-1].split(":", 1)[0].strip()
+        if frames:
+            path, line, func = frames[-1]
+            return f"{etype or 'exception'} at {path}:{line} in {func}"
+        return head.splitlines()[0][:200] if head.strip() else None
+    text = str(message or "").strip()
+    return text.splitlines()[0][:200] if text else None
+
+
+def _read_error_file(local_rank: int, pid: int, exitcode: int,
+                     error_file: str) -> tuple[object, str | None]:
+    """(message for the summary, error identity) through torch's own reader, after checking
+    that it can read the file (torch logs a traceback and re-raises otherwise)."""
+    try:
+        if os.path.isfile(error_file):
+            with open(error_file, encoding="utf-8") as fp:
+                data = json.load(fp)
+            if not isinstance(data, dict) or "message" not in data:
+                raise ValueError("no 'message' in it")
+        pf = ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode,
+                            error_file=error_file)
+    except Exception as e:                        # cut short by a kill, or not torch's format
+        return (f"error file {error_file} is unreadable ({type(e).__name__}: {e})", None)
+    msg = pf.message
+    ident = error_identity(msg) if os.path.isfile(error_file) else None
+    if isinstance(msg, dict):                     # {"message": ..., "extraInfo": {"py_callstack"}}
+        extra = msg.get("extraInfo", {}) or {}
+        msg = extra.get("py_callstack") or msg.get("message") or str(msg)
+    return msg, ident
 
 
 def failure_from_exit(*, rank: int, local_rank: int, role: str, generation: int, attempt: int,
                       pid: int, exitcode: int, how: str, error_file: str, wall: float,
-                      mono: float, host: str | None = None,
-                      note: str | None = None) -> FailureRecord:
+                      mono: float, host: str | None = None, note: str | None = None,
+                      step: int | None = None, hang: bool = False) -> FailureRecord:
     """`host` defaults to the FQDN; callers on the hot path pass a cached one (a resolver
     lookup can take milliseconds, paid before the surviving ranks are told to stop)."""
-    pf = ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode, error_file=error_file)
-    msg = pf.message
-    if isinstance(msg, dict):                     # {"message": ..., "extraInfo": {"py_callstack"}}
-        extra = msg.get("extraInfo", {}) or {}
-        msg = extra.get("py_callstack") or msg.get("message") or str(msg)
+    msg, ident = _read_error_file(local_rank, pid, exitcode, error_file)
     if note:
         msg = f"{note}\n{msg}" if msg else note
     return FailureRecord(rank=rank, local_rank=local_rank, role=role, generation=generation,
                          attempt=attempt, host=host or socket.getfqdn(), pid=pid, exitcode=exitcode,
-                         how=how, error_file=error_file, message=str(msg), wall=wall, mono=mono)
+                         how=how, error_file=error_file, message=str(msg), wall=wall, mono=mono,
+                         error=ident, step=step, hang=hang)
 
 
 def _fmt_one(idx: int, f: FailureRecord) -> str:

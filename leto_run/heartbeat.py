@@ -21,8 +21,8 @@ from leto_runtime import contract as C
 
 _UCRED = struct.Struct("3i")
 # Datagram kinds (leto_runtime.contract, "Heartbeat datagram"); anything else is dropped.
-KINDS = frozenset({"beat", "register", "inject", "bye", "inplace", "promoted", "phase",
-                   "demoted"})
+KINDS = frozenset({"beat", "register", "inject", "unfired", "bye", "inplace", "promoted",
+                   "phase", "demoted"})
 
 
 @dataclass(frozen=True)

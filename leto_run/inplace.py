@@ -26,7 +26,14 @@ loop (one thread: the agent's main thread, which spawn's parent-death rule requi
        ready shadow (it then checks the key at once); each shadow becomes its slot's active; the agent's generation becomes g + 1 (not a restart: `--max-restarts` unused);
     d. the demoted survivors become their slots' shadows of generation g + 2 (same process);
        fresh shadows of g + 2 start for the other slots.
-- `collateral(sp)`: a death of an active that belongs to a HOF being recovered in place.
+- `collateral(sp)`: a death of an active that belongs to a HOF being recovered in place;
+- `note_restart(failures)`: the group restarts instead; its root cause joins the history.
+
+The decision (`decisions.decide_inplace`) also weighs the failure policy (`recovery_policy`):
+the classification of the root cause against the last recovered failure, the in-place budget,
+and whether this node's retained state can still be served (`StateManagers.lost`).  With
+`--max-inplace-recoveries 0` no shadow is started.  A promoted or demoted process keeps its
+pipes; its console label is changed to the role it has now (`agent.relabel`).
 
 Events (all with generation, rank, pid, mono): shadow_ready, hof, demote, demoted, promote,
 promoted (the runtime's wake time), phase, shadow_exit, shadow_respawn, inplace_fallback.
@@ -40,87 +47,21 @@ import json
 import os
 import select
 import signal
-import threading
 import time
 
 import torch.distributed as dist
 
-from leto_run.decisions import Action, Decision, Failure, SlotView, decide_inplace
+from leto_run.decisions import Action, Decision, SlotView, decide_inplace
+from leto_run.hof_watch import STORE_TIMEOUT_S, HofWatcher, wait_exits
 from leto_run.inject import timed_for_generation
 from leto_run.procs import ExitStatus, kill_pids
+from leto_run.recovery_policy import FailurePolicy
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_runtime import contract as C
 
 DEMOTE_WAIT_S = 10.0        # SIGKILLed trainers are gone in ms; D-state stragglers are reported
 DEMOTE_RELEASE_S = 10.0     # demote=release: a survivor reaches a safe point in one step phase
-STORE_TIMEOUT_S = 30.0      # agent's worker-store client: connect and each operation
-WATCH_POLL_S = 0.1          # watcher's poll of the HOF key (a non-blocking check per poll)
 MAX_SHADOW_RESPAWNS = 3     # per generation: a shadow that keeps dying is a script bug
-
-
-def wait_exits(procs, timeout: float) -> list:
-    """Block (bounded) until every proc's pidfd is readable; reap them.  Returns the stragglers."""
-    left = [p for p in procs if p.status is None and p.pidfd >= 0]
-    deadline = time.monotonic() + timeout
-    while left:
-        ms = (deadline - time.monotonic()) * 1000
-        if ms <= 0:
-            break
-        poller = select.poll()
-        for p in left:
-            poller.register(p.pidfd, select.POLLIN)
-        poller.poll(ms)
-        left = [p for p in left if p.poll_exit() is None]
-    return left
-
-
-class HofWatcher:
-    """Thread: polls `hof_key(generation)` in the worker store with non-blocking checks; writes
-    one byte to `wake_fd` when it appears (another node declared a HOF).  Ends when the store
-    goes away (restart, end of job) or `stop()`, which joins it.
-
-    Why polling, not `store.wait`: a thread blocked inside the C++ wait cannot be stopped, and
-    one still in it when the agent exits aborts the process ("terminate called without an
-    active exception"); a timed-out wait also prints c10d warnings.  A check is one local TCP
-    round trip, so 10 a second cost nothing and bound the detection delay to 0.1 s."""
-
-    def __init__(self, addr: str, port: int, generation, wake_fd: int,
-                 poll_s: float = WATCH_POLL_S):
-        self.addr, self.port, self.generation, self.wake_fd = addr, port, generation, wake_fd
-        self.poll = poll_s
-        self.advanced = threading.Event()
-        self._stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="leto-hof-watcher", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            store = dist.TCPStore(self.addr, self.port, is_master=False, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
-        except Exception:
-            return
-        while not self._stopped.is_set():
-            g = self.generation()
-            try:
-                seen = store.check([C.hof_key(g)])
-            except Exception:
-                return                      # the store is gone
-            if not seen:
-                self._stopped.wait(self.poll)
-                continue
-            try:
-                os.write(self.wake_fd, b"h")
-            except OSError:
-                return
-            while not self._stopped.is_set() and self.generation() == g:
-                self.advanced.wait(1.0)     # until the agent handled generation g
-                self.advanced.clear()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stopped.set()
-        self.advanced.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout)
 
 
 class InplaceRecovery:
@@ -140,6 +81,8 @@ class InplaceRecovery:
         self.remote: dict | None = None      # a HOF of the current generation another node declared
         self.declared: set[int] = set()      # generations whose HOF this node recovered
         self.demoted: list = []              # (slot, sp): survivors demoted in process, to adopt
+        rc = agent.cfg.recovery
+        self.policy = FailurePolicy(rc.max_inplace_recoveries, rc.inplace_window)
 
     # ---- round lifecycle -----------------------------------------------------------------
     def new_round(self) -> None:
@@ -176,7 +119,7 @@ class InplaceRecovery:
                 a.events.emit("inplace", sp.generation, rank=slot.rank, pid=beat.pid,
                               mono=beat.mono)
                 self._ensure_watcher()
-            if slot.shadow is None and not self.unusable:
+            if slot.shadow is None and not self.unusable and self.policy.inplace_enabled:
                 self._spawn_shadow(slot)
         elif beat.kind == "inplace":
             sp.ready = True
@@ -238,13 +181,24 @@ class InplaceRecovery:
         return out
 
     def decide(self, failures) -> Decision:
+        """`decisions.decide_inplace` over what this agent knows now.  No side effects: it may
+        be asked again within one loop turn (`collateral`)."""
         a = self.a
-        fs = [Failure(f.rank, f.exitcode, f.how) for f in failures
-              if f.generation == a.generation]
+        fs = self.policy.facts(a.slots, a.generation, failures)
+        if not fs and self.remote is None:
+            return Decision(Action.CONTINUE, "no failure")
         remote = (f"node {self.remote.get('node')} (rank {self.remote.get('rank')}, "
                   f"{self.remote.get('how')})" if self.remote else None)
         return decide_inplace(a.cfg.recovery.mode, a.generation, fs, self.views(), remote,
-                              self.unusable)
+                              self.unusable, history=self.policy.history,
+                              budget=self.policy.budget, now=time.monotonic(),
+                              retained_lost=a.sms.lost() if a.sms else None)
+
+    def note_restart(self, failures) -> None:
+        """The group restarts because of `failures`: the root cause joins the history."""
+        fs = self.policy.facts(self.a.slots, self.a.generation, failures)
+        self.policy.record(fs[0] if fs else None, self.a.generation, time.monotonic(),
+                           inplace=False)
 
     def collateral(self, sp: SlotProcess) -> bool:
         """Is the death of active `sp` part of a HOF that is (being) recovered in place?"""
@@ -270,7 +224,10 @@ class InplaceRecovery:
         g = a.generation
         t0 = time.monotonic()
         a.log(f"in-place recovery: {d.reason}")
-        a.events.emit("decision", g, action=d.action.value, reason=d.reason)
+        a.events.emit("decision", g, action=d.action.value, reason=d.reason,
+                      **(d.classification.fields() if d.classification else {}))
+        fs = self.policy.facts(a.slots, g, failures)
+        self.policy.record(fs[0] if fs else None, g, t0, inplace=True)
         self._declare(g, failures)
         self._demote(g)
         self._promote(g + 1)
@@ -408,10 +365,11 @@ class InplaceRecovery:
         their environment to exactly that: `contract.demoted_env`)."""
         a = self.a
         for slot, sp in self.demoted:
-            sp.role, sp.generation, sp.epoch, sp.ready = SlotRole.SHADOW, gen, 0, False
+            sp.new_role(SlotRole.SHADOW, gen)
+            sp.epoch, sp.ready = 0, False
             sp.wake = False           # until its readiness datagram of the new generation
-            sp.step, sp.hang_deadline, sp.last_beat = None, None, None
             slot.procs[SlotRole.SHADOW] = sp
+            a.relabel(slot, sp)
             a.log(f"rank {slot.rank}: pid {sp.proc.pid} demoted in process to the shadow of "
                   f"generation {gen}")
         self.demoted = []
@@ -428,8 +386,10 @@ class InplaceRecovery:
             sp = slot.procs.pop(SlotRole.SHADOW)
             if sp.ready and sp.wake:    # its runtime handles the signal (it said so)
                 sp.proc.send(C.PROMOTE_SIGNAL)
-            sp.role = SlotRole.ACTIVE
+            sp.new_role(SlotRole.ACTIVE, gen)
             slot.procs[SlotRole.ACTIVE] = sp
+            a.relabel(slot, sp)
+            a.ledger.ran(slot.rank, a.restart_count, gen - a.attempt_base_gen)
             a.events.emit("promote", gen, rank=slot.rank, local_rank=slot.local_rank,
                           pid=sp.proc.pid, epoch=sp.epoch, ready=sp.ready, mono=woke)
         a.generation = gen

@@ -24,6 +24,7 @@ MAX_NPROC_PER_NODE = 1024
 MAX_WORLD_SIZE = MAX_NODES * MAX_NPROC_PER_NODE
 # Counts of restarts, in-place recoveries, attempts and generations.
 MAX_COUNT = 1_000_000
+MAX_SCRUB_BUDGET = 0.5            # share of the step time: the scrub never takes most of it
 MAX_PAGE_BYTES = 1 << 30
 MAX_STEP = 10 ** 12               # trainer steps (the runtime gathers them as int64)
 MAX_GROUP_PAGES = 65535           # GF(2^16): no protection group holds more pages

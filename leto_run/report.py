@@ -15,6 +15,12 @@ has its own phases (`InplaceRecovery`):
   injected -> detected -> shadows awake (last `promoted` of g+1) -> attach, localize,
   reconstruct, agree (resume point: finish t / redo t), finish (runtime `phase` events, the
   slowest rank) -> first heartbeat of g+1 (training resumed) -> back at the pre-failure step
+
+A failure that ended the job (no restart, no promotion follows) gets a section that says how it
+ended and why (its `decision`); a restart section says why in-place recovery was not used (its
+`inplace_fallback`).  Detection is timed from the injection that caused the failure: the last
+kill, signal or hang injected into that rank in that generation before it failed (a page loss
+only when it struck in the same step: lost pages that trap), never an earlier one.
 """
 from __future__ import annotations
 
@@ -38,6 +44,9 @@ class Recovery:
     resumed_step: int | None
     caught_up_s: float | None       # detection -> back at the failed step
     recomputed_steps: int | None
+    fallback: str | None = None     # why in-place recovery was not used (in-place mode)
+    exit_code: int | None = None    # the job ended with this failure: its exit code
+    end_reason: str | None = None   # ... and the decision that ended it
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,18 @@ PHASES = ("attach", "localize", "reconstruct", "agree", "finish", "resume")
 
 def _first(evs, pred):
     return next((e for e in evs if pred(e)), None)
+
+
+def _cause(events: list[dict], f: dict) -> dict | None:
+    """The injection that caused failure `f` (module docstring), or None."""
+    t, gen, rank = f["mono"], f["generation"], f["rank"]
+    mine = [e for e in events if e["event"] == "inject" and e.get("rank") == rank
+            and e["generation"] == gen and e["mono"] <= t + 1e-3 and not e.get("error")]
+    hofs = [e for e in mine if not str(e.get("spec", "")).startswith("pages")]
+    if hofs:
+        return hofs[-1]
+    same_step = [e for e in mine if e.get("step") is not None and e.get("step") == f.get("step")]
+    return same_step[-1] if same_step else None
 
 
 def _inplace(index: int, f: dict, inj: dict | None, events: list[dict]) -> InplaceRecovery:
@@ -116,38 +137,56 @@ def recoveries(events: list[dict]) -> list:
         if gen in seen_gen:          # one recovery per generation: the first failure is the cause
             continue
         seen_gen.add(gen)
-        t = f["mono"]
-        inj = _first(events, lambda e: e["event"] == "inject" and e.get("rank") == f["rank"]
-                     and e["generation"] == gen and e["mono"] <= t + 1e-3)
+        inj = _cause(events, f)
         if any(e["event"] == "promote" and e["generation"] == gen + 1 for e in events):
             out.append(_inplace(len(out) + 1, f, inj, events))
             continue
-        stop = _first(events, lambda e: e["event"] == "stop" and e["generation"] == gen)
-        stopped = [e for e in events if e["event"] == "exit" and e["generation"] == gen]
-        rdzv = _first(events, lambda e: e["event"] == "rendezvous" and e["generation"] == gen + 1)
-        spawn = _first(events, lambda e: e["event"] == "spawn" and e["generation"] == gen + 1)
-        resumed = _first(events, lambda e: e["event"] == "resumed" and e["generation"] == gen + 1)
-        caught = _first(events, lambda e: e["event"] == "caught_up" and e["generation"] == gen + 1)
-        failed_step = f.get("step")
-        stop_end = max((e["mono"] for e in stopped), default=None) if stop else None
-
-        def dt(e):
-            return None if e is None else e["mono"] - t
-
-        out.append(Recovery(
-            index=len(out) + 1, rank=f["rank"], how=f["how"], generation_from=gen,
-            generation_to=gen + 1 if spawn else None, failed_step=failed_step,
-            injected=inj.get("spec") if inj else None,
-            detect_s=(t - inj["mono"]) if inj else None,
-            stop_s=None if stop_end is None else stop_end - t,
-            rendezvous_s=None if rdzv is None else rdzv.get("seconds"),
-            spawn_s=dt(spawn), resume_s=dt(resumed),
-            resumed_step=resumed.get("step") if resumed else None,
-            caught_up_s=dt(caught),
-            recomputed_steps=(failed_step - resumed["step"]
-                              if resumed and failed_step is not None
-                              and resumed.get("step") is not None else None)))
+        out.append(_restart(len(out) + 1, f, inj, events))
     return out
+
+
+def _restart(index: int, f: dict, inj: dict | None, events: list[dict]) -> Recovery:
+    gen, t = f["generation"], f["mono"]
+    later = [e for e in events if e["mono"] >= t]
+
+    def after(name: str, g: int, **match) -> dict | None:
+        return _first(later, lambda e: e["event"] == name and e["generation"] == g
+                      and all(e.get(k) == v for k, v in match.items()))
+
+    stop = after("stop", gen)
+    stopped = [e for e in later if e["event"] == "exit" and e["generation"] == gen]
+    rdzv = after("rendezvous", gen + 1)
+    # Shadows of gen + 1 may have been spawned before the failure: the respawn is an active's.
+    spawn = _first(later, lambda e: e["event"] == "spawn" and e["generation"] == gen + 1
+                   and e.get("role") != "shadow") if rdzv else None
+    resumed = after("resumed", gen + 1) if rdzv else None
+    caught = after("caught_up", gen + 1) if rdzv else None
+    fallback = after("inplace_fallback", gen)
+    end = None if rdzv else after("job_end", gen)
+    decision = _first([e for e in later if e["event"] == "decision" and e["generation"] == gen
+                       and e.get("action") != "inplace"], lambda e: True)
+    failed_step = f.get("step")
+    stop_end = max((e["mono"] for e in stopped), default=None) if stop else None
+
+    def dt(e):
+        return None if e is None else e["mono"] - t
+
+    return Recovery(
+        index=index, rank=f["rank"], how=f["how"], generation_from=gen,
+        generation_to=gen + 1 if spawn else None, failed_step=failed_step,
+        injected=inj.get("spec") if inj else None,
+        detect_s=(t - inj["mono"]) if inj else None,
+        stop_s=None if stop_end is None else stop_end - t,
+        rendezvous_s=None if rdzv is None else rdzv.get("seconds"),
+        spawn_s=dt(spawn), resume_s=dt(resumed),
+        resumed_step=resumed.get("step") if resumed else None,
+        caught_up_s=dt(caught),
+        recomputed_steps=(failed_step - resumed["step"]
+                          if resumed and failed_step is not None
+                          and resumed.get("step") is not None else None),
+        fallback=fallback.get("reason") if fallback else None,
+        exit_code=end.get("exit_code") if end else None,
+        end_reason=(decision or end or {}).get("reason") if end else None)
 
 
 def _ms(x: float | None) -> str:
@@ -183,10 +222,40 @@ def _inplace_lines(r: InplaceRecovery) -> list[str]:
     return [head, body]
 
 
+def memory_lines(events: list[dict]) -> list[str]:
+    """What the step-boundary guard repaired and what the scrub found (runtime `phase` events
+    `repair` and `scrub`; leto_runtime/rmu/guard.py, scrub.py), and each rank's scrub total."""
+    out = []
+    for e in events:
+        if e.get("event") != "phase" or e.get("phase") not in ("repair", "scrub"):
+            continue
+        who = f"  rank {e.get('rank')} gen {e.get('generation')} step {e.get('step')}: "
+        if e["phase"] == "repair":
+            what = [f"parity recomputed from the data for {n} group {g}"
+                    for n, g in e.get("reencoded") or []]
+            what += [f"{k} data page(s) of {n} group {g} decoded from parity"
+                     for n, g, k in e.get("decoded") or []]
+            out.append(who + f"{e.get('pages')} lost page(s) repaired before any use: "
+                       + ("; ".join(what) or "nothing to rebuild")
+                       + f" ({_ms(e.get('seconds'))})")
+        elif e.get("action") == "summary":
+            out.append(f"  scrub, rank {e.get('rank')} gen {e.get('generation')}: "
+                       f"{e.get('slices')} slice(s), {(e.get('bytes') or 0) / 2**20:.1f} MiB "
+                       f"checked ({e.get('passes')} full pass(es)) in {_ms(e.get('seconds'))}, "
+                       f"{e.get('repaired')} re-encoded")
+        elif e.get("action") != "ok":
+            out.append(who + f"scrub: {e.get('state')} group {e.get('group')}: "
+                       f"{e.get('reason')} -> {e.get('action')}")
+    return out
+
+
 def format_report(events: list[dict]) -> str:
     recs = recoveries(events)
+    found = memory_lines(events)
+    mem = (["", "Retained memory (losses repaired at step boundaries, the scrub)"] + found
+           if found and (recs or any(not x.startswith("  scrub,") for x in found)) else [])
     if not recs:
-        return ""
+        return "\n".join(mem)
     if any(isinstance(r, InplaceRecovery) for r in recs):
         lines = ["", "Recovery report (in place: shadows promoted; restart: stop all, "
                  "rendezvous, respawn)"]
@@ -194,19 +263,34 @@ def format_report(events: list[dict]) -> str:
         lines = ["", "Recovery report (restart mode: stop all, rendezvous, respawn, reload "
                  "checkpoint)"]
     for r in recs:
-        if isinstance(r, InplaceRecovery):
-            lines += _inplace_lines(r)
-            continue
-        head = (f"  #{r.index} generation {r.generation_from}->"
-                f"{r.generation_to if r.generation_to is not None else 'end'}: rank {r.rank} "
-                f"{r.how}" + (f" at step {r.failed_step}" if r.failed_step is not None else ""))
-        if r.injected:
-            head += f"  [injected: {r.injected}]"
-        lines.append(head)
-        lines.append(
-            f"     detection {_ms(r.detect_s)} | group stopped +{_ms(r.stop_s)} | rendezvous "
+        lines += _inplace_lines(r) if isinstance(r, InplaceRecovery) else _restart_lines(r)
+    return "\n".join(lines + mem)
+
+
+def _restart_lines(r: Recovery) -> list[str]:
+    head = (f"  #{r.index} generation {r.generation_from}->"
+            f"{r.generation_to if r.generation_to is not None else 'end'}: rank {r.rank} "
+            f"{r.how}" + (f" at step {r.failed_step}" if r.failed_step is not None else ""))
+    if r.injected:
+        head += f"  [injected: {r.injected}]"
+    if r.generation_to is None:
+        out = [head, f"     detection {_ms(r.detect_s)} | group stopped +{_ms(r.stop_s)} | "
+                     + (f"job ended with exit code {r.exit_code}" if r.exit_code is not None
+                        else "no restart followed")]
+        if r.end_reason:
+            out.append(f"     why: {r.end_reason}")
+        elif r.fallback:
+            out.append(f"     no in-place recovery: {r.fallback}")
+        return out
+    body = (f"     detection {_ms(r.detect_s)} | group stopped +{_ms(r.stop_s)} | rendezvous "
             f"{_ms(r.rendezvous_s)} | respawned +{_ms(r.spawn_s)} | training resumed "
-            f"+{_ms(r.resume_s)}" + (f" at step {r.resumed_step}" if r.resumed_step is not None else "")
-            + f" | back at step {r.failed_step} +{_ms(r.caught_up_s)}"
-            + (f" | recomputed {r.recomputed_steps} step(s)" if r.recomputed_steps is not None else ""))
-    return "\n".join(lines)
+            f"+{_ms(r.resume_s)}"
+            + (f" at step {r.resumed_step}" if r.resumed_step is not None else "")
+            + (f" | back at step {r.failed_step} +{_ms(r.caught_up_s)}"
+               if r.failed_step is not None else "")
+            + (f" | recomputed {r.recomputed_steps} step(s)"
+               if r.recomputed_steps is not None else ""))
+    out = [head, body]
+    if r.fallback:
+        out.append(f"     no in-place recovery: {r.fallback}")
+    return out

@@ -50,6 +50,11 @@ class IllegalTransition(RuntimeError):
     pass
 
 
+def console_label(rank: int, role: SlotRole, generation: int) -> str:
+    """The prefix of a process's console lines: the role it has now (README, "Logs")."""
+    return f"[r{rank} {role.value} g{generation}]: "
+
+
 @dataclass
 class SlotProcess:
     """One process in one role of a slot, with its supervision state."""
@@ -70,6 +75,20 @@ class SlotProcess:
     wake: bool = False                      # shadows: handle PROMOTE_SIGNAL (said when ready)
     demoted: dict | None = None             # demote=release: its `demoted` datagram's detail
     in_collective: bool = False             # its last beat: entering a collective (blame_hangs)
+    first_step: int | None = None           # the first step it reported in its current role
+    injected: str | None = None             # the last fault injected into it (spec text)
+    pipes: tuple[int, ...] = ()             # read ends of its stdout/stderr (console labels)
+
+    @property
+    def completed_step(self) -> bool:
+        """It reported a step after its first one in this role: that one was completed."""
+        return self.first_step is not None and self.step is not None and self.step > self.first_step
+
+    def new_role(self, role: "SlotRole", generation: int) -> None:
+        """Promotion or in-process demotion: progress and injections of the old role are over."""
+        self.role, self.generation = role, generation
+        self.step = self.first_step = self.injected = None
+        self.hang_deadline = self.last_beat = None
 
     def move(self, new: ProcState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -86,6 +105,8 @@ class SlotProcess:
         self.last_beat = now
         if step is not None:
             self.step = step
+            if self.first_step is None:
+                self.first_step = step
         if hang_timeout > 0:
             self.hang_deadline = now + hang_timeout
         if self.state == ProcState.STARTING:

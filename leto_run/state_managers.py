@@ -9,6 +9,14 @@ stops them.
 Contract: the agent owns the selector and the loop; this class registers each state manager's
 pidfd with data ``("sm", local_rank, slot_process)`` and the agent calls `on_exit` when it
 fires.  Everything runs on the agent's main thread (spawn's parent-death rule).
+
+A state manager is *gone* for good when it died more than MAX_CRASHES times within CRASH_WINDOW
+seconds, or exited with a code that says a restart cannot help (bad arguments, a device that
+cannot serve, a kept pool it cannot restore, an unreachable fd keeper: the exit codes of
+`leto_run.state_manager.__main__`).  It is not restarted again, and `lost()` says why: the
+retained state of that slot cannot be served, so no in-place recovery can succeed
+(`decisions.decide_inplace` ends the job, exit 4).  Training that is running goes on (its
+memory stays mapped) until the next failure.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from leto_run.guardian import Guardian
 from leto_run.logs import OutputPump, StreamPlan
 from leto_run.procs import spawn
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
+from leto_run.state_manager.__main__ import EXIT_ARGS, EXIT_DEVICE, EXIT_KEEPER, EXIT_SNAPSHOT
 from leto_run.state_manager.keeper import FdKeeper
 from leto_run.state_manager.metadata import Geometry
 from leto_run.stopper import stop_processes
@@ -31,6 +40,10 @@ from leto_runtime.rmp.faults import fire_pages_spec
 # A state manager that dies this many times within CRASH_WINDOW seconds is not restarted again:
 # something is wrong with the slot, not with one process.
 MAX_CRASHES, CRASH_WINDOW = 5, 60.0
+# Exits a restart cannot cure (the same arguments, device and kept pool would meet it again).
+_FINAL_EXITS = {EXIT_ARGS: "its arguments were refused", EXIT_DEVICE: "its device cannot serve",
+                EXIT_SNAPSHOT: "the pool the agent kept cannot be restored",
+                EXIT_KEEPER: "the agent's fd keeper is unreachable"}
 
 
 class StateManagers:
@@ -45,6 +58,7 @@ class StateManagers:
         self.keepers: dict[int, FdKeeper] = {}
         self.procs: dict[int, SlotProcess] = {}
         self.crashes: dict[int, list[float]] = {}
+        self.gone: dict[int, str] = {}             # local rank -> why it is not restarted
 
     # ---- queries -------------------------------------------------------------------------
     def socket(self, lr: int) -> str:
@@ -59,15 +73,26 @@ class StateManagers:
     def revoke(self, lr: int, pid: int) -> None:
         self.keepers[lr].revoke_pid(pid)
 
+    def lost(self) -> str | None:
+        """Why some slot's retained state cannot be served any more (None: every slot can)."""
+        if not self.gone:
+            return None
+        lr = min(self.gone)
+        return (f"the state manager of slot {lr} is gone for good ({self.gone[lr]}): the "
+                "retained state of that slot cannot be served, so no in-place recovery can "
+                "succeed")
+
     # ---- lifecycle -----------------------------------------------------------------------
     def ensure(self, slot: RankSlot, generation: int, restart_count: int) -> None:
         """Start the slot's state manager unless one runs.  Not waited for: the trainers'
-        clients retry their connect, so the job's start-up does not pay for it."""
+        clients retry their connect, so the job's start-up does not pay for it.  One that is
+        gone for good is not started again (the agent ends the job first: `lost()`)."""
         lr = slot.local_rank
         sp = self.procs.get(lr)
-        if sp is None or sp.done:
+        if (sp is None or sp.done) and lr not in self.gone:
             sp = self._spawn(lr, slot.rank, generation, restart_count)
-        slot.procs[SlotRole.STATE_MANAGER] = sp
+        if sp is not None:
+            slot.procs[SlotRole.STATE_MANAGER] = sp
 
     def _spawn(self, lr: int, rank: int, generation: int, restart_count: int) -> SlotProcess:
         keeper = self.keepers.get(lr)
@@ -107,12 +132,13 @@ class StateManagers:
         self.events.emit("exit", sp.generation, local_rank=lr, role=sp.role.value,
                          pid=sp.proc.pid, exitcode=status.exitcode, how=status.describe(),
                          mono=status.mono)
-        now = time.monotonic()
-        crashes = [t for t in self.crashes.get(lr, []) if now - t < CRASH_WINDOW] + [now]
-        self.crashes[lr] = crashes
-        if len(crashes) > MAX_CRASHES:
-            self.log(f"state manager of slot {lr} died {len(crashes)} times in "
-                     f"{CRASH_WINDOW:g} s ({status.describe()}); not restarting it again")
+        why = self._final(lr, status)
+        if why is not None:
+            self.gone[lr] = why
+            self.log(f"error: state manager of slot {lr} (pid {sp.proc.pid}) is not restarted "
+                     f"again: {why}; an in-place recovery of this job is no longer possible")
+            self.events.emit("sm_gone", sp.generation, local_rank=lr, pid=sp.proc.pid,
+                             how=status.describe(), reason=why)
             return False
         self.log(f"state manager of slot {lr} (pid {sp.proc.pid}) exited: {status.describe()}; "
                  "restarting it from the fds and metadata the agent kept")
@@ -124,6 +150,18 @@ class StateManagers:
             if slot.local_rank == lr:
                 slot.procs[SlotRole.STATE_MANAGER] = new
         return True
+
+    def _final(self, lr: int, status) -> str | None:
+        """Why the state manager of slot `lr` that just exited must not be restarted."""
+        if status.exitcode in _FINAL_EXITS:
+            return f"exit code {status.exitcode}: {_FINAL_EXITS[status.exitcode]}"
+        now = time.monotonic()
+        crashes = [t for t in self.crashes.get(lr, []) if now - t < CRASH_WINDOW] + [now]
+        self.crashes[lr] = crashes
+        if len(crashes) > MAX_CRASHES:
+            return (f"it died {len(crashes)} times within {CRASH_WINDOW:g} s, the last time "
+                    f"{status.describe()}")
+        return None
 
     def fire_pages(self, slot: RankSlot, spec, generation: int) -> None:
         """Destroy and unmap/poison pages of `slot`'s pool as `spec` (a `pages` inject) says."""

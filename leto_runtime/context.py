@@ -76,6 +76,7 @@ class Context:
             pg_timeout=float(env.get(C.LETO_PG_TIMEOUT, 600) or 600),
             chunk_pages=i(C.LETO_CHUNK_PAGES),
             demote=env.get(C.LETO_DEMOTE, "replace") if under else "replace",
+            scrub_budget=float(env.get(C.LETO_SCRUB_BUDGET, 0.002) or 0) if under else 0.0,
             master_addr=env.get(C.MASTER_ADDR),
             master_port=int(env[C.MASTER_PORT]) if env.get(C.MASTER_PORT) else None,
         )

@@ -56,6 +56,7 @@ LETO_SHADOW_EPOCH = "LETO_SHADOW_EPOCH"           # shadows of one generation re
 LETO_PG_TIMEOUT = "LETO_PG_TIMEOUT"               # seconds: process-group / store waits of the runtime
 LETO_CHUNK_PAGES = "LETO_CHUNK_PAGES"             # RMU transaction size in pages (0: the runtime picks)
 LETO_DEMOTE = "LETO_DEMOTE"                       # replace | release: what a surviving active of a HOF does
+LETO_SCRUB_BUDGET = "LETO_SCRUB_BUDGET"           # share of the step time the background scrub may take (0: off)
 
 CONTRACT_VERSION = 1
 
@@ -118,7 +119,10 @@ UNRECOVERABLE_EXIT = 86
 # ---- Heartbeat datagram (JSON, one object per datagram) ------------------------------------
 # {"v": 1, "kind": KIND, "rank": int, "role": str, "gen": int, "pid": int,
 #  "step": int | null, "detail": str | null}
-# KIND: beat | register | inject | bye, and for in-place recovery:
+# KIND: beat | register | inject | unfired | bye, and for in-place recovery:
+#   inject    an injection fires now (detail: its spec text; step: the step it fires in)
+#   unfired   an injection of this trainer's plan can never fire (detail JSON {"spec": text,
+#             "reason": why}, e.g. an rmu.* point naming a group or chunk the model lacks)
 #   inplace   the trainer called leto_runtime.init(): in-place mode for its slot (detail: JSON
 #             {"level": "L3", "seconds": preinit seconds} from a shadow that is ready)
 #   promoted  a shadow woke up as the active of its generation (detail JSON {"mono": wake time})

@@ -18,11 +18,18 @@ updater queues its work and its marker writes in stream order without waiting
 (`leto_runtime.rmu.updater`), and a kill point means "everything before this point has happened"
 -- a fault never lands while the GPU still works behind the host.
 
+An injection that can no longer fire is reported to the agent (datagram `unfired`, detail
+JSON {"spec", "reason"}; the agent records an `inject_unfired` warning) and dropped from the
+plan: one at a point inside a step once that step's update is over (`rmu.done`) or a later step
+began -- typically an `rmu.*` point naming a group or chunk the model does not have, or a point
+the step never reaches -- and a `recovery.*` one once the training loop began.
+
 Calling contract: `Faults(ctx)`; `fire(point, step=..., group=..., chunk=..., garbage=...)` at
 each point; cheap when nothing is planned.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -58,6 +65,9 @@ class Faults:
         hb._state["plan"] = []
         self.plan = [dict(i) for i in ctx.inject_plan
                      if i.get("step") is not None and int(_get(i, "gen", 0)) == ctx.generation]
+        self._first_step: int | None = None       # the first step of this trainer's loop
+        self._seen_step: int | None = None        # the step `_seen` describes
+        self._seen: dict[str, dict[int, int]] = {}    # rmu point -> {group: highest chunk}
 
     def _matches(self, inj: dict, point: str, step, group, chunk) -> bool:
         if (_get(inj, "at") or "step") != point:
@@ -101,6 +111,17 @@ class Faults:
             demotion.check()
         if not self.plan:
             return
+        if point == "step" and step is not None:
+            if self._first_step is None:
+                self._first_step = step
+            self._expire(step, through=False)
+        elif group is not None and step is not None:
+            self._saw(point, step, group, chunk)
+        self._fire(point, step, group, chunk, garbage)
+        if point == "rmu.done" and step is not None and self.plan:
+            self._expire(step, through=True)
+
+    def _fire(self, point: str, step, group, chunk, garbage) -> None:
         hofs = [i for i in self.plan if i.get("kind") != "pages"
                 and self._matches(i, point, step, group, chunk)]
         if hofs or any(i.get("kind") == "pages" and self._matches(i, point, step, None, None)
@@ -130,3 +151,44 @@ class Faults:
         os.kill(os.getpid(), int(inj.get("signal") or signal.SIGKILL))
         import time
         time.sleep(1.0)    # a catchable signal with a handler may return; the kill stands
+
+    # ---- injections that can no longer fire ------------------------------------------------
+    def _saw(self, point: str, step: int, group: int, chunk) -> None:
+        if self._seen_step != step:
+            self._seen_step, self._seen = step, {}
+        groups = self._seen.setdefault(point, {})
+        groups[group] = max(groups.get(group, -1), -1 if chunk is None else int(chunk))
+
+    def _expire(self, step: int, through: bool) -> None:
+        """Report and drop what cannot fire any more: at the start of step `step`
+        (`through=False`) a `recovery.*` injection or a step-exact one of an earlier step; at
+        the end of step `step`'s update (`through=True`) a step-exact one of `step` too."""
+        for inj in list(self.plan):
+            at = _get(inj, "at") or "step"
+            if at == "step" or (through and at.startswith("recovery.")):
+                continue
+            s = inj.get("step")
+            if not at.startswith("recovery.") and not (s < step or (through and s == step)):
+                continue
+            self.plan.remove(inj)
+            text = inj.get("text") or inj.get("kind")
+            hb._send("unfired", step, json.dumps({"spec": text, "reason": self._why(inj, at)}))
+
+    def _why(self, inj: dict, at: str) -> str:
+        s, first = inj.get("step"), self._first_step
+        if at.startswith("recovery."):
+            return (f"the recovery of generation {self.ctx.generation} is over (its training "
+                    f"loop began at step {first}) and never reached at={at}")
+        if first is not None and s < first:
+            return (f"generation {self.ctx.generation} began training at step {first}, after "
+                    f"step {s}")
+        groups = self._seen.get(at) if self._seen_step == s else None
+        g, c = _get(inj, "group"), _get(inj, "chunk")
+        if groups and inj.get("kind") != "pages" and g is not None:
+            if int(g) not in groups:
+                return (f"the model has no protection group {g}: at={at} of step {s} ran for "
+                        f"group(s) {min(groups)}..{max(groups)}")
+            if c is not None and groups[int(g)] >= 0:
+                return (f"protection group {g} has no chunk {c}: at={at} of step {s} ran for "
+                        f"its chunk(s) 0..{groups[int(g)]}")
+        return f"step {s} passed without reaching at={at}"

@@ -75,6 +75,8 @@ def test_a_latent_parity_loss_is_recomputed_from_the_data_before_any_use(referen
     rep = [e for e in _phases(evs, "repair") if e["rank"] == 0 and e["generation"] == 0]
     assert [(e["step"], e["reencoded"]) for e in rep] == [(3, [["leto/params", 1]])], why
     assert {e["generation"] for e in evs if e["event"] == "promote"} == {1}, why   # one HOF
+    assert ("rank 0 gen 0 step 3: 1 lost page(s) repaired before any use: parity recomputed "
+            "from the data for leto/params group 1") in p.stderr, why           # the report
 
 
 def test_pages_lost_on_a_survivor_before_it_demotes(reference, tmp_path):

@@ -1,0 +1,233 @@
+"""The agent's handlers of what its selector reports (`leto_run.agent`): process exits,
+heartbeat datagrams, signals, hang deadlines and injection timers.
+
+A mixin of `Agent`: the handlers read and write the agent's supervision state (slots, failures,
+events, the injection ledger) on its main thread, and decide nothing themselves -- the loop's
+decision (`decisions`) follows each turn.  What they record for the failure policy: the step a
+failed trainer had reported, whether the hang verdict killed it, and the fault last injected
+into each process (`SlotProcess.injected`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from leto_run import errors as E
+from leto_run.decisions import blame_hangs, hang_verdict
+from leto_run.failures import failure_from_exit
+from leto_run.inject import InjectKind
+from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
+from leto_runtime import contract as C
+
+_SHUTDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+
+
+class AgentEvents:
+    def _on_exit(self, slot: RankSlot, sp: SlotProcess) -> None:
+        fd = sp.proc.pidfd
+        status = sp.proc.poll_exit()
+        if status is None:
+            return
+        self.sel.unregister(fd)
+        ident = slot.identity
+        if self.sms:
+            # Revoked after the decision (`_flush_revokes`): a dead pid cannot connect, and the
+            # file write has no place between a death and the survivors' SIGTERM.
+            self.pending_revokes.append((ident.local_rank, sp.proc.pid))
+        self.events.emit("exit", sp.generation, rank=ident.global_rank,
+                         local_rank=ident.local_rank, role=sp.role.value, pid=sp.proc.pid,
+                         exitcode=status.exitcode, how=status.describe(), mono=status.mono,
+                         step=sp.step)
+        if sp.done:              # already judged (e.g. a hang we killed)
+            return
+        if sp.role == SlotRole.SHADOW and sp.state != ProcState.STOPPING:
+            self.inplace.on_shadow_exit(slot, sp, status)
+        elif not status.ok and self.inplace and self.inplace.collateral(sp):
+            sp.move(ProcState.STOPPING)      # a survivor of a HOF recovered in place
+            sp.move(ProcState.STOPPED)
+        elif sp.state == ProcState.STOPPING:
+            sp.move(ProcState.SUCCEEDED if status.ok else ProcState.STOPPED)
+        elif status.ok:
+            sp.move(ProcState.SUCCEEDED)
+        else:
+            sp.move(ProcState.FAILED)
+            self._record_failure(slot, sp, status.exitcode, status.describe(), status.mono)
+        self.status.changed()
+
+    def _record_failure(self, slot: RankSlot, sp: SlotProcess, exitcode: int, how: str,
+                        mono: float, note: str | None = None, hang: bool = False) -> None:
+        ident = slot.identity
+        # The error file is written before exit; give the output pump no say in ordering.
+        rec = failure_from_exit(rank=ident.global_rank, local_rank=ident.local_rank,
+                                role=sp.role.value, generation=sp.generation,
+                                attempt=sp.attempt, pid=sp.proc.pid, exitcode=exitcode,
+                                how=how, error_file=sp.error_file, wall=time.time(),
+                                mono=mono, host=self.host, note=note, step=sp.step,
+                                hang=hang)
+        if not self.failures and sp.step is not None:
+            self.catch_up = (sp.generation, sp.step)
+        self.failures.append(rec)
+        self.events.emit("failure_detected", sp.generation, rank=ident.global_rank,
+                         local_rank=ident.local_rank, role=sp.role.value, pid=sp.proc.pid,
+                         exitcode=exitcode, how=how, mono=mono,
+                         latency_from_spawn=mono - sp.proc.started_mono, step=sp.step)
+        self.log(f"rank {ident.global_rank} ({sp.role.value}, pid {sp.proc.pid}) failed: {how}")
+
+    def _on_beats(self) -> None:
+        by_pid = {sp.proc.pid: (slot, sp) for slot in self.slots for sp in slot.all()
+                  if not sp.done}
+        for beat in self.hb.drain(set(by_pid)):
+            slot, sp = by_pid[beat.pid]
+            if beat.kind in ("inplace", "promoted", "phase", "demoted"):
+                if self.inplace:
+                    self.inplace.on_datagram(slot, sp, beat)
+            elif beat.kind == "inject":
+                self._on_inject_beat(slot, sp, beat)
+            elif beat.kind == "unfired":
+                self._on_unfired_beat(slot, sp, beat)
+            elif sp.role == SlotRole.SHADOW or beat.kind == "register":
+                # A waiting shadow is not supervised for hangs until promoted.  `register` is
+                # sent once when the runtime loads, possibly long before the training loop (a
+                # shadow promoted while still importing): liveness starts with a real beat.
+                continue
+            elif beat.kind == "bye":
+                sp.hang_deadline = None          # finished its loop; exiting is not a hang
+            else:
+                self._on_step_beat(slot, sp, beat)
+
+    def _on_inject_beat(self, slot: RankSlot, sp: SlotProcess, beat) -> None:
+        sp.step = beat.step if beat.step is not None else sp.step   # it is in that step
+        sp.injected = beat.detail
+        self.ledger.fired(beat.detail or "")
+        self.events.emit("inject", sp.generation, rank=slot.rank, role=sp.role.value,
+                         pid=beat.pid, spec=beat.detail, step=beat.step, by="runtime")
+        self.log(f"injecting '{beat.detail}' into rank {slot.rank} at step {beat.step}")
+
+    def _on_unfired_beat(self, slot: RankSlot, sp: SlotProcess, beat) -> None:
+        """The runtime found that one of its injections can never fire (`leto_runtime.faults`)."""
+        try:
+            d = json.loads(beat.detail or "{}")
+        except ValueError:
+            d = {}
+        if not isinstance(d, dict):
+            d = {}
+        spec, why = str(d.get("spec", "")), str(d.get("reason", "no reason given"))
+        self.ledger.reported(spec)
+        self.events.emit("inject_unfired", sp.generation, rank=slot.rank, role=sp.role.value,
+                         pid=beat.pid, spec=spec, reason=why, step=beat.step, by="runtime")
+        self.log(f"warning: injection '{spec}' into rank {slot.rank} can never fire: {why}")
+
+    def _on_step_beat(self, slot: RankSlot, sp: SlotProcess, beat) -> None:
+        sp.on_beat(beat.step, beat.mono, self.cfg.recovery.hang_timeout)
+        sp.in_collective = beat.detail == "collective"   # waiting for peers from now on
+        self.status.changed()
+        if beat.step is None:
+            return
+        self.ledger.stepped(slot.rank, sp.attempt, sp.generation - self.attempt_base_gen,
+                            beat.step)
+        if sp.generation == 0:
+            return
+        # Training has resumed once every local rank of the generation runs a step again
+        # (they meet at the next collective): the slowest rank's recovery is the cost.
+        seen = self.resuming.setdefault(sp.generation, set())
+        seen.add(slot.rank)
+        if sp.generation not in self.resumed_gens and len(seen) >= len(self.slots):
+            self.resumed_gens.add(sp.generation)
+            self.events.emit("resumed", sp.generation, rank=slot.rank, role=sp.role.value,
+                             step=beat.step, mono=beat.mono)
+        # Back at the failed step: in a later generation (a survivor of the failed one may
+        # have been a step ahead until it was demoted).
+        if (self.catch_up is not None and sp.generation > self.catch_up[0]
+                and beat.step >= self.catch_up[1]):
+            self.events.emit("caught_up", sp.generation, rank=slot.rank, step=beat.step,
+                             mono=beat.mono)
+            self.catch_up = None
+
+    def _on_signals(self) -> None:
+        try:
+            data = os.read(self._sig_r, 512)
+        except BlockingIOError:
+            return
+        for signum in data:
+            if signum == signal.SIGCHLD:
+                continue
+            name = signal.Signals(signum).name
+            self.events.emit("signal", self.generation, signal=name)
+            if signum not in self.handled:
+                continue
+            if signum in _SHUTDOWN_SIGNALS:
+                # The stop forwards it (to every process group) after recording descendants.
+                self.log(f"received {name}: forwarding to every worker and stopping the job")
+                raise E.StoppedBySignal(signum)
+            self.log(f"received {name}: forwarding to every worker")
+            for slot in self.slots:
+                for sp in slot.all():
+                    if not sp.done:
+                        sp.proc.send_group(signum)
+
+    def _check_hangs(self, now: float) -> None:
+        timeout = self.cfg.recovery.hang_timeout
+        silent = {}
+        for slot in self.slots:
+            for sp in slot.all():
+                if sp.done or (self.inplace and self.inplace.collateral(sp)):
+                    continue
+                hung, why = hang_verdict(now, sp.hang_deadline, sp.last_beat, timeout)
+                if hung:
+                    silent[sp.proc.pid] = (slot, sp, why)
+        moving = any(s.active is not None and not s.active.done
+                     and s.active.proc.pid not in silent for s in self.slots)
+        blamed, _ = blame_hangs({pid: v[1].in_collective for pid, v in silent.items()},
+                                others_progressing=moving)
+        for pid, (slot, sp, why) in silent.items():
+            if pid not in blamed:
+                continue             # waits in a collective for the rank blamed now
+            self.events.emit("hang_detected", sp.generation, rank=slot.rank,
+                             role=sp.role.value, pid=sp.proc.pid, step=sp.step, reason=why)
+            self.log(f"rank {slot.rank} ({sp.role.value}, pid {sp.proc.pid}) hung at step "
+                     f"{sp.step}: {why}; dumping its Python stacks, then killing it")
+            sp.proc.send(C.DUMP_SIGNAL)
+            # faulthandler writes from its C signal handler; a short pause lets the dump
+            # reach the log before SIGKILL.
+            time.sleep(0.3)
+            self.events.emit("stack_dump", sp.generation, rank=slot.rank, role=sp.role.value,
+                             pid=sp.proc.pid)
+            sp.proc.send_group(signal.SIGKILL)
+            sp.move(ProcState.FAILED)
+            self._record_failure(slot, sp, -signal.SIGKILL, f"hang: {why}", now,
+                                 note=f"hang detected: {why}; Python stacks were dumped "
+                                      "to this rank's stderr", hang=True)
+            self.status.changed()
+
+    def _fire_timers(self, now: float) -> None:
+        due = [t for t in self.timers if t[0] <= now]
+        self.timers = [t for t in self.timers if t[0] > now]
+        for _, kind, spec in due:
+            if kind != "inject":
+                continue
+            slot = next(s for s in self.slots if s.rank == spec.rank)
+            if spec.kind == InjectKind.PAGES:
+                if self.sms:
+                    self.ledger.fired(spec.text)
+                    self.sms.fire_pages(slot, spec, self.generation)
+                else:
+                    self.log(f"cannot inject '{spec.text}': page faults need the memory pool "
+                             "(--recovery inplace)")
+                continue
+            sp = slot.procs.get(SlotRole(spec.role))
+            if sp is None or sp.done:
+                continue
+            sig = spec.signal
+            if spec.kind == InjectKind.HANG:
+                # With the runtime, its hang handler blocks the main thread in Python (a real
+                # hang whose stack can be dumped); a plain script is frozen with SIGSTOP.
+                sig = C.HANG_SIGNAL if sp.beats > 0 else signal.SIGSTOP
+            self.events.emit("inject", sp.generation, rank=slot.rank, role=sp.role.value,
+                             pid=sp.proc.pid, spec=spec.text, signal=sig, by="agent",
+                             after_s=spec.after_s)
+            self.log(f"injecting '{spec.text}' into rank {slot.rank} (pid {sp.proc.pid})")
+            sp.injected = spec.text
+            self.ledger.fired(spec.text)
+            sp.proc.send(sig)
