@@ -31,6 +31,7 @@ import time
 from torch.distributed.elastic.utils import store as store_util
 
 from leto_run import errors as E
+from leto_run import job_secret
 from leto_run.config import JobConfig, signal_number
 from leto_run.agent_events import AgentEvents
 from leto_run.decisions import Action, Decision, decide_group
@@ -53,6 +54,7 @@ from leto_run.worker_cmd import resolve_nproc, worker_argv
 from leto_run.worker_env import (WorkerEnvSpec, build_worker_env, default_omp_threads,
                                  job_token_kv)
 from leto_runtime import contract as C
+from leto_runtime.control_auth import ForgedControlKey, key_to_hex
 
 
 def run_job(cfg: JobConfig) -> int:
@@ -69,6 +71,8 @@ class Agent(AgentEvents):
         self.host = socket.getfqdn()
         self.node = cfg.rendezvous.local_addr or self.host
         self.token = secrets.token_hex(12)
+        # Before anything starts: a missing or unsafe secret file is a ConfigError (exit 2).
+        self.job_key = job_secret.job_key(cfg)
         # Forked first: no threads exist yet (fork safety), and it must outlive a kill -9 of us.
         self.guardian = start_guardian(job_token_kv(self.token))
         become_subreaper()
@@ -78,7 +82,7 @@ class Agent(AgentEvents):
         self.run_dir = tempfile.mkdtemp(prefix="leto-")          # 0700 by construction
         self.guardian.own_dir(self.run_dir)          # removed by the guardian after a kill -9 of us
         self.hb = HeartbeatServer(os.path.join(self.run_dir, "hb.sock"))
-        self.handler, self.master_addr, self.master_port = make_handler(cfg)
+        self.handler, self.master_addr, self.master_port = make_handler(cfg, self.job_key)
         self.run_id = self.handler.get_run_id()
         lg = cfg.logs
         self.layout = LogLayout(lg.log_dir, self.run_id, lg.redirects, lg.tee,
@@ -199,7 +203,7 @@ class Agent(AgentEvents):
             self.events.emit("decision", self.generation, action=Action.UNRECOVERABLE.value,
                              reason=str(e))
             return self._unrecoverable(str(e))
-        except E.RendezvousFailed as e:
+        except (E.RendezvousFailed, E.ControlForged) as e:
             self._stop_group(str(e))
             self.log(f"error: {e}")
             return self._end(e.exit_code, str(e))
@@ -235,7 +239,8 @@ class Agent(AgentEvents):
         self.round = None          # drops the previous round's worker store server
         self.round = next_round(self.handler, round_no=self.generation,
                                 restart_count=self.restart_count, role=self.cfg.launch.role, local_world_size=self.nproc,
-                                master_addr=self.master_addr, master_port=self.master_port)
+                                master_addr=self.master_addr, master_port=self.master_port,
+                                single_node=self.cfg.launch.max_nodes <= 1)
         r = self.round
         self.events.emit("rendezvous", self.generation, seconds=time.monotonic() - t0,
                          group_rank=r.group_rank, group_world_size=r.group_world_size,
@@ -276,7 +281,9 @@ class Agent(AgentEvents):
             dump_signal=C.DUMP_SIGNAL, inject_plan=plan,
             sm_socket=self.sms.socket(ident.local_rank) if self.sms else None,
             shadow_epoch=epoch, pg_timeout=cfg.recovery.pg_timeout,
-            chunk_pages=cfg.recovery.chunk_pages, demote=cfg.recovery.demote)
+            chunk_pages=cfg.recovery.chunk_pages, demote=cfg.recovery.demote,
+            scrub_budget=cfg.recovery.scrub_budget,
+            job_key=key_to_hex(self.job_key) if self.inplace and self.job_key else "")
         env = build_worker_env(os.environ, spec)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -340,6 +347,8 @@ class Agent(AgentEvents):
                 self.next_peer_check = now + la.monitor_interval
                 try:
                     nodes_waiting = self.handler.num_nodes_waiting()
+                except ForgedControlKey as e:
+                    raise job_secret.forged("the rendezvous", e.key, e.reason, True) from e
                 except Exception as e:  # store gone: a peer agent ended; its workers fail us
                     self.log(f"rendezvous store unreachable ({type(e).__name__}: {e})")
             self.status.refresh()

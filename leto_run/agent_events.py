@@ -15,6 +15,7 @@ import signal
 import time
 
 from leto_run import errors as E
+from leto_run import job_secret
 from leto_run.decisions import blame_hangs, hang_verdict
 from leto_run.failures import failure_from_exit
 from leto_run.inject import InjectKind
@@ -80,6 +81,10 @@ class AgentEvents:
                   if not sp.done}
         for beat in self.hb.drain(set(by_pid)):
             slot, sp = by_pid[beat.pid]
+            if beat.kind == "forged":        # a trainer refused a value: stop the job
+                raise job_secret.forged_report(slot.rank, sp.role.value, beat.pid,
+                                               sp.generation, beat.detail,
+                                               self.cfg.launch.max_nodes > 1)
             if beat.kind in ("inplace", "promoted", "phase", "demoted"):
                 if self.inplace:
                     self.inplace.on_datagram(slot, sp, beat)

@@ -228,6 +228,7 @@ class RendezvousConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT   # resolved: always an int (torchrun's 29500 default)
     local_addr: str | None = None
+    secret_file: str | None = None           # shared secret of a multi-node job (leto_run.job_secret)
     auto_c10d: bool = False                  # torchrun's single-node rule switched static -> c10d
 
     def __post_init__(self) -> None:

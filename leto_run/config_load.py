@@ -137,6 +137,10 @@ OPTIONS: tuple[Option, ...] = (
            fix="use a port 1..65535"),
     _torch("rendezvous.local_addr", ("--local-addr",), conv_opt_str,
            "Address this node advertises.", "ADDR"),
+    _leto("rendezvous.secret_file", ("--secret-file",), conv_opt_str,
+          "Secret shared by every node (0600, 32+ bytes) that authenticates the job's stores; "
+          "default ~/.config/leto/job_secret if it exists (needed by multi-node in-place jobs).",
+          "FILE", env="LETO_SECRET_FILE", fix="give the path of a 0600 file of 32+ bytes"),
     # logs
     _torch("logs.log_dir", ("--log-dir",), conv_opt_str, "Base directory for per-rank logs.",
            "DIR"),

@@ -7,6 +7,7 @@
 | 2    | usage or configuration error: nothing was started |
 | 3    | gave up: the group failed again after `--max-restarts` restarts |
 | 4    | unrecoverable retained state (in-place recovery impossible; checkpoint fallback later) |
+| 5    | a forged control value, or a role its agent did not grant: the job was stopped |
 | 128+N| `leto-run` itself was stopped by signal N (after stopping every worker) |
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ EXIT_WORKER_FAILED = 1
 EXIT_USAGE = 2
 EXIT_RESTARTS_EXHAUSTED = 3
 EXIT_UNRECOVERABLE = 4
+EXIT_CONTROL_FORGED = 5
 
 
 class LetoError(Exception):
@@ -59,6 +61,14 @@ class Unrecoverable(LetoError):
     """Retained state cannot be reused; in-place recovery is impossible."""
 
     exit_code = EXIT_UNRECOVERABLE
+
+
+class ControlForged(LetoError):
+    """A control value in the job's stores did not verify with the job's key, or a process
+    took a role its agent did not grant (`leto_run.job_secret`): the job is stopped, nothing
+    acted on the value."""
+
+    exit_code = EXIT_CONTROL_FORGED
 
 
 class StoppedBySignal(LetoError):

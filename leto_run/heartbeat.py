@@ -22,7 +22,7 @@ from leto_runtime import contract as C
 _UCRED = struct.Struct("3i")
 # Datagram kinds (leto_runtime.contract, "Heartbeat datagram"); anything else is dropped.
 KINDS = frozenset({"beat", "register", "inject", "unfired", "bye", "inplace", "promoted",
-                   "phase", "demoted"})
+                   "phase", "demoted", "forged"})
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ import time
 
 import torch.distributed as dist
 
+from leto_run import job_secret
 from leto_run.decisions import Action, Decision, SlotView, decide_inplace
 from leto_run.hof_watch import STORE_TIMEOUT_S, HofWatcher, wait_exits
 from leto_run.inject import timed_for_generation
@@ -58,6 +59,8 @@ from leto_run.procs import ExitStatus, kill_pids
 from leto_run.recovery_policy import FailurePolicy
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_runtime import contract as C
+from leto_runtime.auth_store import AuthStore
+from leto_runtime.control_auth import ForgedControlKey
 
 DEMOTE_WAIT_S = 10.0        # SIGKILLed trainers are gone in ms; D-state stragglers are reported
 DEMOTE_RELEASE_S = 10.0     # demote=release: a survivor reaches a safe point in one step phase
@@ -104,9 +107,10 @@ class InplaceRecovery:
     def _client(self):
         if self.store is None:
             r = self.a.round
-            self.store = dist.TCPStore(r.master_addr, r.master_port, is_master=False,
-                                       wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            # Signs the go and HOF keys it sets, verifies the HOF keys it reads (job_secret).
+            self.store = AuthStore(dist.TCPStore(
+                r.master_addr, r.master_port, is_master=False, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)), self.a.job_key)
         return self.store
 
     # ---- datagrams -----------------------------------------------------------------------
@@ -128,6 +132,8 @@ class InplaceRecovery:
                           role=sp.role.value, epoch=sp.epoch, level=detail.get("level"),
                           seconds=detail.get("seconds"), mono=beat.mono)
         elif beat.kind == "promoted":
+            if sp.role != SlotRole.ACTIVE:      # woke without the go key _promote sets
+                raise job_secret.not_granted(slot.rank, beat.pid, sp.role.value, sp.generation)
             a.events.emit("promoted", sp.generation, rank=slot.rank, pid=beat.pid,
                           mono=float(detail.get("mono", beat.mono)), agent_mono=beat.mono)
         elif beat.kind == "demoted":
@@ -168,6 +174,9 @@ class InplaceRecovery:
             if not self._client().check([C.hof_key(g)]):
                 return
             self.remote = json.loads(self._client().get(C.hof_key(g)))
+        except ForgedControlKey as e:
+            raise job_secret.forged(f"the agent of node {self.a.node}", e.key, e.reason,
+                                    True) from e
         except Exception as e:
             self.a.log(f"HOF of generation {g} seen but unreadable ({type(e).__name__}: {e})")
 
@@ -247,6 +256,9 @@ class InplaceRecovery:
                             "mono": first.mono})
         try:
             won = self._client().compare_set(C.hof_key(g), "", value).decode() == value
+        except ForgedControlKey as e:
+            raise job_secret.forged(f"the agent of node {a.node}", e.key, e.reason,
+                                    a.round is not None and a.round.group_world_size > 1) from e
         except Exception as e:       # the store is ours (or the rank-0 node's): log, go on
             a.log(f"cannot publish the HOF of generation {g}: {type(e).__name__}: {e}")
             won = False

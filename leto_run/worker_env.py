@@ -5,13 +5,16 @@ torch's ``LocalElasticAgent._start_workers``), plus Leto's ``LETO_*`` contract v
 names live in `leto_runtime.contract` and which `leto_runtime.context.Context` reads.
 
 Documented differences from torchrun (the env-parity test allows exactly these):
-``LETO_*`` keys; values of run ids, ports and paths (error file, run dir).
+``LETO_*`` keys; values of run ids, ports and paths (error file, run dir); MASTER_ADDR of a
+single-node job whose host name is not one loopback address (the worker store listens on
+loopback only: `leto_run.store_listen`).  ``LETO_JOB_KEY`` (in-place mode) is the job's MAC key:
+it reaches a worker only through its environment, which other users cannot read.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from leto_runtime import contract as C
 
@@ -58,6 +61,8 @@ class WorkerEnvSpec:
     pg_timeout: float = 600.0             # trainers' process-group / store waits, seconds
     chunk_pages: int = 0                  # RMU transaction size in pages (0: the runtime picks)
     demote: str = "replace"               # replace | release (recovery.demote)
+    scrub_budget: float = 0.002           # share of the step time for the scrub (recovery.scrub_budget)
+    job_key: str = field(default="", repr=False)   # hex MAC key of the stores' control values
 
 
 def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, str]:
@@ -104,9 +109,12 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
         C.LETO_PG_TIMEOUT: repr(float(spec.pg_timeout)),
         C.LETO_CHUNK_PAGES: str(spec.chunk_pages),
         C.LETO_DEMOTE: spec.demote,
+        C.LETO_SCRUB_BUDGET: repr(float(spec.scrub_budget)),
     })
     if spec.sm_socket:
         env[C.LETO_SM_SOCKET] = spec.sm_socket
+    if spec.job_key:
+        env[C.LETO_JOB_KEY] = spec.job_key
     return env
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from leto_runtime import contract as C
+from leto_runtime.control_auth import key_from_hex
 
 
 class ContractError(RuntimeError):
@@ -45,6 +46,7 @@ class Context:
     scrub_budget: float = 0.002     # share of the step time the background scrub may take (0: off)
     master_addr: str | None = None
     master_port: int | None = None
+    job_key: bytes | None = field(default=None, repr=False)   # control values' MAC key
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Context":
@@ -79,4 +81,16 @@ class Context:
             scrub_budget=float(env.get(C.LETO_SCRUB_BUDGET, 0.002) or 0) if under else 0.0,
             master_addr=env.get(C.MASTER_ADDR),
             master_port=int(env[C.MASTER_PORT]) if env.get(C.MASTER_PORT) else None,
+            job_key=_job_key(env) if under else None,
         )
+
+
+def _job_key(env: Mapping[str, str]) -> bytes | None:
+    text = env.get(C.LETO_JOB_KEY)
+    if not text:
+        return None
+    try:
+        return key_from_hex(text)
+    except ValueError as e:
+        raise ContractError(f"{C.LETO_JOB_KEY}: {e}: install the same Leto version for the "
+                            "launcher and the trainers") from None

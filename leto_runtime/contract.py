@@ -56,9 +56,10 @@ LETO_SHADOW_EPOCH = "LETO_SHADOW_EPOCH"           # shadows of one generation re
 LETO_PG_TIMEOUT = "LETO_PG_TIMEOUT"               # seconds: process-group / store waits of the runtime
 LETO_CHUNK_PAGES = "LETO_CHUNK_PAGES"             # RMU transaction size in pages (0: the runtime picks)
 LETO_DEMOTE = "LETO_DEMOTE"                       # replace | release: what a surviving active of a HOF does
+LETO_JOB_KEY = "LETO_JOB_KEY"                     # hex, 32 bytes: MAC key of the control values in the job's stores (leto_runtime.control_auth)
 LETO_SCRUB_BUDGET = "LETO_SCRUB_BUDGET"           # share of the step time the background scrub may take (0: off)
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2   # 2: store values carry the job's MAC (LETO_JOB_KEY)
 
 # ---- Signals the agent sends to runtime-enabled trainers ------------------------------------
 # Real-time signals: no user code or library claims them, and their default action (terminate)
@@ -79,6 +80,8 @@ def demoted_env(generation: int) -> dict[str, str]:
 
 # ---- In-place recovery protocol (DESIGN.md §3) ----------------------------------------------
 # Keys live in the job's worker store (MASTER_ADDR/MASTER_PORT, a TCPStore the agents host).
+# Every value in it is signed with the job's key (LETO_JOB_KEY, `leto_runtime.auth_store`); a
+# value that does not verify is never acted on.
 # Every key carries the generation, so a process of an old generation can never act in a new one.
 #
 #   leto/g{G}/e{E}/pg/...     process group of the trainers of generation G (shadow epoch E):
@@ -131,5 +134,7 @@ UNRECOVERABLE_EXIT = 86
 #   demoted   (demote=release) a surviving active released its GPU memory and process group and
 #             is now the shadow of generation g+2 (detail JSON {"seconds": signal to released,
 #             "mono", "generation", "gpu_reserved_before", "gpu_reserved_after", "views_alive"})
+#   forged    a value in the job's store did not verify with the job's key; the runtime did not
+#             act on it (detail JSON {"key": name, "reason": why}); the agent stops the job
 HEARTBEAT_VERSION = 1
 HEARTBEAT_MAX_BYTES = 4096

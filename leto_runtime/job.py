@@ -426,13 +426,20 @@ class Job:
     def _gather(self, mine: Progress) -> list[Progress]:
         if self.pg is None or self.world_size == 1:
             return [mine]
+        from leto_runtime import promotion
         dev = self.device if self.backend == "nccl" else torch.device("cpu")
-        t = torch.tensor(mine.to_list(), dtype=torch.int64, device=dev)
+        words = mine.to_list()
+        if self.inplace:            # the resume point is agreed among holders of the job key
+            words = promotion.seal_progress(self.ctx, words)
+        t = torch.tensor(words, dtype=torch.int64, device=dev)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         hb.collective(None)
         dist.all_gather(out, t)
         hb.left_collective(None)
-        return [Progress(*x.tolist()) for x in out]
+        rows = [x.tolist() for x in out]
+        if self.inplace:
+            rows = promotion.open_progress(self.ctx, rows)
+        return [Progress(*r) for r in rows]
 
     def _boundary(self, t: int) -> None:
         """Honour page losses and scrub a slice before step t touches retained memory."""

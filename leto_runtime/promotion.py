@@ -5,7 +5,7 @@ Role: small, stateless helpers that `leto_runtime.init()` / `job.steps()` (or a 
 call in this order:
 
     ctx = Context.from_env()
-    store = worker_store(ctx)                         # the job's worker TCPStore (a client)
+    store = worker_store(ctx)                         # the job's worker store (an AuthStore)
     announce_inplace()                                # active: "my slot runs in place"
     ... shadow: form the process group of generation ctx.generation over
         PrefixStore(contract.pg_prefix(ctx.generation, ctx.shadow_epoch), store)  (level L3) ...
@@ -22,6 +22,15 @@ gone.  It waits as long as the
 shadow is not needed; the agent kills the shadow when the job ends or restarts.  A store that
 goes away (the job restarted) raises `torch.distributed.DistNetworkError`.  Datagrams never block
 and are dropped silently outside Leto.
+
+Authentication (`leto_runtime.auth_store`): `worker_store` is an `AuthStore` with the job's key
+(LETO_JOB_KEY), so every value this process reads there -- the go key, the keys its process
+group is formed through -- verified, or was refused.  A refused value is reported to the agent
+once per key (datagram `forged`; the agent stops the job).  `wait_for_promotion` then keeps
+waiting: it acts only on a go key that verifies (the agent's own set overwrites a forged one),
+and a shadow that exited instead would be restarted and meet the same value again.  A
+process-group key that does not verify fails the group's formation (`ForgedControlKey` out of
+`init_process_group`): torch cannot be told to wait for a second value.
 """
 from __future__ import annotations
 
@@ -29,26 +38,50 @@ import datetime
 import importlib
 import json
 import signal
+import sys
 import threading
 import time
 
 import torch.distributed as dist
 
 from leto_runtime import contract as C
+from leto_runtime.auth_store import AuthStore
 from leto_runtime.context import Context
+from leto_runtime.control_auth import ForgedControlKey, mac_words, verify_words
 
 # The module, not the package's `heartbeat` function of the same name.
 heartbeat = importlib.import_module("leto_runtime.heartbeat")
 
 
-def worker_store(ctx: Context, timeout: float | None = None) -> "dist.TCPStore":
-    """A client of the job's worker store (MASTER_ADDR/MASTER_PORT), `ctx.pg_timeout` bounded."""
+def worker_store(ctx: Context, timeout: float | None = None) -> AuthStore:
+    """A client of the job's worker store (MASTER_ADDR/MASTER_PORT), `ctx.pg_timeout` bounded,
+    verifying every value with the job's key."""
     if not ctx.master_addr or not ctx.master_port:
         raise RuntimeError("MASTER_ADDR/MASTER_PORT are not set: not started by leto-run or "
                            "torchrun")
+    if ctx.job_key is None:
+        raise RuntimeError(f"{C.LETO_JOB_KEY} is not set, so the job's store cannot be "
+                           "authenticated: start the trainer with leto-run --recovery inplace "
+                           "of the same Leto version")
     t = datetime.timedelta(seconds=float(timeout if timeout is not None else ctx.pg_timeout))
-    return dist.TCPStore(ctx.master_addr, int(ctx.master_port), is_master=False, timeout=t,
-                         wait_for_workers=False)
+    raw = dist.TCPStore(ctx.master_addr, int(ctx.master_port), is_master=False, timeout=t,
+                        wait_for_workers=False)
+    return AuthStore(raw, ctx.job_key, on_forged=report_forged)
+
+
+_reported: set[str] = set()
+
+
+def report_forged(key: str, reason: str) -> None:
+    """A value under `key` did not verify: tell the agent (datagram `forged`) and this rank's
+    log, once per key."""
+    if key in _reported:
+        return
+    _reported.add(key)
+    sys.stderr.write(f"[leto_runtime] refused the value under {key!r} in the job's store: "
+                     f"{reason}\n")
+    sys.stderr.flush()
+    heartbeat.send("forged", None, json.dumps({"key": key, "reason": reason}))
 
 
 def announce_inplace(detail: dict | None = None) -> None:
@@ -80,16 +113,55 @@ def wait_for_promotion(ctx: Context, store, slice_s: float = WAKE_POLL_S) -> flo
     Why not `store.wait`: a TCPStore client whose wait timed out can miss the key set after
     (seen: a shadow woke 152 s after its go key, through two 60 s slices).  Non-blocking checks
     cannot; the agent's PROMOTE_SIGNAL makes them immediate, and the slow poll is the safety
-    net (a few requests a second per shadow, never a burst on the store)."""
+    net (a few requests a second per shadow, never a burst on the store).
+
+    Only a go key that verifies wakes it (module docstring); `store` is `worker_store(ctx)`."""
+    if not isinstance(store, AuthStore):
+        raise TypeError("wait_for_promotion(ctx, store): store must be worker_store(ctx), "
+                        "which verifies the go key")
     key = C.go_key(ctx.generation, ctx.rank)
     while True:
-        if store.check([key]):      # DistNetworkError: the store is gone (restart or end)
+        # DistNetworkError: the store is gone (restart or end)
+        if store.check([key]) and _verified(store, key):
             break
         _woken.wait(slice_s)
         _woken.clear()
     woke = time.monotonic()
     heartbeat.send("promoted", None, json.dumps({"mono": woke}))
     return woke
+
+
+def _verified(store: AuthStore, key: str) -> bool:
+    try:
+        store.get(key)
+        return True
+    except ForgedControlKey:
+        return False        # reported (report_forged); the agent's set overwrites it
+
+
+def _agree_name(ctx: Context, rank: int) -> str:
+    return f"leto/agree/{ctx.generation}/{ctx.shadow_epoch}/{rank}"
+
+
+def seal_progress(ctx: Context, words: list[int]) -> list[int]:
+    """This rank's agreement values (`job._gather`) followed by their MAC (four int64)."""
+    return list(words) + mac_words(ctx.job_key, _agree_name(ctx, ctx.rank), words)
+
+
+def open_progress(ctx: Context, rows: list[list[int]]) -> list[list[int]]:
+    """Every rank's values of the all-gather, each checked against its MAC under its own rank
+    (so no row reads as another rank's or another generation's); a row that does not verify
+    is reported (`report_forged`) and raises ForgedControlKey: no resume point is derived."""
+    out = []
+    for r, row in enumerate(rows):
+        words, mac = row[:-4], row[-4:]
+        try:
+            verify_words(ctx.job_key, _agree_name(ctx, r), words, mac)
+        except ForgedControlKey as e:
+            report_forged(e.key, e.reason)
+            raise
+        out.append(words)
+    return out
 
 
 def report_phase(name: str, seconds: float, **fields) -> None:

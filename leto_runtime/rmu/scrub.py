@@ -89,7 +89,8 @@ class Scrubber:
         self.stats = Stats()
         self._last = None                  # clock at the previous boundary
         self._credit = 0.0                 # seconds of scrub the budget has paid for
-        self._cost = 0.0                   # what the last slice cost
+        self._cost = 1e-3                  # what the last slice cost (before the first: a guess,
+                                           # so the budget pays for that one too)
         self._earned = 0.0                 # credit of the last interval
         self._bases: dict = {}             # (state, group) -> address arrays at offset 0
         self._windows: dict = {}           # m -> the syndrome kernel's coefficient window

@@ -16,7 +16,10 @@ successive generations.  Mixed into the schedules from a second seeded stream (s
 categories above are unchanged): latent losses -- a parity page (tier 1 or 2) or a few data
 pages lost at an earlier step with no failure, which the trainer must repair at the next step
 boundary before any use -- and page losses on a survivor (a rank other than the one killed),
-striking at the same step and point as the kill.  Survivors of a HOF are demoted in process (`--demote release`) on
+striking at the same step and point as the kill; and on some seeds a forged go key (`forge`):
+while the job runs, the test sets generation 1's go key of a rank without the job's key, as
+another user could -- the shadow must not act on it and the job must stop (exit 5) with every
+loss logged until then the fault-free one.  Survivors of a HOF are demoted in process (`--demote release`) on
 seeds 10-19, 30-39, ... (every category, both world sizes) and replaced by fresh shadows on
 the others (LETO_EXACTNESS_DEMOTE=replace|release forces one mode for every seed).
 """
@@ -62,6 +65,8 @@ class Schedule:
     hang_timeout: float = 30.0
     expect_inplace: int = 1          # in-place recoveries that must happen at least
     demote: str = "replace"          # what survivors do: replace | release (in process)
+    forge: int | None = None         # rank whose next go key a process without the job's key
+                                     # sets mid-run (the test does it): the job must stop, exit 5
 
     def leto_args(self) -> list[str]:
         g = GEOMETRY
@@ -149,6 +154,8 @@ def schedule(seed: int, pages_per_state: int | None = None) -> Schedule:
 def _mix_in(seed: int, s: Schedule, step: int, n_groups: int, group_k: list[int]) -> None:
     """Latent and survivor page losses (module docstring), from their own random stream."""
     rng = random.Random(seed * 7919 + 17)
+    if rng.random() < 0.12:
+        s.forge = rng.randrange(s.world)
     kills = [x for x in s.injects if x.startswith(("kill:", "hang:")) and ":gen=" not in x]
     if rng.random() < 0.5 and step >= 2:
         r, g = rng.randrange(s.world), rng.randrange(3 * n_groups)

@@ -1,6 +1,7 @@
 """Two `leto-run --nnodes 2` agents on 127.0.0.1 meet through the c10d rendezvous (TCPStore),
 run a gloo all-reduce job to completion, and a rank failure on one node restarts the group on
-both nodes (restart mode)."""
+both nodes (restart mode: `--recovery restart`, which several nodes run without a shared
+secret, as torchrun does)."""
 import subprocess
 
 from leto_testing import ROOT, SCRIPTS, base_env, events, free_port, leto_cmd
@@ -13,7 +14,8 @@ def start_agents(tmp_path, out_dir, *extra):
         ev = tmp_path / f"ev{node}.jsonl"
         cmd = leto_cmd("--no-status", "--nnodes", "2", "--nproc-per-node", "2",
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                       "--rdzv-id", "mn-test", "--events", str(ev), *extra,
+                       "--rdzv-id", "mn-test", "--recovery", "restart", "--events", str(ev),
+                       *extra,
                        str(SCRIPTS / "allreduce.py"), "--steps", "6")
         procs.append(subprocess.Popen(cmd, env=base_env(out_dir), cwd=str(ROOT), text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))

@@ -1,6 +1,9 @@
 """In-place recovery across two `leto-run --nnodes 2` agents (c10d rendezvous on 127.0.0.1):
 a rank dies on node 1; node 1's agent declares the HOF in the job's store, node 0's agent sees
-it there and promotes its own shadows too, and the GPT run stays bit-identical to torchrun."""
+it there and promotes its own shadows too, and the GPT run stays bit-identical to torchrun.
+The agents share the job's secret through one 0600 file (--secret-file), as nodes would through
+a shared home directory."""
+import os
 import subprocess
 
 from leto_testing import (ROOT, base_env, events, final_digest, free_port, leto_cmd, run,
@@ -23,9 +26,13 @@ def test_hof_on_one_node_promotes_shadows_on_both(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
+    secret = tmp_path / "job_secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
     procs = []
     for node in range(2):
         cmd = leto_cmd("--no-status", "--nnodes", "2", "--nproc-per-node", "1",
+                       "--secret-file", str(secret),
                        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
                        "--rdzv-id", "mn-inplace", "--events", str(tmp_path / f"ev{node}.jsonl"),
                        *GEOM, "--inject", "kill:rank=1:step=5:at=rmu.update:group=1:chunk=1",

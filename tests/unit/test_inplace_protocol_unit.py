@@ -15,8 +15,10 @@ from leto_run.inplace import HofWatcher
 from leto_run.worker_env import WorkerEnvSpec, WorkerIdentity, build_worker_env
 from leto_runtime import contract as C
 from leto_runtime import Context, promotion
+from leto_runtime.auth_store import AuthStore
 
 runtime_hb = promotion.heartbeat          # the module (the package exports a function)
+KEY = bytes(range(32))                    # the job's MAC key (LETO_JOB_KEY)
 
 
 def spec(**kw):
@@ -27,7 +29,7 @@ def spec(**kw):
                 max_restarts=0, run_id="rid", use_agent_store=True, error_file="/e.json",
                 signals_to_handle="SIGTERM", slot_role="active", generation=0, run_dir="/r",
                 heartbeat_socket="/r/hb.sock", hang_timeout=0, recovery="inplace", node="n",
-                job_token="tok", dump_signal=C.DUMP_SIGNAL)
+                job_token="tok", dump_signal=C.DUMP_SIGNAL, job_key=KEY.hex())
     base.update(kw)
     return WorkerEnvSpec(**base)
 
@@ -74,7 +76,8 @@ def test_wait_for_promotion_returns_when_the_go_key_is_set(server, tmp_path, mon
     monkeypatch.setattr(os, "environ", env)
     monkeypatch.setattr(runtime_hb, "_state", {})      # fresh runtime state, restored after
     store = promotion.worker_store(ctx, timeout=10)
-    threading.Timer(0.3, lambda: server.set(C.go_key(1, ctx.rank), "go")).start()
+    agent = AuthStore(server, KEY)            # the agent signs the go key it sets
+    threading.Timer(0.3, lambda: agent.set(C.go_key(1, ctx.rank), "go")).start()
     t0 = time.monotonic()
     woke = promotion.wait_for_promotion(ctx, store, slice_s=0.2)
     assert 0.25 <= woke - t0 < 5
