@@ -68,6 +68,11 @@ class Schedule:
     forge: int | None = None         # rank whose next go key a process without the job's key
                                      # sets mid-run (the test does it): the job must stop, exit 5
 
+    def script_args(self) -> list[str]:
+        """A forged schedule's steps are slowed so that the shadows wait, and look at their go
+        key, before the schedule's first HOF promotes them (losses do not depend on time)."""
+        return ["--step-time", "2"] if self.forge is not None else []
+
     def leto_args(self) -> list[str]:
         g = GEOMETRY
         args = ["--standalone", "--nproc-per-node", str(self.world),
@@ -189,4 +194,4 @@ if __name__ == "__main__":
     sch = schedule(int(sys.argv[1]))
     print(f"# seed {sch.seed}: {sch.category}, world {sch.world}")
     print("leto-run " + " ".join(sch.leto_args()) +
-          f" examples/gpt_inplace.py --steps {STEPS} --out OUT_DIR")
+          f" examples/gpt_inplace.py --steps {STEPS} --out OUT_DIR " + " ".join(sch.script_args()))

@@ -86,7 +86,7 @@ def test_fault_schedule_is_bit_exact(seed, references, tmp_path):
     ref = references(sch.world)
     ev = tmp_path / "events.jsonl"
     cmd = leto_cmd(*sch.leto_args(), "--events", str(ev), "--log-dir", str(tmp_path / "logs"),
-                   SCRIPT, "--steps", str(STEPS), "--out", str(tmp_path))
+                   SCRIPT, "--steps", str(STEPS), "--out", str(tmp_path), *sch.script_args())
     if sch.forge is not None:
         proc = subprocess.Popen(cmd, env=base_env(), cwd=str(ROOT), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
