@@ -204,7 +204,10 @@ class Agent(AgentEvents):
                              reason=str(e))
             return self._unrecoverable(str(e))
         except (E.RendezvousFailed, E.ControlForged) as e:
-            self._stop_group(str(e))
+            # A forged value may already have let a process write retained memory: no grace
+            # period in which a SIGTERM handler could checkpoint that state.
+            forged = isinstance(e, E.ControlForged)
+            self._stop_group(str(e), first_signal=signal.SIGKILL if forged else signal.SIGTERM)
             self.log(f"error: {e}")
             return self._end(e.exit_code, str(e))
 

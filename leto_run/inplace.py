@@ -132,10 +132,12 @@ class InplaceRecovery:
                           role=sp.role.value, epoch=sp.epoch, level=detail.get("level"),
                           seconds=detail.get("seconds"), mono=beat.mono)
         elif beat.kind == "promoted":
-            if sp.role != SlotRole.ACTIVE:      # woke without the go key _promote sets
-                raise job_secret.not_granted(slot.rank, beat.pid, sp.role.value, sp.generation)
+            granted = sp.role == SlotRole.ACTIVE     # else it woke without the go key _promote sets
             a.events.emit("promoted", sp.generation, rank=slot.rank, pid=beat.pid,
-                          mono=float(detail.get("mono", beat.mono)), agent_mono=beat.mono)
+                          mono=float(detail.get("mono", beat.mono)), agent_mono=beat.mono,
+                          granted=granted)
+            if not granted:
+                raise job_secret.not_granted(slot.rank, beat.pid, sp.role.value, sp.generation)
         elif beat.kind == "demoted":
             sp.demoted = detail
         elif beat.kind == "phase":

@@ -50,6 +50,14 @@ def job_key(cfg) -> bytes | None:
                           "(it authenticates the recovery's control values in the job's stores)"
                           f"; none was given and {DEFAULT_SECRET_FILE} does not exist",
                           CREATE_HINT + "; or use --recovery restart")
+    if cfg.recovery.mode == "inplace" and cfg.rendezvous.id in ("", "none"):
+        # The key is derived from the secret and the id: runs sharing an id share a key, and a
+        # value signed in one run would verify in the next.
+        raise ConfigError("rendezvous.id", "a multi-node in-place job needs its own "
+                          "--rdzv-id (the job's key is derived from it; with the default "
+                          "'none' every run would share one key)",
+                          "give every run a fresh id, e.g. --rdzv-id $SLURM_JOB_ID or "
+                          "--rdzv-id $(uuidgen)")
     return derive_job_key(read_secret(path, given), cfg.rendezvous.id)
 
 

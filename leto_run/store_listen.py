@@ -68,7 +68,18 @@ def bind_plan(host: str, resolved: tuple[str, ...], single_node: bool) -> BindPl
         return BindPlan((LOOPBACK_V4,), LOOPBACK_V4,
                         f"single node: {host} resolves to {list(resolved) or 'nothing'}, not "
                         "one loopback address; clients use 127.0.0.1")
-    return BindPlan(resolved, host, f"several nodes: the addresses of {host}")
+    routable = tuple(ip for ip in resolved if not _is_loopback(ip))
+    if routable:
+        return BindPlan(routable, host, f"several nodes: the addresses of {host}")
+    if host == "localhost" or (resolved and _is_loopback(host)):
+        # named loopback on purpose: several agents of one machine (tests, one-host trials)
+        return BindPlan(resolved, host, f"several nodes on this machine: {host} is loopback")
+    # e.g. Debian's /etc/hosts maps the host name to 127.0.1.1: other nodes could not connect
+    raise StoreBindError(
+        errno.EADDRNOTAVAIL,
+        f"{host!r} resolves only to loopback ({', '.join(resolved) or 'nothing'}): the other "
+        "nodes could not reach a store listening there -- fix: give this node's address on the "
+        "network the other nodes use with --local-addr (or --rdzv-endpoint / --master-addr)")
 
 
 def listen_socket(plan: BindPlan, port: int, host: str) -> socket.socket:

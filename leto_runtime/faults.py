@@ -97,9 +97,16 @@ class Faults:
 
     def _fire_pages(self, inj: dict, step) -> None:
         from leto_runtime.rmp.faults import fire_pages_spec
+        from leto_runtime.rmp.protocol import RmpError
         self.plan.remove(inj)
-        hb._send("inject", step, inj.get("text") or "pages")
-        fire_pages_spec(self.ctx.sm_socket, inj.get("params") or {})
+        text = inj.get("text") or "pages"
+        try:
+            fire_pages_spec(self.ctx.sm_socket, inj.get("params") or {})
+        except RmpError as e:       # pages this pool does not have (a group past the model...)
+            hb._send("unfired", step, json.dumps({"spec": text, "reason": f"the state manager "
+                                                 f"refused it: {e}"}))
+            return
+        hb._send("inject", step, text)
 
     def fire(self, point: str, *, step=None, group=None, chunk=None, garbage=None) -> None:
         # Every injection point is a tested kill point, hence a safe point to leave the run

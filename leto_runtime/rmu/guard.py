@@ -35,6 +35,9 @@ from leto_runtime.rmp.reconstruct import (GroupLoss, ReconstructReport, Unrecove
 from leto_runtime.rmu.scrub import Scrubber
 
 
+ASK_EVERY_S = 30.0          # the loss bulletin's safety net: one round trip per 30 s at most
+
+
 @dataclass(frozen=True)
 class Plan:
     encode: tuple = ()        # (state, group index): parity recomputed from the data
@@ -81,6 +84,7 @@ class Guard:
         self.report = report or (lambda kind, **f: None)
         self.repairs = Repairs()
         self._seen = -1                   # loss bulletin value handled last (-1: never asked)
+        self._asked = 0.0                 # perf_counter of the last status() question
         self.scrubber = Scrubber(ss, updater, scrub_budget, self.report) if ss.client else None
 
     def at_boundary(self, t: int) -> None:
@@ -90,7 +94,10 @@ class Guard:
         self.up.quiesce()
         t0 = time.perf_counter()
         seen = client.loss_count()
-        if seen is None or seen != self._seen:
+        # Also every ASK_EVERY_S: a state manager restarted without its bulletin would leave
+        # the counter frozen (the repair would then wait for the next failure).
+        if seen is None or seen != self._seen or t0 - self._asked > ASK_EVERY_S:
+            self._asked = t0
             # the bulletin moved (or there is none): ask what is pending
             if client.status().get("pending_losses", 0):
                 self._repair(t)

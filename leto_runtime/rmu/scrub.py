@@ -9,8 +9,9 @@ a group's pages a set of codewords of its own, so a slice is checked exactly as 
 Slices advance round robin over windows, groups and states; `passes` counts full sweeps.
 
 Budget: `budget` is the share of the step time the scrub may take (0.002: steps grow <= 0.2%).
-Each boundary earns `budget` x the time since the previous one as credit; a slice runs when the
-credit covers what the last slice cost, and its measured cost is spent.  The slice width L
+Each boundary earns `budget` x the time since the previous one as credit (an interval longer
+than 4x the running mean -- an evaluation, a checkpoint -- counts as 4x the mean); a slice runs
+when the credit covers what the last slice cost, and its measured cost is spent.  The slice width L
 follows the credit (within [1 KiB, page], at most x2 per slice): wide slices on long steps, and
 on short ones a narrow slice every few steps -- on average never more than the budget.
 
@@ -92,6 +93,7 @@ class Scrubber:
         self._cost = 1e-3                  # what the last slice cost (before the first: a guess,
                                            # so the budget pays for that one too)
         self._earned = 0.0                 # credit of the last interval
+        self._gap: float | None = None     # running mean of the interval between boundaries
         self._bases: dict = {}             # (state, group) -> address arrays at offset 0
         self._windows: dict = {}           # m -> the syndrome kernel's coefficient window
         self.cuda = str(ss.device).startswith("cuda")
@@ -104,7 +106,11 @@ class Scrubber:
         last, self._last = self._last, now
         if last is None or self.budget <= 0:
             return False
-        self._earned = self.budget * (now - last)
+        gap = now - last
+        # A pause between steps (evaluation, a checkpoint save) earns no more than a few
+        # steps' credit: the next step must not pay a long scrub for it.
+        self._gap = gap if self._gap is None else 0.9 * self._gap + 0.1 * min(gap, 4 * self._gap)
+        self._earned = self.budget * min(gap, 4 * self._gap)
         self._credit = min(self._credit + self._earned, CREDIT_CAP)
         return self._credit >= self._cost
 

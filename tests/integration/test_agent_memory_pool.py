@@ -57,13 +57,16 @@ def test_state_manager_crash_is_restarted_from_kept_fds(tmp_path, out_dir):
 
 def test_pages_injection_from_the_cli(tmp_path, out_dir):
     ev = tmp_path / "ev.jsonl"
+    # Step-triggered, so the pages exist when the fault strikes (a time-triggered one could
+    # fire while the trainer still imports torch on a loaded machine, into an empty pool).
     r = run(leto_cmd("--no-status", "--events", str(ev), "--shutdown-timeout", "2",
-                     "--inject", "pages:rank=0:tier=device:count=1:after=2s",
-                     "--inject", "kill:rank=0:after=3s",
+                     "--inject", "pages:rank=0:tier=device:count=1:step=3",
+                     "--inject", "kill:rank=0:step=6",
                      str(SCRIPTS / "retain.py"), "restart"), base_env(out_dir), timeout=120)
-    assert r.returncode == 1
+    assert r.returncode == 1, r.stderr[-3000:]
     inj = [e for e in events(ev) if e["event"] == "inject" and e["spec"].startswith("pages")]
-    assert inj and inj[0]["rank"] == 0 and len(inj[0]["pages"]) == 1, inj
+    assert inj and inj[0]["rank"] == 0 and inj[0]["step"] == 3, inj
+    assert "injected fault: 1 data page(s) of state 'params.0' (device memory)" in r.stderr
 
 
 def test_restart_mode_runs_no_state_manager(tmp_path, out_dir):

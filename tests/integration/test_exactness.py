@@ -121,10 +121,15 @@ def test_fault_schedule_is_bit_exact(seed, references, tmp_path):
     if sch.demote == "release":
         # Every survivor asked to demote itself did so in process, or died meanwhile (the
         # schedule may kill it too): none had to be SIGKILLed for want of a confirmation.
-        asked = [e for e in evs if e["event"] == "demote" and e.get("mode") == "release"]
+        hung = {int(x.split(":rank=")[1].split(":")[0]) for x in sch.injects
+                if x.startswith("hang:")}
+        asked = [e for e in evs if e["event"] == "demote" and e.get("mode") == "release"
+                 and e["rank"] not in hung]
         died = [e for e in evs if e["event"] == "demote" and e.get("reason") == "exited"]
+        # (a rank blocked in an injected hang cannot demote itself: once a survivor page loss
+        # made another rank fail first, it is rightly replaced)
         fell_back = [e for e in evs if e["event"] == "demote" and e.get("reason")
-                     and e.get("reason") != "exited"]
+                     and e.get("reason") != "exited" and e["rank"] not in hung]
         done = [e for e in evs if e["event"] == "demoted"]
         assert not fell_back and len(done) + len(died) == len(asked), \
             f"{fell_back} {asked} {done}; {why}"

@@ -201,13 +201,16 @@ def test_an_rmu_injection_naming_a_group_the_model_lacks_is_reported(tmp_path, o
                      "--chunk-pages", str(g["chunk_pages"]),
                      "--inject", "kill:rank=0:step=1:at=rmu.update:group=77:chunk=1",
                      "--inject", "kill:rank=0:step=9:at=rmu.load",
+                     "--inject", "pages:rank=0:step=2:tier=device:group=77:count=1",
                      str(ROOT / "examples" / "gpt_inplace.py"), "--steps", "3"),
             base_env(out_dir), timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     evs = events(ev)
     unfired = {e["spec"]: e for e in of(evs, "inject_unfired")}
+    pages = "pages:rank=0:step=2:count=1:group=77:tier=device"
     assert set(unfired) == {"kill:rank=0:step=1:at=rmu.update:chunk=1:group=77",
-                            "kill:rank=0:step=9:at=rmu.load"}
+                            "kill:rank=0:step=9:at=rmu.load", pages}
+    assert unfired[pages]["by"] == "runtime" and "refused it" in unfired[pages]["reason"]
     rmu = unfired["kill:rank=0:step=1:at=rmu.update:chunk=1:group=77"]
     assert rmu["by"] == "runtime" and rmu["step"] == 1
     assert rmu["reason"].startswith("the model has no protection group 77: at=rmu.update of "

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from leto_run.state_manager import Geometry
 from leto_run.state_manager.harness import SlotHarness
@@ -36,6 +37,7 @@ def test_a_loss_is_registered_announced_and_counted_until_repaired(slot, tier, p
     st = c.allocate("a", 16 * S)
     st.pages().fill_(7)
     protect(st, backend="reference")
+    p1, p2 = st.tier1(1).clone(), st.tier2(1).clone()      # what the parity must be again
     before = c.loss_count()
     assert before is not None and c.status()["pending_losses"] == 0
     c.inject_pages(tier=tier, part=part, group=_gid(c, "a", 1), first=0, count=1)
@@ -44,6 +46,7 @@ def test_a_loss_is_registered_announced_and_counted_until_repaired(slot, tier, p
     recover(c, backend="reference")                    # localize, remap, rebuild, clear marks
     assert c.status()["pending_losses"] == 0
     assert bool((st.pages() == 7).all())
+    assert torch.equal(st.tier1(1), p1) and torch.equal(st.tier2(1), p2)   # parity rebuilt
 
 
 _READER = """

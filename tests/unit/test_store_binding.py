@@ -12,7 +12,7 @@ from leto_run import job_secret
 from leto_run.cli import load_config
 from leto_run.errors import ConfigError
 from leto_run.rendezvous import make_handler, next_round
-from leto_run.store_listen import bind_plan, listening_addresses, server_store
+from leto_run.store_listen import StoreBindError, bind_plan, listening_addresses, server_store
 from leto_runtime.control_auth import KEY_BYTES, derive_job_key
 from leto_testing import base_env, free_port, leto_cmd, run
 
@@ -26,6 +26,10 @@ def test_bind_plan():
     for resolved in (("10.1.2.3",), ("127.0.0.1", "::1"), ()):
         p = bind_plan("node7", resolved, single_node=True)
         assert (p.addresses, p.advertise) == (("127.0.0.1",), "127.0.0.1"), resolved
+    with pytest.raises(StoreBindError, match="only to loopback"):    # Debian's 127.0.1.1
+        bind_plan("node7", ("127.0.1.1",), single_node=False)
+    assert bind_plan("node7", ("127.0.1.1", "10.1.2.3"), False).addresses == ("10.1.2.3",)
+    assert bind_plan("127.0.0.1", ("127.0.0.1",), False).addresses == ("127.0.0.1",)
     p = bind_plan("node7", ("10.1.2.3", "fd00::3"), single_node=False)
     assert (p.addresses, p.advertise) == (("10.1.2.3", "fd00::3"), "node7")
     assert "0.0.0.0" not in p.addresses and "::" not in p.addresses
