@@ -20,7 +20,6 @@ import sys
 from typing import Mapping
 
 import click
-import yaml
 from click.core import ParameterSource
 
 from leto_run import config as C
@@ -98,7 +97,7 @@ class LetoCommand(click.Command):
             group = "compat" if _compat(o) else ("recovery" if o.key == "inject" else o.section)
             groups[group].append(_help_record(o))
         for p in self.get_params(ctx):
-            if p.name in ("config", "print_config", "help"):
+            if p.name in ("config", "print_config", "version", "help"):
                 groups["other"].append(p.get_help_record(ctx))
         for key, title in _TITLES.items():
             if groups[key]:
@@ -148,11 +147,30 @@ def _click_params() -> list[click.Parameter]:
         click.Option(["config", "--config"], metavar="FILE", default=None,
                      help="YAML job config (env: LETO_CONFIG); see configs/full.yaml."),
         click.Option(["print_config", "--print-config"], is_flag=True, default=False,
-                     help="Print the resolved configuration as YAML and exit."),
+                     help="Print the resolved configuration as a YAML job file (--config "
+                          "accepts it) and exit."),
+        click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True,
+                     callback=_print_version, help="Print the versions of leto and torch and exit."),
         click.Argument(["training_script"], required=False),
         click.Argument(["script_args"], nargs=-1, type=click.UNPROCESSED),
     ]
     return params
+
+
+def _print_version(ctx: click.Context, _param, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        leto = version("leto")
+    except PackageNotFoundError:      # a checkout on sys.path, not installed
+        leto = "unknown (not installed)"
+    try:
+        torch = version("torch")
+    except PackageNotFoundError:
+        torch = "not installed"
+    click.echo(f"{PROG} (leto) {leto}, torch {torch}, python {sys.version.split()[0]}")
+    ctx.exit(0)
 
 
 def _config(ctx: click.Context, params: dict, env: Mapping[str, str],
@@ -168,8 +186,8 @@ def _run(ctx: click.Context, **params) -> int:
     sources: dict[str, str] = {}
     cfg = _config(ctx, params, env, sources)
     if params["print_config"]:
-        click.echo("# leto-run resolved configuration (derived fields included)")
-        click.echo(yaml.safe_dump(cfg.to_dict(), sort_keys=False), nl=False)
+        from leto_run.config_print import render
+        click.echo(render(cfg), nl=False)
         return 0
     # Paths and programs on this machine: checked before the agent starts anything.
     preflight(cfg, env, sources)

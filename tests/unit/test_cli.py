@@ -93,7 +93,11 @@ def test_print_config_and_passthrough():
     assert d["launch"]["script_args"] == ["--lr", "3", "--help", "-m"]
     assert d["launch"]["nproc_per_node"] == "2" and d["launch"]["max_restarts"] == 1
     assert d["launch"]["module"] is False
-    assert d["rendezvous"]["backend"] == "c10d" and d["rendezvous"]["auto_c10d"] is True
+    # torchrun's single-node rule is printed as its input (test_print_config_roundtrip.py), and
+    # what it resolves to as a comment
+    assert d["rendezvous"]["backend"] == "static" and d["rendezvous"]["master_port"] is None
+    r = invoke(["--print-config", "t.py"])
+    assert "# resolves to: c10d rendezvous on localhost:0 (torchrun's single-node rule)" in r.stdout
 
 
 def test_print_config_without_script_is_allowed():
@@ -164,3 +168,10 @@ def test_precedence_end_to_end_in_a_subprocess(tmp_path):
     p = subprocess.run([sys.executable, "-m", "leto_run", "--nnodes", "0", "t.py"], env=env,
                        capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.startswith("leto-run: error: launch.nnodes (--nnodes)")
+
+
+def test_version_names_leto_torch_and_python():
+    from importlib.metadata import version
+    r = invoke(["--version"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith(f"leto-run (leto) {version('leto')}, torch {version('torch')}")
