@@ -51,7 +51,7 @@ import time
 
 import torch.distributed as dist
 
-from leto_run import job_secret
+from leto_run import errors as E, job_secret
 from leto_run.decisions import Action, Decision, SlotView, decide_inplace
 from leto_run.hof_watch import STORE_TIMEOUT_S, HofWatcher, wait_exits
 from leto_run.inject import timed_for_generation
@@ -395,7 +395,11 @@ class InplaceRecovery:
             try:
                 self._client().set(C.go_key(gen, slot.rank), json.dumps({"mono": woke}))
             except Exception as e:
-                a.log(f"cannot set the go key of rank {slot.rank}: {type(e).__name__}: {e}")
+                # A shadow without its go key never wakes, and one listed as active but asleep
+                # has no heartbeat to time out: stop, saying why, rather than wait forever.
+                raise E.RendezvousFailed(
+                    f"cannot set the go key of rank {slot.rank} for generation {gen} "
+                    f"({type(e).__name__}: {e}): its shadow cannot be promoted") from e
         for slot in a.slots:
             sp = slot.procs.pop(SlotRole.SHADOW)
             if sp.ready and sp.wake:    # its runtime handles the signal (it said so)

@@ -104,7 +104,8 @@ class HostMapping:
                                            mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE,
                                            -1, 0), "reserving address space")
         self.mapped: set[int] = set()
-        self.pinned = False
+        self.pinned = False                  # page-locked (whole, or every readable run)
+        self._runs: list[tuple[int, int]] = []   # registered page runs [lo, hi)
 
     def addr(self, i: int) -> int:
         return self.base + i * self.page_bytes
@@ -158,33 +159,45 @@ class HostMapping:
 
     # ---- pinning (GPU machines): page-locked for fast, asynchronous copies -----------------
     def pin(self) -> bool:
-        """cudaHostRegister the whole range; False where CUDA is absent (CPU machines)."""
+        """Page-lock the range for CUDA; False where CUDA is absent (CPU machines).
+
+        Through the driver API (cuMemHostRegister), whose failures leave no "last error" that
+        torch's next kernel-launch check would report.  A range with a lost page in it (a
+        truncated memfd: an injected or real loss not yet repaired) cannot be registered whole;
+        then every readable run is, so attaching such a state works and the loss is repaired
+        by localize/remap, which pins again."""
         if self.pinned or not self.size:
             return self.pinned
         import torch
 
         if not torch.cuda.is_available():
             return False
-        try:
-            rc = torch.cuda.cudart().cudaHostRegister(self.base, self.size, 0)
-            rc = int(getattr(rc, "value", rc))
-        except Exception as e:        # a torch without this binding: same as a failed register
-            rc = f"{type(e).__name__}: {e}"
-        if rc != 0:
-            # Not fatal: copies still work, only slower and synchronous.  Say it loudly.
-            import warnings
-            warnings.warn(f"leto rmp: cudaHostRegister of {self.size} bytes of parity failed "
-                          f"({rc}); host<->device parity copies will not be pinned")
-            return False
-        self.pinned = True
-        return True
+        ensure_context(torch.cuda.current_device())
+        why = self._register(0, self.n_pages)
+        if why is None:
+            self._runs = [(0, self.n_pages)]
+        else:
+            lost = set(self.probe())
+            runs = _page_runs(i for i in range(self.n_pages) if i not in lost)
+            self._runs = [r for r in runs if self._register(*r) is None] if lost else []
+            if not self._runs or len(self._runs) < len(runs):
+                import warnings      # not fatal: copies still work, only slower and synchronous
+                warnings.warn(f"leto rmp: page-locking {self.size} bytes of parity failed "
+                              f"({why}); host<->device parity copies will not be pinned")
+        self.pinned = bool(self._runs)
+        return self.pinned
+
+    def _register(self, lo: int, hi: int) -> str | None:
+        cu = cuda_driver()
+        r = cu.cuMemHostRegister(self.addr(lo), (hi - lo) * self.page_bytes, 0)
+        return None if r[0] == cu.CUresult.CUDA_SUCCESS else getattr(r[0], "name", str(r[0]))
 
     def unpin(self) -> None:
         if self.pinned:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.base)
-            self.pinned = False
+            cu = cuda_driver()
+            for lo, _ in self._runs:
+                cu.cuMemHostUnregister(self.addr(lo))
+            self._runs, self.pinned = [], False
 
     def close(self) -> None:
         if self.base is None:
@@ -193,6 +206,17 @@ class HostMapping:
         _libc.munmap(self.base, max(self.size, 1))
         self.base = None
         self.mapped.clear()
+
+
+def _page_runs(pages) -> list[tuple[int, int]]:
+    """Consecutive runs [lo, hi) of the sorted page indices `pages`."""
+    out: list[list[int]] = []
+    for i in pages:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return [(lo, hi) for lo, hi in out]
 
 
 def _close(fd: int) -> None:

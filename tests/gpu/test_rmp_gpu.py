@@ -144,3 +144,35 @@ def test_retired_pages_localized_and_reconstructed(slot):
     assert (pages[0:4] == FRESH_FILL).all() and (pages[24:40] == FRESH_FILL).all()
     del pages, st3
     c3.release("gpu.w")
+
+
+def test_attach_after_a_host_parity_loss_pins_and_leaves_cuda_clean(slot):
+    """A host parity page lost before a trainer attaches (a shadow spawned after the loss) is a
+    truncated memfd: the range cannot be page-locked whole.  The attach still pins every
+    readable run, leaves no CUDA error behind for torch's next launch check, and the repair
+    pins the whole range again."""
+    c = RmpClient(slot.socket)
+    st = c.allocate("gpu.lostp1", 24 * 2 * MiB)
+    data = torch.randint(0, 256, (24, 2 * MiB), dtype=torch.uint8, device="cuda")
+    st.pages().copy_(data)
+    protect(st)
+    p1 = st.tier1(0).clone()
+    gid = st.groups[0].id
+    del st
+    c.close()
+    c.inject_pages(tier="host", group=gid, part="p1", first=3)
+    c2 = RmpClient(slot.socket)
+    try:
+        st2 = c2.attach("gpu.lostp1")
+        assert st2._parity.pinned and len(st2._parity._runs) == 2, st2._parity._runs
+        x = torch.ones(4, device="cuda") * 2           # a launch: its check must find no error
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 8.0
+        loc, _ = recover(c2)
+        assert loc.marks["gpu.lostp1"].p1 == {0: [3]}
+        assert st2._parity.pinned and st2._parity._runs == [(0, st2._parity.n_pages)]
+        assert torch.equal(st2.pages(), data) and torch.equal(st2.tier1(0), p1)
+        del st2
+    finally:
+        c2.close()
+        RmpClient(slot.socket).release("gpu.lostp1")
