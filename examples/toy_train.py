@@ -10,6 +10,8 @@ injections; it is a no-op under torchrun.
 """
 import argparse
 import os
+import shutil
+import tempfile
 import time
 
 import torch
@@ -33,9 +35,17 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--ckpt-dir", default=os.environ.get("TOY_CKPT_DIR", "/tmp/leto_toy_ckpt"))
+    p.add_argument("--ckpt-dir", default=os.environ.get("TOY_CKPT_DIR"),
+                   help="default: a directory of this run in the temp dir, removed at the end")
     p.add_argument("--step-time", type=float, default=0.05, help="extra seconds per step")
     a = p.parse_args()
+    # No directory given: one per run in the temp dir (the run id is the same in every
+    # restart attempt, and differs between runs, so a run never loads another's checkpoint),
+    # removed once training is done.
+    own_ckpt = a.ckpt_dir is None
+    if own_ckpt:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        a.ckpt_dir = os.path.join(tempfile.gettempdir(), f"leto_toy_ckpt_{run_id}")
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -91,6 +101,8 @@ def main():
     leto.done()
     if rank == 0:
         print(f"done: {a.steps} steps, final loss {loss.item():.5f}", flush=True)
+        if own_ckpt:   # every rank is past the barrier of the last save: nobody reads it again
+            shutil.rmtree(a.ckpt_dir, ignore_errors=True)
     dist.destroy_process_group()
 
 

@@ -166,11 +166,14 @@ class AgentEvents:
                 # The stop forwards it (to every process group) after recording descendants.
                 self.log(f"received {name}: forwarding to every worker and stopping the job")
                 raise E.StoppedBySignal(signum)
-            self.log(f"received {name}: forwarding to every worker")
+            # To the active trainers only (torchrun's workers): a state manager has no handler
+            # and would die, and a shadow's copy of the script must not act (e.g. checkpoint
+            # state it does not own yet) on a signal meant for the running job.
+            self.log(f"received {name}: forwarding to every active worker")
             for slot in self.slots:
-                for sp in slot.all():
-                    if not sp.done:
-                        sp.proc.send_group(signum)
+                sp = slot.active
+                if sp is not None and not sp.done:
+                    sp.proc.send_group(signum)
 
     def _check_hangs(self, now: float) -> None:
         timeout = self.cfg.recovery.hang_timeout

@@ -285,7 +285,7 @@ class LogsConfig:
     redirects: str = "0"                     # 0..3 or per local rank "0:1,1:2"
     tee: str = "0"
     local_ranks_filter: tuple[int, ...] = ()
-    events: str | None = None                # JSONL event log path (default: <log_dir>/events.jsonl)
+    events: str | None = None                # JSONL event log (default: in the run's log dir)
     status: bool | None = None               # None: live view when stdout is a TTY
     event_log_handler: str = "null"          # torchrun compat: only "null" supported
     logs_specs: str | None = None            # torchrun compat: only None supported

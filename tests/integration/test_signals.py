@@ -82,10 +82,18 @@ def test_usr1_is_forwarded_and_job_continues(tmp_path, out_dir):
         wait_files(out_dir, ["usr1_0", "usr1_1"], timeout=10)
         time.sleep(0.3)
         assert p.poll() is None            # USR1 is a notice (Slurm), not a stop
+        # only the active workers got it: state managers (no handler) and shadows did not
+        for r in (0, 1):
+            active = int((out_dir / f"pids_{r}").read_text().split()[0])
+            assert (out_dir / f"usr1_by_{r}").read_text().split() == [str(active)]
+        stopped = time.monotonic()
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=30)
         assert p.returncode == 128 + signal.SIGTERM
-        assert [e["signal"] for e in events(ev) if e["event"] == "signal"] == ["SIGUSR1", "SIGTERM"]
+        evs = events(ev)
+        assert [e["signal"] for e in evs if e["event"] == "signal"] == ["SIGUSR1", "SIGTERM"]
+        assert not [e for e in evs if e["event"] in ("sm_gone", "sm_restart", "shadow_exit")
+                    and e["mono"] < stopped], "a signal meant for the job killed a helper process"
     finally:
         p.kill()
 

@@ -19,6 +19,8 @@ if "--escape" in sys.argv:
 
 
 def on_usr1(signum, frame):
+    with open(os.path.join(out, f"usr1_by_{rank}"), "a") as f:      # who got it (active only)
+        f.write(f"{os.getpid()}\n")
     with open(os.path.join(out, f"usr1_{rank}"), "w") as f:
         f.write(str(time.monotonic()))
 
