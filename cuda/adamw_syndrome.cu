@@ -1,6 +1,6 @@
 // RMU's chunk update in one pass: AdamW of the chunk and the parity delta of its three states,
-// without the delta pages ever going through memory (DESIGN.md section 8: "fusing the undo copy
-// and the parity work into the update kernel is how the update phase gets under 2x").
+// without the delta pages ever going through memory (docs/RMU.md, "The parity delta update";
+// what the separate passes cost: docs/BENCHMARKS.md, "RMU steady-state overhead").
 //
 // References: the two-kernel path it replaces, bit for bit -- adamw_cuda.cu (new p, m, v and the
 // delta pages old ^ new) followed by parity_cuda's syndrome_mix over those deltas with the run

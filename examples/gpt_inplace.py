@@ -3,10 +3,10 @@
     leto-run --config configs/inplace_demo.yaml            # 2 ranks, injected failures, report
     torchrun --nproc-per-node 2 examples/gpt_inplace.py    # the same training, no fault tolerance
 
-It uses the runtime API (`leto_runtime.init`, DESIGN.md §4): the model is built on the meta
-device, its parameters are views of retained memory, AdamW runs as RMU transactions, and the
-step loop resumes where recovery says.  CPU with gloo by default, the GPU (bf16 autocast, fp32
-master state) when there is one per local rank.
+It uses the runtime API (`leto_runtime.init`; README, "In-place recovery: the runtime API"): the
+model is built on the meta device, its parameters are views of retained memory, AdamW runs as RMU
+transactions, and the step loop resumes where recovery says.  CPU with gloo by default, the GPU
+(bf16 autocast, fp32 master state) when there is one per local rank.
 
 With `--out DIR` every rank appends `{"step", "gen", "loss"}` (loss as float.hex, exact) to
 DIR/loss_<rank>.jsonl after each forward pass, and writes DIR/final_<rank>.json with the sha256

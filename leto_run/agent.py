@@ -108,7 +108,7 @@ class Agent(AgentEvents):
         self.timers: list[tuple[float, str, object]] = []
         self.next_peer_check = 0.0
         self.catch_up: tuple[int, int] | None = None  # (failed generation, the step it reached)
-        # In-place mode: one state manager per local rank, outliving restarts (DESIGN.md §2).
+        # In-place mode: one state manager per local rank, outliving restarts (docs/MEMORY.md).
         self.sms = (StateManagers(run_dir=self.run_dir, token=self.token,
                                   log_root=self.layout.root, guardian=self.guardian,
                                   pump=self.pump, events=self.events, sel=self.sel,

@@ -35,7 +35,8 @@ RECOVERY_MODES = ("inplace", "restart")
 NPROC_KEYWORDS = ("auto", "cpu", "gpu")
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")   # torchrun's --numa-binding choices
 DEFAULT_MASTER_PORT = 29500
-# Signals torchrun forwards by default, plus the ones Slurm users need (ANCHORS.md §1, #154849).
+# Signals torchrun forwards by default, plus the ones Slurm users need (docs/COMPATIBILITY.md,
+# "Behaviour that differs, and why"; pytorch issue #154849).
 FORWARDABLE_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 # torchrun options Leto parses for drop-in compatibility but does not implement: any value
@@ -327,7 +328,8 @@ DEMOTE_MODES = ("replace", "release")
 
 @dataclass(frozen=True)
 class RecoveryConfig:
-    """Leto's failure handling, and the geometry of the retained memory (DESIGN.md §5, §6).
+    """Leto's failure handling, and the geometry of the retained memory (docs/MEMORY.md,
+    docs/RMU.md).
 
     The geometry (page_bytes, data_pages, tier1, tier2) goes to the state managers; chunk_pages
     and pg_timeout go to the trainers (LETO_CHUNK_PAGES, LETO_PG_TIMEOUT).  `demote` says what

@@ -1,7 +1,8 @@
 """Pure decision functions of the control loop: (state, options) -> action + reason.
 
 Nothing here touches processes, clocks or I/O, so every rule is unit-tested directly and the
-reason string is logged verbatim (ANCHORS.md §3, principle 5).
+reason string is logged verbatim (the `decision` event; docs/ARCHITECTURE.md, "Failure
+classification and policies").
 
 Failure classification (`classify_failure`, used by `decide_inplace`).  In-place recovery is for
 HOFs, failures of the hardware or the machine around a trainer; a failure of the script itself

@@ -15,7 +15,8 @@ restart it causes), `gen` (in-place recovery generation it fires in; default 0: 
 the generation it names, so a HOF does not re-fire it in the promoted trainer) and `role`
 (`active` only for now).
 
-In-place recovery keys (DESIGN.md §3, §6):
+In-place recovery keys (docs/ARCHITECTURE.md, "One in-place recovery, end to end"; docs/RMU.md,
+"Fault points"):
 
     kill:rank=1:step=5:gen=1                  kill rank 1 at step 5 of generation 1 (after a HOF)
     kill:rank=0:step=3:at=rmu.update:group=0:chunk=2:garbage=1

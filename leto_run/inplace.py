@@ -1,4 +1,4 @@
-"""The agent's half of in-place HOF recovery: shadows, promotion, demotion (DESIGN.md §2, §3).
+"""The agent's half of in-place HOF recovery: shadows, promotion, demotion (docs/ARCHITECTURE.md).
 
 Role: everything the agent does for in-place mode that is not the control loop itself.
 `InplaceRecovery` owns the shadows' life cycle and the HOF procedure; the agent calls it from its

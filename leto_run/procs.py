@@ -1,7 +1,8 @@
 """Process mechanics behind a small interface: spawn, watch, signal, stop, reap.
 
 The control loop (`leto_run.agent`) never touches pids directly; it holds `Proc` objects and
-asks this module to start and stop them.  Why each mechanism is here (MECHANICS.md §6):
+asks this module to start and stop them.  Why each mechanism is here (docs/ARCHITECTURE.md,
+"The process tree"):
 
 - every child gets its own process group (``process_group=0``) so a signal reaches the
   worker *and* its grandchildren, and a parent-death signal so a ``kill -9`` of the agent does

@@ -1,4 +1,4 @@
-"""Rank slots: the unit the agent supervises (DESIGN.md §2).
+"""Rank slots: the unit the agent supervises (docs/ARCHITECTURE.md, "The process tree").
 
 A slot serves one local rank on one GPU with up to three sibling processes, each in a
 `SlotRole`: the state manager, the active trainer and the shadow trainer.  In restart mode only

@@ -1,7 +1,7 @@
 """The agent's side of the Resilient Memory Pool: one state manager per rank slot.
 
 In in-place mode the agent starts a state manager for every local rank before the trainers
-(DESIGN.md §2), keeps duplicates of every fd it exports in an `FdKeeper`, restarts it from those
+(docs/MEMORY.md), keeps duplicates of every fd it exports in an `FdKeeper`, restarts it from those
 fds and its metadata when it dies, tells it which trainer pids it may serve, and fires
 `pages` injections at it.  State managers outlive group restarts: only the end of the job
 stops them.

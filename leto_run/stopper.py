@@ -1,9 +1,9 @@
 """Stopping a set of processes and everything they started: SIGTERM -> grace -> SIGKILL.
 
 Why it is thorough: an orphaned grandchild that keeps GPU memory makes the restarted rank fail
-to allocate (ANCHORS.md §1, complaint 10).  So the stop covers the worker, its process group,
-every descendant seen while the worker lived (setsid escapees included), and every process that
-carries the job token; and it waits until they are all gone.
+to allocate (docs/COMPATIBILITY.md, "Behaviour that differs").  So the stop covers the worker,
+its process group, every descendant seen while the worker lived (setsid escapees included), and
+every process that carries the job token; and it waits until they are all gone.
 
 Contract: `stop_processes` returns when every process and descendant is dead and reaped, or
 after ``grace + kill_wait`` seconds at most.  A second terminating signal arriving on

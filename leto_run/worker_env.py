@@ -1,6 +1,6 @@
 """The one writer of a worker's environment.
 
-Exactly torchrun's worker environment (same keys, values and rules, ANCHORS.md §1 and
+Exactly torchrun's worker environment (same keys, values and rules, docs/COMPATIBILITY.md and
 torch's ``LocalElasticAgent._start_workers``), plus Leto's ``LETO_*`` contract variables whose
 names live in `leto_runtime.contract` and which `leto_runtime.context.Context` reads.
 

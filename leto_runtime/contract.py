@@ -5,7 +5,8 @@
 that a rename is one edit.  `leto_runtime` never imports `leto_run`; this module is the bridge.
 
 torchrun's own variables (RANK, WORLD_SIZE, ...) are part of the contract too: Leto sets
-exactly what torchrun sets, with the same meaning (ANCHORS.md §1).
+exactly what torchrun sets, with the same meaning (docs/COMPATIBILITY.md, "The worker
+environment").
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def demoted_env(generation: int) -> dict[str, str]:
     shadow of that generation (`leto_run.worker_env`), so `Context.from_env()` reads the same."""
     return {LETO_ROLE: "shadow", LETO_GENERATION: str(generation), LETO_SHADOW_EPOCH: "0"}
 
-# ---- In-place recovery protocol (DESIGN.md §3) ----------------------------------------------
+# ---- In-place recovery protocol (docs/ARCHITECTURE.md; keys: docs/PROTOCOL.md) -------------
 # Keys live in the job's worker store (MASTER_ADDR/MASTER_PORT, a TCPStore the agents host).
 # Every value in it is signed with the job's key (LETO_JOB_KEY, `leto_runtime.auth_store`); a
 # value that does not verify is never acted on.

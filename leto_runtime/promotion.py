@@ -1,5 +1,5 @@
-"""The trainer's side of the in-place recovery protocol (DESIGN.md §3; keys and datagrams in
-`leto_runtime.contract`, "In-place recovery protocol" and "Heartbeat datagram").
+"""The trainer's side of the in-place recovery protocol (docs/ARCHITECTURE.md; keys and datagrams
+in `leto_runtime.contract`, "In-place recovery protocol" and "Heartbeat datagram").
 
 Role: small, stateless helpers that `leto_runtime.init()` / `job.steps()` (or a test script)
 call in this order:

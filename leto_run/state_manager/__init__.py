@@ -1,4 +1,4 @@
-"""The state manager: the process that owns one rank slot's retained memory (DESIGN.md §2, §5).
+"""The state manager: the process that owns one rank slot's retained memory (docs/MEMORY.md).
 
 Run as ``python -m leto_run.state_manager`` (see `__main__`).  What the agent needs:
 `FdKeeper` (one per slot, keeps the fds that make a state-manager crash survivable),

@@ -1,10 +1,10 @@
 """The fd keeper: a CUDA-free copy of every fd a state manager exports, kept by the agent.
 
-Why (MECHANICS.md §1): importers of CUDA memory cannot re-export it, so if the state manager
-dies, nobody could hand its GPU memory to a restarted one -- unless someone without CUDA holds
-duplicates of the exported fds.  The keeper is that someone: it lives in the agent (one per rank
-slot), costs no GPU memory, and gives a restarted state manager every fd and the newest metadata
-snapshot.  It also owns the list of trainer pids the state manager may serve.
+Why (docs/MEMORY.md, "Pages as fds"): importers of CUDA memory cannot re-export it, so if the state
+manager dies, nobody could hand its GPU memory to a restarted one -- unless someone without CUDA
+holds duplicates of the exported fds.  The keeper is that someone: it lives in the agent (one per
+rank slot), costs no GPU memory, and gives a restarted state manager every fd and the newest
+metadata snapshot.  It also owns the list of trainer pids the state manager may serve.
 
 Agent side -- `FdKeeper(run_dir, slot)`:
     keeper = FdKeeper(run_dir, slot)                 # binds its socket, starts its thread

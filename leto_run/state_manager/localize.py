@@ -1,7 +1,8 @@
 """Failure localization in the state manager: which retained pages can no longer be used.
 
-Role (paper §4.2, DESIGN.md §5): after a failure and before the promoted trainer touches
-retained state, mark every unavailable page as `failed` + `needs_remap`.  Three sources:
+Role (paper §4.2; docs/MEMORY.md, "Localization"): after a failure and before the promoted
+trainer touches retained state, mark every unavailable page as `failed` + `needs_remap`.  Four
+sources:
 
 1. **Device pages, from the trainer's probe.**  The state manager has no CUDA context (and
    maps no device memory), so the probe runs in the client, where the pages are mapped:

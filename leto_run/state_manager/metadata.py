@@ -4,11 +4,11 @@ Role: the pure data half of the pool (no fds, no syscalls).  `pool.Pool` mutates
 lock and ships a `snapshot()` to the agent's fd keeper after every change, so a restarted state
 manager rebuilds exactly this from `PoolMeta.from_snapshot()` plus the kept fds.
 
-Layout (DESIGN.md §5, PARITY.md): a *protected* state's data pages are cut into protection
-groups of up to D pages (the last group may be shorter: the code works for any k); each group
-owns H1 tier-1 and H2 tier-2 parity pages in host memory, of the state's page size.  Pages are
-named by pool-wide integer ids; where a page sits (state, role, group, index) is derived from the
-states, so the snapshot carries only ids, flags and the geometry (32,768 pages ~ 200 KB).
+Layout (docs/MEMORY.md, "The pool"; docs/PARITY.md): a *protected* state's data pages are cut into
+protection groups of up to D pages (the last group may be shorter: the code works for any k); each
+group owns H1 tier-1 and H2 tier-2 parity pages in host memory, of the state's page size.  Pages
+are named by pool-wide integer ids; where a page sits (state, role, group, index) is derived from
+the states, so the snapshot carries only ids, flags and the geometry (32,768 pages ~ 200 KB).
 
 Page flags:
   failed       contents lost; a protected page must be reconstructed before use

@@ -1,12 +1,12 @@
 """Page owners: where a state manager's memory comes from, as file descriptors only.
 
 * `MemfdPages`: host pages (retained host state and all parity) and, on machines without CUDA,
-  the stand-in for device pages (DESIGN.md §9).  Created with memfd_create, sized, and
-  fallocate'd so that "out of memory" is an allocation error, not a later SIGBUS.
+  the stand-in for device pages (docs/MEMORY.md, "Pages as fds").  Created with memfd_create,
+  sized, and fallocate'd so that "out of memory" is an allocation error, not a later SIGBUS.
 * `CudaPages`: one cuMemCreate allocation per page with POSIX-fd handles, exported, then the
-  handle is released: the fd alone keeps the memory (MECHANICS.md §1).  Only context-free
-  driver calls are made (cuInit, device attributes, granularity, cuMemCreate, export): the
-  state manager never creates a CUDA context and uses 0 bytes of HBM for itself.
+  handle is released: the fd alone keeps the memory (docs/MEMORY.md, "Pages as fds").  Only
+  context-free driver calls are made (cuInit, device attributes, granularity, cuMemCreate,
+  export): the state manager never creates a CUDA context and uses 0 bytes of HBM for itself.
 
 Calling contract: `device_owner(spec, slot)` picks the device pages' owner; `create(nbytes)`
 returns a new page's fd (the caller owns it) or raises `protocol.PoolOutOfMemory`; `info()`

@@ -8,12 +8,12 @@ about it, so a state manager killed at any point restarts with consistent memory
 Page owners (`pages.py`): memfd pages (host state, parity, the CPU stand-in for device pages)
 and CUDA VMM pages held as fds without a context.
 
-Emulated faults (`inject`; DESIGN.md §5 -- the recovery path must not be able to tell them from
-real ones).  A loss is atomic, as real poison is: no reader ever sees half-destroyed contents,
-only the old bytes or a trap.  Every loss is entered into the loss registry at once (the flags
-`poisoned`/`retired`), which localization consults and `status()["pending_losses"]` counts, so a
-live trainer learns of it at its next safe point and repairs it before any use
-(`leto_runtime.rmu.guard`):
+Emulated faults (`inject`; docs/MEMORY.md, "Emulated faults" -- the recovery path must not be
+able to tell them from real ones).  A loss is atomic, as real poison is: no reader ever sees
+half-destroyed contents, only the old bytes or a trap.  Every loss is entered into the loss
+registry at once (the flags `poisoned`/`retired`), which localization consults and
+`status()["pending_losses"]` counts, so a live trainer learns of it at its next safe point and
+repairs it before any use (`leto_runtime.rmu.guard`):
 * memfd page (host state, parity, and the CPU stand-in for device pages): the memfd is truncated
   to 0 bytes, so every CPU mapping of it -- a live trainer's too -- traps (SIGBUS) and
   MADV_POPULATE_READ fails with EFAULT (found by a real probe and by the state manager's scan);

@@ -1,6 +1,6 @@
 """Delta updates of a contiguous run of data pages through the syndrome (encode) kernel.
 
-Role: PARITY.md's delta rule, p_i ^= sum_j G[i][j] (old_j ^ new_j), computed two ways.
+Role: docs/PARITY.md's delta rule, p_i ^= sum_j G[i][j] (old_j ^ new_j), computed two ways.
 
 * ``pagewise``: the backends' ``delta_update`` kernel - one run-time GF multiply per (parity page,
   changed page) pair: cost ~ rows x count page-multiplies.  Works for any index set.

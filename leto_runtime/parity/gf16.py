@@ -32,7 +32,7 @@ def _build_tables() -> tuple[np.ndarray, np.ndarray]:
         a <<= 1
         if a & 0x10000:
             a ^= POLY
-    if a != 1:  # x must have order exactly 65535, or the code is not what PARITY.md says
+    if a != 1:  # x must have order exactly 65535, or the code is not what docs/PARITY.md says
         raise AssertionError("0x1002D is not primitive?")
     exp[ORDER:] = exp[:ORDER]  # so exp[log a + log b] needs no modulo
     return exp, log

@@ -5,12 +5,12 @@ arrays (or lists with None for a missing / all-zero page):
 
 * ``syndrome_mix(pages, coef, ts)`` -> ``coef @ [sum_j x^(j t) page_j for t in ts]``.  Encode,
   decode and scrub are all this one primitive with different host-computed ``coef`` (see
-  ``code.py``).  Syndromes use the Horner form of PARITY.md on bit-planes: multiplying by x is a
-  renaming of the 16 plane arrays plus three XORs, so the bulk work is whole-array XORs.
-  The small ``coef`` mix runs in the symbol domain with log/antilog tables - a deliberately
-  different computation from the kernels' bitsliced shift-xor mix.
+  ``code.py``).  Syndromes use the Horner form of docs/PARITY.md on bit-planes: multiplying by x is
+  a renaming of the 16 plane arrays plus three XORs, so the bulk work is whole-array XORs.  The
+  small ``coef`` mix runs in the symbol domain with log/antilog tables - a deliberately different
+  computation from the kernels' bitsliced shift-xor mix.
 * ``delta_update(parity, coef, olds, news)`` -> ``parity_i ^= sum_l coef[i][l] * (old_l ^ new_l)``
-  in the symbol domain (PARITY.md "Delta update"), in place.
+  in the symbol domain (docs/PARITY.md "Delta update"), in place.
 
 Calling contract: arrays are C-contiguous uint8 with a page size that is a multiple of 1024; the
 functions never keep references to their inputs.

@@ -1,4 +1,4 @@
-"""Resilient Memory Pool client: retained state that survives the trainer (DESIGN.md §5).
+"""Resilient Memory Pool client: retained state that survives the trainer (docs/MEMORY.md).
 
     from leto_runtime.rmp import RmpClient, recover
     c = RmpClient()                                   # LETO_SM_SOCKET (Context.sm_socket)

@@ -9,12 +9,12 @@ Role: the memory half of the client (and of the state manager's host-page scan).
   (nothing is there: e.g. a page truncated away, which is how a CPU stand-in device page
   "fails" -- see leto_run/state_manager/pool.py).  `pin()` registers the range with CUDA for
   fast host<->device copies.
-* `CudaMapping`: cuMemCreate pages imported from POSIX fds (MECHANICS.md §1): import, close the
-  fd at once (an open fd pins memory), cuMemMap at the page's offset, cuMemRelease (the mapping
-  keeps the memory), one cuMemSetAccess per contiguous run.  Each page is its own cuMemMap, so
-  one page can be unmapped or replaced alone.  `probe()` asks the driver about every page
-  (cuPointerGetAttribute, in a C++ loop: cuda/rmp_probe.cpp); an unmapped or retired page fails
-  the query.
+* `CudaMapping`: cuMemCreate pages imported from POSIX fds (docs/MEMORY.md, "How a trainer maps
+  them"): import, close the fd at once (an open fd pins memory), cuMemMap at the page's offset,
+  cuMemRelease (the mapping keeps the memory), one cuMemSetAccess per contiguous run.  Each page is
+  its own cuMemMap, so one page can be unmapped or replaced alone.  `probe()` asks the driver about
+  every page (cuPointerGetAttribute, in a C++ loop: cuda/rmp_probe.cpp); an unmapped or retired
+  page fails the query.
 
 Calling contract: page fds handed to `map_page(s)` are consumed (closed) in every case.  Nothing
 here tracks tensors: `tensors.ViewRegistry` does, and the owner must wait for it before

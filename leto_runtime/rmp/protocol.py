@@ -52,7 +52,7 @@ from leto_runtime.rmp import header as _header
 # "version" in attach/allocate/list replies, retired pages marked by localize.
 VERSION = 2
 MAX_MESSAGE = 4 << 20            # bytes of one JSON header; checked before the body is read
-MAX_FDS_PER_MESSAGE = 253        # SCM_MAX_FD: 254 fails with EINVAL (MECHANICS.md §1)
+MAX_FDS_PER_MESSAGE = 253        # SCM_MAX_FD: 254 fails with EINVAL (docs/MEMORY.md, "Limits")
 MESSAGE_TIMEOUT = 5.0            # a started message must be complete within this
 IDLE_POLL = 0.5                  # how often an idle receive re-checks its stop condition
 DEFAULT_CALL_TIMEOUT = 60.0      # client: one request/reply round trip

@@ -1,9 +1,10 @@
 """Page reconstruction for the trainer: tier 2 repairs tier 1, tier 1 repairs data, in place.
 
-Role (paper §4.2, DESIGN.md §5): after `RmpClient.localize()` marked the failed pages and
-`RmpClient.remap()` put fresh memory behind them, rebuild the contents of every protected
-state's failed pages from the surviving data and parity (PARITY.md), then tell the state
-manager the marks are cleared.  Per protection group (k data pages, H1 tier-1, H2 tier-2):
+Role (paper §4.2; docs/MEMORY.md, "Remap and reconstruction"): after `RmpClient.localize()` marked
+the failed pages and `RmpClient.remap()` put fresh memory behind them, rebuild the contents of
+every protected state's failed pages from the surviving data and parity (docs/PARITY.md,
+"Tolerance"), then tell the state manager the marks are cleared.  Per protection group (k data
+pages, H1 tier-1, H2 tier-2):
 
 1. lost tier-1 pages are rebuilt from the tier-2 code (k=H1, m=H2) when at most H2 of the
    group's H1+H2 parity pages are lost; otherwise they become erasures of step 2;
@@ -19,7 +20,7 @@ remapped pages are reported as "contents undefined".
 The parity must be consistent with the data (the trainer -- RMU -- keeps it so); `protect()`
 encodes every group from scratch (first initialization, tests).
 
-Codec: `leto_runtime.parity.ParityCode` (GF(2^16), PARITY.md), one code per tier and group
+Codec: `leto_runtime.parity.ParityCode` (GF(2^16), docs/PARITY.md), one code per tier and group
 shape; `backend` is passed through ('auto': CUDA kernels for GPU pages, C++ for host pages).
 On GPUs the group's parity (host, pinned) is staged to the device, decoded there with the data
 pages rebuilt in place, and the repaired parity rows are copied back to the host; with the CUDA

@@ -3,7 +3,7 @@
 Role: turn (address, bytes, device) into a torch tensor that shares the memory, and record a
 liveness token per tensor so that unmapping can wait until no view is left (torch never frees
 this memory, so a view that outlived its mapping would read freed or remapped pages;
-MECHANICS.md §3).
+docs/MEMORY.md, "How a trainer maps them").
 
 How liveness is tracked: each tensor is built from a small *holder* object that torch keeps
 alive for exactly as long as the tensor's storage exists (every view, slice or reshape of it

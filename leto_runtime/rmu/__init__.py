@@ -1,4 +1,4 @@
-"""The Resumable Model Updater (paper §5, DESIGN.md §6): crash-consistent AdamW on retained state.
+"""The Resumable Model Updater (paper §5, docs/RMU.md): crash-consistent AdamW on retained state.
 
 Modules: `adamw` (the arithmetic, bitwise equal to torch.optim.AdamW), `states` (which retained
 states exist and how they are laid out), `marker` (the crash-safe progress record), `updater`

@@ -1,6 +1,6 @@
 """AdamW math for the Resumable Model Updater: LR schedule, gradient clipping, chunked update.
 
-Role: the numerical core of `opt.step()` (DESIGN.md §6).  The RMU transaction code owns processes,
+Role: the numerical core of `opt.step()` (docs/RMU.md).  The RMU transaction code owns processes,
 parity, undo buffers and markers; this module owns only the arithmetic, so that a chunk can be
 updated, rolled back from its undo copy and updated again with the same bits, and so that a run
 resumed in place is bit-identical to a fault-free one.  Pure functions of their arguments: no

@@ -1,4 +1,5 @@
-"""RMU's progress marker: a small record in protected host memory (paper §5.2, DESIGN.md §6).
+"""RMU's progress marker: a small record in protected host memory (paper §5.2; docs/RMU.md,
+"The marker").
 
 The marker says how far this rank got: the iteration t, its phase (computing, gradients
 protected, past the global synchronization, updating, done), and during the update the group,
@@ -10,7 +11,7 @@ Crash safety without locks: the page holds two record slots and a `cur` word.  A
 the slot that is not current, then flips `cur` -- one aligned 8-byte store, which a SIGKILL
 cannot tear -- so a reader always sees either the old or the new record, whole.  The page is
 protected by two-tier parity like the model state; each write patches the parity of the one
-1 KiB block it touches (the code is symbol-wise, PARITY.md, so the other blocks' parity, zero,
+1 KiB block it touches (the code is symbol-wise, docs/PARITY.md, so the other blocks' parity, zero,
 is unchanged), before the flip and after it.  If the marker page is lost together with a crash
 between the flip and its parity patch, reconstruction yields the previous record; every record
 is a valid recovery point for the state that the next operation leaves (recovery.py restores

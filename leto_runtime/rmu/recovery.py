@@ -1,4 +1,5 @@
-"""What a promoted trainer does with the retained state before it trains again (DESIGN.md §6).
+"""What a promoted trainer does with the retained state before it trains again (docs/RMU.md,
+"Recovery: finish, redo, undo").
 
 1. `resume_point(progress)` -- a pure function of every rank's marker summary: if any rank
    passed the global synchronization of the newest iteration T, every rank *finishes* T's

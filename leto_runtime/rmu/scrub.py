@@ -4,7 +4,7 @@ Role: find a silently flipped bit or a stale parity row before a failure needs t
 At each step boundary (`guard.Guard.at_boundary`, where every group's data and host parity
 agree) `Scrubber.run` checks one slice: bytes [a, a + L) of every page of one protection group
 of one model state (params, exp_avg, exp_avg_sq), tier 1 (data + tier-1 rows) and tier 2
-(tier-1 + tier-2 rows).  The bitsliced code (PARITY.md) makes any 1 KiB-aligned byte window of
+(tier-1 + tier-2 rows).  The bitsliced code (docs/PARITY.md) makes any 1 KiB-aligned byte window of
 a group's pages a set of codewords of its own, so a slice is checked exactly as a whole group.
 Slices advance round robin over windows, groups and states; `passes` counts full sweeps.
 

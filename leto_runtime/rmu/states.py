@@ -8,7 +8,7 @@ Role: name, allocate/attach and describe the memory of data-parallel AdamW train
                      chunks for the chunk's delta pages (CUDA two-kernel update) / the update's
                      scratch (torch-ops path) / undo slot 1   retained, unprotected
     leto/rmu/parity  Q/Q': four parity buffers (H1 pages) per model state, on the data's device,
-                     retained, unprotected (chunk commits make them recoverable, DESIGN.md §6).
+                     retained, unprotected (chunk commits make them recoverable, docs/RMU.md).
                      Group g's pair (auth 0/1) is buffers (2g, 2g+1) mod 4, so group g+1's pair
                      is two buffers group g never touches: the updater prefetches g+1's host
                      parity into one while g's chunks run, and (by default; LETO_RMU_WB_OVERLAP=0: in line) writes

@@ -130,7 +130,7 @@ class Updater:
         self._side = torch.cuda.Stream(device=ss.device) if self.cuda else None
         self._prefetched: tuple | None = None
         # CUDA: marker writes queued in stream order instead of "fence, then host store".
-        # LETO_RMU_STREAM_MARKER: 1 / hostfunc (default), kernel (device-side stores), 0 (fences).
+        # LETO_RMU_STREAM_MARKER: kernel (default: device-side stores), 1 / hostfunc, 0 (fences).
         smode = os.environ.get("LETO_RMU_STREAM_MARKER", "kernel")
         self.streamed = (self.cuda and transactions and smode != "0"
                          and self.marker.use_stream(ss.device, "hostfunc" if smode in ("1", "hostfunc")
@@ -289,7 +289,8 @@ class Updater:
 
     def synchronize(self, t: int, pg=None) -> torch.Tensor:
         """The global synchronization: entered only after the gradients are protected, so a
-        rank past it proves that every rank's gradients of t are recoverable (DESIGN.md §6)."""
+        rank past it proves that every rank's gradients of t are recoverable (docs/RMU.md, "One
+        iteration")."""
         self.inject("sync", step=t)
         if self.cfg.clip_grad_norm is not None:
             norm = self.local_norm().to(torch.float32).reshape(1).clone()
