@@ -20,7 +20,6 @@ Usage: python benchmarks/parity_bench.py [--no-gpu] [--no-cpu] [--reps 10] [--js
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import platform
@@ -221,7 +220,10 @@ def bench_cpu(reps: int) -> None:
 def dump_sass(out_dir: str) -> None:
     """Instruction mix of the default encode kernel (needs cuobjdump)."""
     tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
-    sos = glob.glob(str(_ext._build_root() / "leto_parity_cuda" / "*.so"))
+    try:
+        sos = [_ext.load_cuda().__file__]
+    except Exception:           # no CUDA build here: nothing to disassemble
+        sos = []
     if not sos or not os.path.exists(tool):
         print("sass: no cuobjdump or no built extension", flush=True)
         return

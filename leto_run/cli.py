@@ -24,7 +24,8 @@ from click.core import ParameterSource
 
 from leto_run import config as C
 from leto_run.config_load import INJECT_OPTION, OPTIONS, Option, build_config, default_of
-from leto_run.errors import (EXIT_RESTARTS_EXHAUSTED, EXIT_UNRECOVERABLE, EXIT_USAGE,
+from leto_run.errors import (EXIT_CONTROL_FORGED, EXIT_RESTARTS_EXHAUSTED, EXIT_UNRECOVERABLE,
+                             EXIT_USAGE,
                              EXIT_WORKER_FAILED, ConfigError, LetoError)
 from leto_run.preflight import preflight
 
@@ -39,7 +40,8 @@ _TITLES = {
 }
 _DEFAULT_SHOWN = {"logs.log_dir": "a temp dir", "logs.status": "auto (when stdout is a TTY)",
                   "rendezvous.master_port": "29500 (one node: a free port)",
-                  "rendezvous.local_addr": "FQDN", "logs.events": "<log_dir>/events.jsonl",
+                  "rendezvous.local_addr": "FQDN",
+                  "logs.events": "events.jsonl in the run's log directory (<log_dir>/<run id>_*/)",
                   "rendezvous.endpoint": "MASTER_ADDR:MASTER_PORT (static)"}
 _EPILOG = f"""\
 Precedence: defaults < YAML (--config, LETO_CONFIG) < environment (PET_* for torchrun options,
@@ -56,7 +58,8 @@ Examples:
 \b
 Exit codes: 0 success; {EXIT_WORKER_FAILED} a worker failed (no restart left);
 {EXIT_USAGE} usage/config error (nothing started); {EXIT_RESTARTS_EXHAUSTED} failed again after
---max-restarts; {EXIT_UNRECOVERABLE} retained state unrecoverable; 128+N stopped by signal N.
+--max-restarts; {EXIT_UNRECOVERABLE} retained state unrecoverable; {EXIT_CONTROL_FORGED} a forged
+control value (another user); 128+N stopped by signal N.
 """
 
 
@@ -97,7 +100,7 @@ class LetoCommand(click.Command):
             group = "compat" if _compat(o) else ("recovery" if o.key == "inject" else o.section)
             groups[group].append(_help_record(o))
         for p in self.get_params(ctx):
-            if p.name in ("config", "print_config", "version", "help"):
+            if p.name in ("config", "print_config", "version", "build_kernels", "help"):
                 groups["other"].append(p.get_help_record(ctx))
         for key, title in _TITLES.items():
             if groups[key]:
@@ -151,6 +154,11 @@ def _click_params() -> list[click.Parameter]:
                           "accepts it) and exit."),
         click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True,
                      callback=_print_version, help="Print the versions of leto and torch and exit."),
+        click.Option(["--build-kernels"], is_flag=True, expose_value=False, is_eager=True,
+                     callback=_build_kernels,
+                     help="Build (or find cached) every native kernel this machine can use, print "
+                          "one line per kernel and exit: 0 when all usable ones are present, 1 "
+                          "when a build failed (docs/KERNELS.md)."),
         click.Argument(["training_script"], required=False),
         click.Argument(["script_args"], nargs=-1, type=click.UNPROCESSED),
     ]
@@ -171,6 +179,16 @@ def _print_version(ctx: click.Context, _param, value: bool) -> None:
         torch = "not installed"
     click.echo(f"{PROG} (leto) {leto}, torch {torch}, python {sys.version.split()[0]}")
     ctx.exit(0)
+
+
+def _build_kernels(ctx: click.Context, _param, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    from leto_runtime.kernel_cache import build_all   # lazy: torch is imported only for this
+    built = build_all()
+    for b in built:
+        click.echo(f"{PROG}: kernel {b.line()}")
+    ctx.exit(1 if any(b.status == "failed" for b in built) else 0)
 
 
 def _config(ctx: click.Context, params: dict, env: Mapping[str, str],

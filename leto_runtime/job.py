@@ -106,16 +106,21 @@ class Job:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.zeros(1, device=self.device)      # the CUDA context now (level L2), not later
-        # The native kernels are built (first run on a machine: minutes) before the first
-        # heartbeat arms the launcher's hang detection, and before any peer waits on this rank
-        # in the process group (leto_runtime/kernels.py).
+        # Retained states are protected by parity; a run that retains nothing (plain torchrun)
+        # protects nothing: parity backend "none", so on CPU it uses no native kernel at all --
+        # it never builds one nor needs a compiler -- and on CUDA its update kernels load on
+        # first use.  Under leto-run the kernels it uses are built (first run on a machine:
+        # minutes) before the first heartbeat arms the launcher's hang detection, and before any
+        # peer waits on this rank in the process group (leto_runtime/kernels.py).
+        self.parity = "auto" if self.inplace else "none"
         from leto_runtime import kernels
         if self.device.type == "cuda":
             # A setting only the first opt.step() would read is checked here, before the
             # process group: a typo is a start-up error, not a crash of every promoted shadow.
             from leto_runtime.rmu import fused
             fused.layout()
-        kernels.prepare(self.device, retained=self.inplace)
+        if self.inplace or (ctx.under_leto and self.device.type == "cuda"):
+            kernels.prepare(self.device, retained=self.inplace)
         per_gpu = torch.cuda.device_count() >= ctx.local_world_size if self.device.type == "cuda" else False
         self.backend = backend or ("nccl" if per_gpu else "gloo")
         self.faults = Faults(ctx)
@@ -539,7 +544,7 @@ class Optimizer:
 
     def _bind(self) -> None:
         j = self.job
-        j.updater = Updater(j.ss, self.config, inject=j._inject,
+        j.updater = Updater(j.ss, self.config, inject=j._inject, backend=j.parity,
                             transactions=j.transactions)
         j.guard = Guard(j.ss, j.updater, report=j._report, scrub_budget=j.ctx.scrub_budget)
 

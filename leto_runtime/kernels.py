@@ -1,8 +1,10 @@
 """Build (first run on a machine) and load the native kernels a trainer's RMU will use, up front.
 
-Role: `prepare(device)` is what `Job` calls before its first heartbeat.  The kernels are
-compiled on first use by torch's JIT extension builder (about a minute for the C++ codec, a few
-minutes for the CUDA kernels; cached afterwards, see leto_runtime/parity/_ext.py).  Built lazily
+Role: `prepare(device)` is what `Job` calls before its first heartbeat, where it will use
+kernels under leto-run (in place; or on CUDA); a plain torchrun run retains nothing, protects
+nothing and never calls it (job.py).  The kernels are compiled on first use (about a minute for
+the C++ codec, a few minutes for the CUDA kernels; cached afterwards in the kernel cache,
+leto_runtime/kernel_cache.py, docs/KERNELS.md).  Built lazily
 -- inside `job.adamw()` or the first `opt.step()`, after the first heartbeat -- that time counted
 against the launcher's hang detection (`--hang-timeout`, armed by a trainer's first heartbeat):
 on a fresh machine the README's demo (hang timeout 10 s) had its trainers killed as hung while

@@ -2,7 +2,7 @@
 
 Role: map the codec's two primitives onto the NumPy reference, the C++ CPU kernels or the CUDA
 kernels, and pick one explicitly (`reference`, `cpu`, `cuda`) or by device (`auto`, which warns
-when it has to fall back to the reference).
+when it has to fall back to the reference); `none` computes nothing (unprotected plain runs).
 
     syndrome_mix(pages, outs, coef, ts, page_bytes)
         outs[i] = sum_c coef[i][c] * sum_j x^(j ts[c]) pages[j]   (pages[j] None = all-zero page)
@@ -32,8 +32,27 @@ from .errors import ParityBackendUnavailable
 
 log = logging.getLogger("leto.parity")
 
-BACKENDS = ("auto", "reference", "cpu", "cuda")
+BACKENDS = ("auto", "reference", "cpu", "cuda", "none")
 Page = Optional[torch.Tensor]
+
+
+class NullBackend:
+    """No parity at all, for states nothing can ever read back: a plain run (torchrun, no state
+    manager) retains nothing, so it protects nothing -- and builds and loads no kernel
+    (leto_runtime/job.py picks it).  Outputs are left as they are: never use it where parity is
+    read (decode, scrub, recovery)."""
+
+    name = "none"
+    max_outputs = None
+
+    def syndrome_mix(self, pages, outs, coef, ts, page_bytes) -> None:
+        return None
+
+    def delta_update(self, outs, olds, news, coef, page_bytes) -> None:
+        return None
+
+    def prepared_delta(self, outs, olds, news, coef, page_bytes):
+        return lambda: None
 
 
 class ReferenceBackend:
@@ -170,6 +189,7 @@ class CudaBackend(_KernelBackend):
 
 
 _REFERENCE = ReferenceBackend()
+_NULL = NullBackend()
 _warned: set[str] = set()
 
 
@@ -207,6 +227,8 @@ def select(backend: str, device: torch.device, m: int):
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return _REFERENCE
+    if backend == "none":
+        return _NULL
     if backend == "cpu" and device.type != "cpu":
         raise ParityBackendUnavailable("cpu", f"pages are on {device}", "use backend='cuda' or 'auto'")
     if backend == "cuda" and device.type != "cuda":

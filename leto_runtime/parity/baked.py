@@ -11,12 +11,12 @@ Usage: python -m leto_runtime.parity.baked  (rewrites the header).
 """
 from __future__ import annotations
 
-from pathlib import Path
+from leto_runtime.kernel_cache import source_dir
 
 from . import gf16
 
 BAKED_K, BAKED_M = 1024, 16
-HEADER = Path(__file__).resolve().parents[2] / "cuda" / "parity_baked.h"
+HEADER = source_dir() / "parity_baked.h"
 
 
 def render() -> str:

@@ -2,10 +2,10 @@
 
 Role: the fast path of `CudaMapping.map_pages` (the cold attach of a retained state).  The
 library is plain C++ against the CUDA driver API (no torch, no pybind): built with the system
-C++ compiler on first use (~1 s) into `LETO_EXT_DIR` (or ~/.cache/leto), keyed by a hash of the
-source, and loaded with ctypes (whose foreign calls release the GIL).  Where it cannot be built
-or loaded (no compiler, no cuda.h) `load()` returns None, logged once, and the caller keeps the
-cuda-python loop (the reference).
+C++ compiler on first use (~1 s) into the kernel cache (`leto_runtime.kernel_cache`: keyed by
+the source's digest), and loaded with ctypes (whose foreign calls release the GIL).  Where it
+cannot be built or loaded (no compiler, no cuda.h) `load()` returns None, logged once, and the
+caller keeps the cuda-python loop (the reference).
 
     lib = load()                                   # NativeMap or None
     mapped = lib.map_pages(base, page_bytes, idx, fds, device, threads=1, grant=True)
@@ -18,16 +18,13 @@ Tests can bind the library to a fake driver: `load(driver="/path/libfakecuda.so"
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import hashlib
 import logging
 import os
 import shutil
-import subprocess
 import threading
 
-_SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                    "cuda", "rmp_map.cpp")
+NAME = "rmp_map"
+SRC = "rmp_map.cpp"            # in the kernel sources (leto_runtime.kernel_cache.source_dir())
 _CALLS = {1: "cuMemImportFromShareableHandle", 2: "cuMemMap", 3: "cuMemSetAccess",
           4: "the CUDA driver entry points (libcuda.so.1)"}
 _lock = threading.Lock()
@@ -59,41 +56,22 @@ def _cuda_include() -> str | None:
     return None
 
 
-def build_dir() -> str:
-    root = os.environ.get("LETO_EXT_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "leto")
-    return os.path.join(root, "rmp_map")
-
-
 def build() -> str:
-    """Compile cuda/rmp_map.cpp (once per source hash); returns the .so path."""
+    """Compile cuda/rmp_map.cpp into the kernel cache, once per source version
+    (`leto_runtime.kernel_cache`); returns the library's path."""
+    from leto_runtime import kernel_cache as K
+
     inc = _cuda_include()
     if inc is None:
         raise OSError("cuda.h not found (set CUDA_HOME)")
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    cxx = K.cxx()
     if not cxx:
-        raise OSError("no C++ compiler (g++/c++) on PATH")
-    with open(_SRC, "rb") as f:
-        src = f.read()
-    key = hashlib.sha256(src + inc.encode() + cxx.encode()).hexdigest()[:16]
-    d = build_dir()
-    os.makedirs(d, exist_ok=True)
-    so = os.path.join(d, f"librmp_map_{key}.so")
-    if os.path.exists(so):
-        return so
-    with open(os.path.join(d, ".lock"), "w") as lk:      # ranks of one node build once
-        fcntl.flock(lk, fcntl.LOCK_EX)
-        if os.path.exists(so):
-            return so
-        tmp = f"{so}.{os.getpid()}.tmp"
-        cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", f"-I{inc}", "-o", tmp, _SRC,
-               "-ldl", "-pthread"]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            raise OSError(f"building {os.path.basename(_SRC)} failed: {' '.join(cmd)}\n"
-                          f"{r.stderr[-2000:]}")
-        os.replace(tmp, so)
-    return so
+        raise OSError(K.NO_COMPILER)
+    before, after = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-I{inc}"], ["-ldl", "-pthread"]
+    spec = K.Spec(NAME, "the native page mapper", (SRC,), (cxx,), (*before, "|", *after),
+                  include_dirs=(inc,))
+    return str(K.obtain(spec, lambda slot: K.compile_library(slot, cxx, before, after,
+                                                             f"lib{NAME}.so")).path)
 
 
 class NativeMap:

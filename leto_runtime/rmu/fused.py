@@ -17,7 +17,7 @@ kernel equal to `torch.optim.AdamW(foreach=False)` itself.
 
 One step further (cuda/adamw_syndrome.cu): `chunk_syndrome_` does a chunk's AdamW *and* the
 parity delta of its three states in one kernel, reading the old values from the undo copy and
-never writing the delta pages (DESIGN.md section 8).  It is taken wherever its own self-check
+never writing the delta pages (docs/RMU.md, "The parity delta update").  It is taken wherever its own self-check
 (`syndrome_check`: the same bits as `step_` with deltas followed by
 `ParityCode.update_delta_many`, new states and parity pages, baked and run-time mix) passes on
 the device, unless LETO_RMU_FUSED_SYNDROME=0 (H200, 1.42B parameters: 31 ms for the kernel
@@ -72,7 +72,8 @@ def layout() -> int:
 
 
 def load():
-    """The compiled extension (JIT-built like the parity kernels; raises ParityBackendUnavailable).
+    """The compiled extension (JIT-built into the kernel cache like the parity kernels, on first
+    use; raises ParityBackendUnavailable).
     It also carries the marker's stream-ordered writes (cuda/marker_stream.cpp, `Marker.use_stream`)."""
     from leto_runtime.parity import _ext
 
@@ -82,11 +83,9 @@ def load():
         from leto_runtime.parity.errors import ParityBackendUnavailable
         if torch.version.cuda is None or cpp.CUDA_HOME is None or not torch.cuda.is_available():
             raise ParityBackendUnavailable("cuda", "no CUDA torch, nvcc or device", "run on a GPU machine")
-        src = _ext.source_dir()
-        return _ext._load("leto_rmu_cuda", [str(src / "adamw_cuda.cu"), str(src / "adamw_syndrome.cu"),
-                                             str(src / "adamw_binding.cpp"), str(src / "marker_stream.cpp"),
-                                             str(src / "marker_kernel.cu")],
-                          cuda=True)
+        return _ext._load("leto_rmu_cuda", ["adamw_cuda.cu", "adamw_syndrome.cu", "adamw_binding.cpp",
+                                             "marker_stream.cpp", "marker_kernel.cu"],
+                          cuda=True, what="the fused AdamW and marker kernels")
 
     return _ext._cached("rmu_cuda", build)
 

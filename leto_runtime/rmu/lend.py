@@ -1,7 +1,7 @@
 """Activation lending: RMU's undo/parity/scratch memory serves activations outside the update.
 
 Paper §5.3 ("Minimizing memory and transfer overhead") and §7 ("PyTorch memory allocator
-integration"), DESIGN.md §6: RMU's buffers (U: one chunk of params + moments + a scratch chunk;
+integration"), docs/RMU.md, "Activation lending": RMU's buffers (U: the undo state, six chunks;
 Q/Q': four tier-1 parity buffers per model state) are needed only between the global
 synchronization and the end of the update.  During forward and backward they are idle, so the
 trainer's activations are allocated *in them* and peak HBM does not grow by their size.
@@ -56,18 +56,16 @@ CUDA and not applicable on CPU.  Calling contract: `Lender(ranges, device)`; `en
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 ENV = "LETO_LEND"
 SKIP = 512              # bytes left unlent at the start of every range (see Lender.__init__)
-SRC = Path(__file__).resolve().parents[2] / "cuda" / "lend_alloc.cpp"
+NAME = "leto_lend_alloc"
+SRC = "lend_alloc.cpp"         # in the kernel sources (leto_runtime.kernel_cache.source_dir())
 _STATS = ("region_bytes", "region_in_use", "region_peak", "overflow_in_use", "overflow_peak",
           "region_allocs", "overflow_allocs", "region_misses", "failed_allocs", "live_segments",
           "regions")
@@ -98,36 +96,28 @@ def _cuda_home() -> str | None:
 
 
 def build() -> Path:
-    """Compile cuda/lend_alloc.cpp (plain C++ against the CUDA runtime; seconds) into the
-    extension cache, once per source version, under the same flock as the parity kernels."""
-    from leto_runtime.parity._ext import _build_lock, _build_root
+    """Compile cuda/lend_alloc.cpp (plain C++ against the CUDA runtime; seconds) into the kernel
+    cache, once per source version (`leto_runtime.kernel_cache`); returns the library's path."""
+    from leto_runtime import kernel_cache as K
 
-    src = SRC.read_bytes()
-    tag = hashlib.sha256(src).hexdigest()[:12]
-    d = _build_root() / "leto_lend_alloc"
-    d.mkdir(parents=True, exist_ok=True)
-    out = d / f"leto_lend_alloc_{tag}.so"
-    if out.exists():
-        return out
     home = _cuda_home()
     if home is None:
         raise RuntimeError("activation lending needs the CUDA toolkit headers (cuda_runtime_api.h)"
                            ": set CUDA_HOME, or turn lending off with LETO_LEND=0")
     lib = next((os.path.join(home, s) for s in ("lib64", "lib", "targets/x86_64-linux/lib")
                 if os.path.exists(os.path.join(home, s, "libcudart.so"))), os.path.join(home, "lib64"))
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
-    with _build_lock(d, "leto_lend_alloc"):
-        if out.exists():
-            return out
-        tmp = d / f".{out.name}.{os.getpid()}.tmp"
-        cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", f"-I{home}/include", str(SRC),
-               "-o", str(tmp), f"-L{lib}", "-lcudart", f"-Wl,-rpath,{lib}"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            raise RuntimeError(f"building {SRC.name} failed ({' '.join(cmd)}):\n{p.stderr[-2000:]}"
-                               "\nturn lending off with LETO_LEND=0")
-        os.replace(tmp, out)
-    return out
+    cxx = K.cxx()
+    if cxx is None:
+        raise RuntimeError(f"activation lending: {K.NO_COMPILER}; or turn lending off with LETO_LEND=0")
+    before = ["-O2", "-shared", "-fPIC", "-std=c++17", f"-I{home}/include"]
+    after = [f"-L{lib}", "-lcudart", f"-Wl,-rpath,{lib}"]
+    spec = K.Spec(NAME, "the activation-lending allocator", (SRC,), (cxx,), (*before, "|", *after),
+                  include_dirs=(f"{home}/include",))
+    try:
+        return K.obtain(spec, lambda slot: K.compile_library(slot, cxx, before, after,
+                                                             f"lib{NAME}.so")).path
+    except K.BuildError as e:
+        raise RuntimeError(f"building {SRC} failed: {e}\nturn lending off with LETO_LEND=0") from None
 
 
 _LIB: ctypes.CDLL | None = None

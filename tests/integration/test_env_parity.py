@@ -9,7 +9,7 @@ import pytest
 
 from leto_testing import SCRIPTS, base_env, leto_cmd, run, torchrun_cmd
 
-# Values that are per-run by nature (ids, free ports, temp paths) — DESIGN/README documented.
+# Values that are per-run by nature (ids, free ports, temp paths) — docs/COMPATIBILITY.md and README documented.
 VALUE_MAY_DIFFER = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE",
                     "OUT_DIR"}  # the last one is this test's own output folder
 

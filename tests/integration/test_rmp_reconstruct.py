@@ -47,7 +47,7 @@ def check_exact(st, data, parity):
 
 
 def symbol_domain_parity(data: np.ndarray, m: int) -> np.ndarray:
-    """p_i = sum_j G[i][j] * d_j per 16-bit symbol (PARITY.md's generator form): a different
+    """p_i = sum_j G[i][j] * d_j per 16-bit symbol (docs/PARITY.md's generator form): a different
     computation from the codec's syndrome (Horner) path, so it checks the stored parity."""
     from leto_runtime.parity import gf16
     G = gf16.generator(len(data), m)

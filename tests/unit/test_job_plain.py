@@ -86,30 +86,68 @@ def test_buffers_need_a_recompute_function(plain_job):
         plain_job.retain(model)
 
 
-def test_the_kernels_are_built_before_the_first_heartbeat(monkeypatch):
-    """The first heartbeat arms leto-run's hang detection, so the native kernels -- compiled on
-    a machine's first run, about a minute on CPU -- must be ready before it: on a fresh machine
-    the README's demo (--hang-timeout 10 s) had its trainers killed as hung while they compiled.
-    Observed here: what the parity loader holds when Job sends its first heartbeat."""
+def _clean_env(monkeypatch):
+    for k in list(os.environ):
+        if (k.startswith("LETO_") and k != "LETO_EXT_DIR") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+            monkeypatch.delenv(k, raising=False)
+
+
+def _loaded_at_first_heartbeat(monkeypatch, ctx):
+    """(what the parity loader holds when Job sends its first heartbeat, the Job), from a fresh
+    process's state (nothing loaded)."""
     import importlib
 
     from leto_runtime.parity import _ext
     hb = importlib.import_module("leto_runtime.heartbeat")   # (the package exports the function)
-
-    for k in list(os.environ):
-        if (k.startswith("LETO_") and k != "LETO_EXT_DIR") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
-            monkeypatch.delenv(k, raising=False)
-    monkeypatch.setattr(_ext, "_cache", {})            # as in a fresh process: nothing loaded
+    monkeypatch.setattr(_ext, "_cache", {})
     seen = []
-    real = hb.heartbeat
-    monkeypatch.setattr(hb, "heartbeat", lambda step=None: (seen.append(set(_ext._cache)), real(step)))
+    monkeypatch.setattr(hb, "heartbeat", lambda step=None: seen.append(set(_ext._cache)))
     J._JOB = None
     try:
-        J.init(seed=3, device="cpu")
+        job = J.Job(ctx, backend=None, seed=3, device="cpu", transactions=True)
     finally:
         J._JOB = None
     assert seen, "Job sent no heartbeat at start-up"
-    assert "cpu" in seen[0], f"the C++ codec was not loaded before the first heartbeat: {seen[0]}"
+    return seen[0], job
+
+
+def test_an_inplace_job_builds_the_kernels_before_the_first_heartbeat(monkeypatch):
+    """The first heartbeat arms leto-run's hang detection, so the native kernels -- compiled on
+    a machine's first run, about a minute on CPU -- must be ready before it: on a fresh machine
+    the README's demo (--hang-timeout 10 s) had its trainers killed as hung while they compiled.
+    The process group and the agent's store are not what is tested (no agent here): stubbed."""
+    import dataclasses
+
+    from leto_runtime import promotion
+    from leto_runtime.context import Context
+
+    _clean_env(monkeypatch)
+    monkeypatch.setattr(J.Job, "_init_pg", lambda self: setattr(self, "pg", None))
+    monkeypatch.setattr(promotion, "announce_inplace", lambda detail=None: None)
+    ctx = dataclasses.replace(Context.from_env({}), under_leto=True, sm_socket="/nonexistent",
+                              recovery="inplace")
+    assert "cpu" in _loaded_at_first_heartbeat(monkeypatch, ctx)[0], "the C++ codec was not loaded"
+
+
+def test_a_plain_job_loads_no_kernel(monkeypatch):
+    """Plain torchrun retains nothing, so it protects nothing: no kernel is loaded (nor built,
+    nor a compiler needed -- tests/integration/test_plain_torchrun_no_build.py runs it for real)."""
+    from leto_runtime import kernel_cache
+    from leto_runtime.context import Context
+    from leto_runtime.parity import _ext
+
+    _clean_env(monkeypatch)
+    monkeypatch.setattr(kernel_cache, "_outcomes", {})
+    loaded, job = _loaded_at_first_heartbeat(monkeypatch, Context.from_env({}))
+    assert loaded == set() and job.role == "plain"
+    with job.meta_init():
+        model = torch.nn.Linear(8, 4)
+    model = job.retain(model)
+    opt = job.adamw(model, lr=1e-2)
+    for step in job.steps(2):
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+    assert _ext._cache == {} and kernel_cache._outcomes == {}
 
 
 def test_kernels_prepare_reports_what_it_cannot_build_and_never_raises(monkeypatch):

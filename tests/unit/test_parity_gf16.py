@@ -1,4 +1,4 @@
-"""GF(2^16) helpers and the code's matrices against the independent `galois` oracle (PARITY.md)."""
+"""GF(2^16) helpers and the code's matrices against the independent `galois` oracle (docs/PARITY.md)."""
 from __future__ import annotations
 
 import galois

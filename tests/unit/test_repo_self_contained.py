@@ -69,15 +69,11 @@ def test_no_file_points_outside_the_repository():
     assert hits(OUTSIDE.search) == []
 
 
-@pytest.mark.xfail(strict=True, reason="code comments in files other engineers were editing "
-                   "(leto_runtime/rmu/fused.py, leto_runtime/rmu/lend.py) still cite the outside "
-                   "design notes by file name (OUTSIDE_DOCS); they are to cite docs/RMU.md "
-                   "instead. Remove this marker with them.")
 def test_no_file_cites_design_notes_that_are_not_in_the_repository():
     assert hits(lambda line: any(d in line for d in OUTSIDE_DOCS)) == []
 
 
-# Documents that still cite them, along with the code comments (the xfail above): none.
+# Documents allowed to name them (none: every document cites docs/).
 CITING: set[str] = set()
 
 

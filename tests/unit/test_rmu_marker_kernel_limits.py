@@ -4,13 +4,13 @@ the configuration allows (H1 <= 16, H2 <= H1) fits; a larger one falls back to h
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
+from leto_runtime.kernel_cache import source_dir
 from leto_runtime.rmu import marker as M
 
-HEADER = Path(__file__).resolve().parents[2] / "cuda" / "marker_kernel.h"
+HEADER = source_dir() / "marker_kernel.h"
 
 
 def _const(name: str) -> int:

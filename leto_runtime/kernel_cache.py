@@ -1,0 +1,452 @@
+"""The kernel cache: where Leto's native kernels are built, when a build is reused, and what a
+build tells the user.
+
+Role: Leto ships its kernel sources as package data (package `leto_cuda`, the repository's
+cuda/) and JIT-builds each kernel on first use, as DeepSpeed does with its op sources.  Not at
+install time: torch is unpinned and chosen by the user, so an install-time build would need the
+matching torch and CUDA toolkit inside pip's isolated build environment, and would tie the
+wheel to one torch.  Four builders use this module: the C++ and CUDA parity codecs and the RMU
+extension (torch extensions: parity/_ext.py, rmu/fused.py), the activation-lending allocator
+(rmu/lend.py) and the native page mapper (rmp/native_map.py), both plain shared libraries
+built with the system C++ compiler and loaded through ctypes.
+
+Key: a build lives in <root>/<name>-<digest[:16]>, the digest a sha256 over the bytes of every
+source and every header it includes from the source folder, the system headers it includes
+directly from the builder's include folders, the compilers (path and `--version` output), the
+flags, and the facts the builder names (torch version, Python ABI, CUDA version, CUDA arch
+list).  Two checkouts or venvs with the same sources share one build; different sources never
+overwrite each other.  The slot keeps a copy of exactly the bytes hashed (src/) and the build
+compiles that copy, so what is hashed is what is compiled whatever happens to the source tree
+meanwhile; a manifest written last marks the slot complete, and a complete slot is loaded
+without running any build tool.
+
+Concurrency: builders of one slot serialize on an flock(2), which the kernel releases when a
+builder dies; who waited finds the manifest and loads.  Every build is announced on stderr
+(what, where, why) and its end with the seconds taken.
+
+Environment: LETO_EXT_DIR (the root; default $TORCH_EXTENSIONS_DIR/leto, else
+$XDG_CACHE_HOME/leto/kernels or ~/.cache/leto/kernels), LETO_EXT_VERBOSE=1 (compiler output),
+TORCH_CUDA_ARCH_LIST (CUDA targets, part of the key), CXX (the C++ compiler).
+
+Calling contract:
+    got = obtain(Spec(name, what, sources, compilers, flags, ...), build)
+    # build(slot) compiles slot.src's copy into slot.dir and returns the library's path
+    got.path, got.built, got.seconds
+`obtain` raises what `build` raises, and `BuildLockTimeout`.  `build_all(cuda=None)` builds
+everything this machine can use (`leto-run --build-kernels`).  See docs/KERNELS.md.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+log = logging.getLogger("leto.kernels")
+
+FORMAT = 1                      # bump when the slot layout or the digest's inputs change
+MANIFEST = "leto-kernel.json"
+LOCK_TIMEOUT = 1200.0           # seconds another process may spend building before we give up
+COMPILE_TIMEOUT = 600.0         # one compiler run of a plain shared library
+NO_COMPILER_WHY = "no C++ compiler found (looked for $CXX, else c++, g++, clang++ on PATH)"
+INSTALL_COMPILER = ("install one (Debian/Ubuntu: apt-get install g++; RHEL/Fedora: dnf install "
+                    "gcc-c++; conda: conda install gxx_linux-64) or point CXX at it")
+NO_COMPILER = f"{NO_COMPILER_WHY}: {INSTALL_COMPILER}"
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"\n]+)[>"]', re.M)
+
+
+class BuildLockTimeout(RuntimeError):
+    """Another process held a slot's build lock for longer than LOCK_TIMEOUT."""
+
+
+class BuildError(RuntimeError):
+    """A compiler run of a plain shared library failed (the message has the command and output)."""
+
+
+def source_dir() -> Path:
+    """The kernel sources: the one lookup every builder uses.  In a source checkout (an editable
+    install, or the checkout on sys.path) they are the `cuda/` next to this package, so the
+    sources always match the Python code that runs; in an installed wheel, package `leto_cuda`."""
+    here = Path(__file__).resolve().parents[1] / "cuda"
+    if (here / "parity_cpu.cpp").is_file():
+        return here
+    try:
+        import leto_cuda
+    except ImportError:
+        raise FileNotFoundError(
+            f"Leto's kernel sources are missing (neither {here} nor the package leto_cuda exists): "
+            "reinstall leto (`pip install -e .` in a checkout)") from None
+    return leto_cuda.source_dir()
+
+
+def root() -> Path:
+    """The cache root (see the module docstring for the environment that moves it)."""
+    r = os.environ.get("LETO_EXT_DIR")
+    if r:
+        return Path(r).expanduser()
+    base = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if base:
+        return Path(base).expanduser() / "leto"
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "leto" / "kernels"
+
+
+def verbose() -> bool:
+    return os.environ.get("LETO_EXT_VERBOSE") == "1"
+
+
+def cxx() -> str | None:
+    """The C++ compiler's path: $CXX if set (an explicit choice: nothing else is tried), else the
+    first of c++, g++, clang++ on PATH; None when there is none."""
+    env = os.environ.get("CXX")
+    if env:
+        return shutil.which(env)
+    return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_identity(path: str) -> str:
+    """`path`, where it resolves to, and its `--version` output (part of every digest)."""
+    try:
+        p = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        out = (p.stdout or p.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out = f"--version failed: {e}"
+    return f"{path} -> {os.path.realpath(path)}\n{out}"
+
+
+def cuda_arch_list() -> str:
+    """The CUDA targets a torch extension is built for: TORCH_CUDA_ARCH_LIST, else (torch's own
+    default) the compute capabilities of the visible GPUs."""
+    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if env:
+        return env
+    import torch
+    if not torch.cuda.is_available():
+        return "none visible"
+    caps = {"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    return ";".join(sorted(caps))
+
+
+def torch_facts(cuda: bool) -> tuple[tuple[str, str], ...]:
+    """What shapes a torch extension besides its sources and flags: torch (version, commit,
+    C++ ABI, CUDA version), the Python ABI and, for CUDA code, the arch list."""
+    import torch
+    facts = {"torch": torch.__version__, "torch_git": str(torch.version.git_version),
+             "torch_cuda": str(torch.version.cuda), "python": sys.implementation.cache_tag,
+             "ext_suffix": str(sysconfig.get_config_var("EXT_SUFFIX")),
+             "cxx11_abi": str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "?"))}
+    if cuda:
+        facts["cuda_arch_list"] = cuda_arch_list()
+    return tuple(sorted(facts.items()))
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one kernel is built from.  `flags` holds every flag that shapes the output, and no
+    path into the cache (the build adds its slot's include folder itself)."""
+    name: str                                   # library / extension module name
+    what: str                                   # for people: "the C++ parity kernels"
+    sources: tuple[str, ...]                    # compiled files, relative to source_dir()
+    compilers: tuple[str, ...] = ()             # the compilers the build runs (paths)
+    flags: tuple[str, ...] = ()
+    include_dirs: tuple[str, ...] = ()          # system include folders (e.g. the CUDA headers)
+    facts: tuple[tuple[str, str], ...] = ()     # e.g. torch_facts()
+    expect: str = "a few seconds"               # how long a build takes, for the start line
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One cache entry: `dir` = <root>/<name>-<digest[:16]>, `src` = the hashed sources' copy."""
+    spec: Spec
+    digest: str
+    dir: Path
+    inputs: str                                  # the digest's inputs (JSON), kept in the manifest
+    blobs: tuple[tuple[str, bytes], ...]         # (relative name, bytes) of every hashed file
+
+    @property
+    def src(self) -> Path:
+        return self.dir / "src"
+
+
+@dataclass(frozen=True)
+class Obtained:
+    name: str
+    path: Path                                   # the library
+    built: bool                                  # False: a cache hit
+    seconds: float                               # the build's (0 for a hit)
+
+
+_outcomes: dict[str, Obtained] = {}             # name -> this process's first obtain() of it
+
+
+def outcome(name: str) -> Obtained | None:
+    """How this process got kernel `name` (None: not yet)."""
+    return _outcomes.get(name)
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _closure(src: Path, sources: tuple[str, ...], include_dirs: tuple[str, ...]):
+    """(relative name, bytes) of the sources and of every header they include from `src`,
+    recursively, and (path, bytes) of the headers included directly from `include_dirs`."""
+    local: dict[str, bytes] = {}
+    external: dict[str, bytes] = {}
+    todo = list(sources)
+    while todo:
+        rel = todo.pop(0)
+        if rel in local:
+            continue
+        path = src / rel
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise FileNotFoundError(f"kernel source {path} is unreadable ({e}): reinstall leto") from None
+        local[rel] = data
+        for kind, inc in _INCLUDE.findall(data.decode("utf-8", "replace")):
+            near = (path.parent / inc).resolve()
+            if kind == '"' and near.is_file() and near.is_relative_to(src):
+                todo.append(near.relative_to(src).as_posix())
+                continue
+            hit = next((Path(d) / inc for d in include_dirs if (Path(d) / inc).is_file()), None)
+            if hit is not None and str(hit) not in external:
+                external[str(hit)] = hit.read_bytes()
+    return local, external
+
+
+def slot_for(spec: Spec) -> Slot:
+    """Hash what `spec` builds from (reads the sources once) and name its slot."""
+    src = source_dir().resolve()
+    local, external = _closure(src, spec.sources, spec.include_dirs)
+    inputs = json.dumps({
+        "format": FORMAT, "name": spec.name,
+        "files": sorted([rel, _sha(b)] for rel, b in local.items()),
+        "system_headers": sorted([p, _sha(b)] for p, b in external.items()),
+        "compilers": [compiler_identity(c) for c in spec.compilers],
+        "flags": list(spec.flags), "facts": dict(spec.facts),
+    }, sort_keys=True, indent=1)
+    digest = _sha(inputs.encode())
+    return Slot(spec, digest, root() / f"{spec.name}-{digest[:16]}", inputs, tuple(local.items()))
+
+
+def _complete(slot: Slot) -> Path | None:
+    """The library of a complete slot (manifest present, same digest, library there), else None."""
+    try:
+        man = json.loads((slot.dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    lib = slot.dir / str(man.get("library", ""))
+    return lib if man.get("digest") == slot.digest and lib.is_file() else None
+
+
+def _why(slot: Slot) -> str:
+    if not slot.src.exists():
+        return "no build for these sources yet"
+    if not (slot.dir / MANIFEST).exists():
+        return "a previous build of these sources did not finish"
+    return "the cached build is incomplete (its library or manifest is unreadable)"
+
+
+def say(msg: str) -> None:
+    """A progress line on stderr (builds are rare and slow: they are never silent)."""
+    print(f"leto: {msg}", file=sys.stderr, flush=True)
+
+
+class BuildLock:
+    """Serialize the builders of one slot with flock(2) on <slot>/.leto-build.flock, waiting up to
+    LOCK_TIMEOUT.  torch's own lock (a `lock` file it waits on forever) survives a builder killed
+    mid-build -- e.g. a trainer SIGKILLed by an injected fault during its first build -- and would
+    hang every later one; while we hold the flock no live Leto builder owns that file, so a
+    leftover one is stale and removed."""
+
+    def __init__(self, d: Path, name: str, timeout: float = LOCK_TIMEOUT):
+        self.path, self.name, self.timeout, self.fd = d / ".leto-build.flock", name, timeout, -1
+
+    def __enter__(self) -> "BuildLock":
+        import fcntl
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline, waited = time.monotonic() + self.timeout, False
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waited:
+                    say(f"waiting for another process building {self.name} in {self.path.parent} ...")
+                    waited = True
+                if time.monotonic() > deadline:
+                    os.close(self.fd)
+                    raise BuildLockTimeout(
+                        f"another process has been building {self.name} for over {self.timeout:.0f} s "
+                        f"({self.path}): wait for it, or remove {self.path.parent} and retry") from None
+                time.sleep(0.2)
+        stale = self.path.parent / "lock"
+        if stale.exists():
+            log.warning("leto: removing a stale build lock %s (its builder died)", stale)
+            stale.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)          # releases the flock
+
+
+def _write_sources(slot: Slot) -> None:
+    for rel, data in slot.blobs:
+        dst = slot.src / rel
+        if dst.is_file() and dst.read_bytes() == data:
+            continue               # unchanged: keeps its mtime, so an unfinished build resumes
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
+
+
+def _write_manifest(slot: Slot, lib: Path, seconds: float) -> None:
+    man = {"digest": slot.digest, "name": slot.spec.name, "library": lib.relative_to(slot.dir).as_posix(),
+           "seconds": round(seconds, 2), "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "inputs": json.loads(slot.inputs)}
+    tmp = slot.dir / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(man, indent=1))
+    os.replace(tmp, slot.dir / MANIFEST)
+
+
+def obtain(spec: Spec, build: Callable[[Slot], Path]) -> Obtained:
+    """The library of `spec`: from its slot if complete, else built there by `build(slot)` (under
+    the slot's lock, announced on stderr); see the module docstring."""
+    slot = slot_for(spec)
+    lib = _complete(slot)
+    if lib is None:
+        slot.dir.mkdir(parents=True, exist_ok=True)
+        with BuildLock(slot.dir, spec.name):
+            lib = _complete(slot)              # another process built it while we waited
+            if lib is None:
+                return _remember(_build(slot, build))
+    return _remember(Obtained(spec.name, lib, False, 0.0))
+
+
+def _build(slot: Slot, build: Callable[[Slot], Path]) -> Obtained:
+    spec = slot.spec
+    say(f"building {spec.name} ({spec.what}) into {slot.dir}: {_why(slot)}; {spec.expect} ...")
+    t0 = time.monotonic()
+    try:
+        _write_sources(slot)
+        lib = Path(build(slot))
+    except BaseException:
+        say(f"building {spec.name} failed after {time.monotonic() - t0:.1f} s")
+        raise
+    dt = time.monotonic() - t0
+    _write_manifest(slot, lib, dt)
+    say(f"built {spec.name} in {dt:.1f} s ({lib})")
+    return Obtained(spec.name, lib, True, dt)
+
+
+def _remember(got: Obtained) -> Obtained:
+    _outcomes.setdefault(got.name, got)
+    return got
+
+
+def import_extension(path: Path):
+    """Import the Python extension module at `path` (a torch extension from a complete slot:
+    torch is imported first, the library links against it)."""
+    import importlib.util
+
+    import torch  # noqa: F401
+    # the module name is the file's stem: PyInit_<name> (torch may have versioned it, name_v1)
+    spec = importlib.util.spec_from_file_location(path.name.split(".")[0], path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the extension {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def compile_library(slot: Slot, compiler: str, before: list[str], after: list[str], out: str) -> Path:
+    """One compiler run: `compiler *before <slot's sources> -o <tmp> *after`, then the output
+    renamed to <slot>/<out> (a reader never sees a half-written library).  Raises BuildError."""
+    tmp = slot.dir / f".{out}.{os.getpid()}.tmp"
+    cmd = [compiler, *before, *(str(slot.src / s) for s in slot.spec.sources), "-o", str(tmp), *after]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise BuildError(f"{' '.join(cmd)} ran over {COMPILE_TIMEOUT:.0f} s") from None
+    except OSError as e:
+        raise BuildError(f"{' '.join(cmd)}: {e}") from None
+    if verbose():
+        sys.stderr.write(p.stdout + p.stderr)
+    if p.returncode != 0:
+        raise BuildError(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
+    os.replace(tmp, slot.dir / out)
+    return slot.dir / out
+
+
+@dataclass(frozen=True)
+class Built:
+    """One line of `build_all`: status is cached | built | skipped | failed; `why` says why a
+    kernel was skipped or failed ("" otherwise)."""
+    name: str
+    status: str
+    seconds: float
+    path: str | None
+    why: str = ""
+
+    def line(self) -> str:
+        return f"{self.name:<12} {self.status:<8} {self.seconds:6.1f} s  {self.path or self.why}"
+
+
+def cuda_unavailable() -> str | None:
+    """Why this machine cannot use the CUDA kernels, or None when it can."""
+    import torch
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    from torch.utils.cpp_extension import CUDA_HOME
+    if CUDA_HOME is None:
+        return "no CUDA toolkit (nvcc) found: install it or set CUDA_HOME"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return None
+
+
+def build_all(cuda: bool | None = None) -> list[Built]:
+    """Build (or find cached) every kernel this machine can use: the C++ parity codec always;
+    with `cuda` (None: when torch has CUDA, nvcc exists and a GPU is visible) also the CUDA
+    parity codec, the RMU extension, the lending allocator and the native page mapper.
+    Never raises for a kernel: its line says why it was skipped or failed."""
+    from leto_runtime.parity import _ext
+    from leto_runtime.rmp import native_map
+    from leto_runtime.rmu import fused, lend
+
+    skip = cuda_unavailable() if cuda is None else (None if cuda else "not asked for (cuda=False)")
+    jobs = (("parity_cpu", "leto_parity_cpu", _ext.load_cpu, None),
+            ("parity_cuda", "leto_parity_cuda", _ext.load_cuda, skip),
+            ("rmu_cuda", "leto_rmu_cuda", fused.load, skip),
+            ("lend_alloc", lend.NAME, lend.build, skip),
+            ("rmp_map", native_map.NAME, native_map.build, skip))
+    out: list[Built] = []
+    for name, lib, fn, why in jobs:
+        if why:
+            out.append(Built(name, "skipped", 0.0, None, why))
+            continue
+        t0 = time.monotonic()
+        try:
+            fn()
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            out.append(Built(name, "failed", time.monotonic() - t0, None, f"{type(e).__name__}: {first}"))
+            continue
+        got = outcome(lib)
+        took = got.seconds if got and got.built else time.monotonic() - t0
+        out.append(Built(name, "built" if got and got.built else "cached", took,
+                         str(got.path) if got else None))
+    return out
