@@ -16,6 +16,91 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "integration" / "scripts"
 
 
+_KERNELS: dict = {}
+
+
+def _kernel_build_results(cuda: bool | None) -> list[tuple[str, str, float, str]]:
+    """(name, status, seconds, path or why) of every kernel this machine can use, built now or
+    loaded from the cache: `leto_runtime.kernel_cache.build_all` where it exists, else the
+    loaders themselves (`parity._ext.load_cpu`; with CUDA `load_cuda` and `rmu.fused.load`)."""
+    import importlib.util
+    import time
+
+    if importlib.util.find_spec("leto_runtime.kernel_cache") is not None:
+        from leto_runtime.kernel_cache import build_all
+        return [(str(b.name), str(b.status), float(b.seconds or 0.0),
+                 str(getattr(b, "why", None) or getattr(b, "path", None) or ""))
+                for b in build_all(cuda=cuda)]
+    import torch
+
+    from leto_runtime.parity import _ext
+    from leto_runtime.parity.errors import ParityBackendUnavailable
+    usable = torch.version.cuda is not None and torch.cuda.is_available()
+    loaders = [("leto_parity_cpu", _ext.load_cpu)]
+    cuda_loaders = [("leto_parity_cuda", _ext.load_cuda)]
+    try:
+        from leto_runtime.rmu import fused
+        cuda_loaders.append(("leto_rmu_cuda", fused.load))
+    except ImportError:
+        pass
+    out, skipped = [], []
+    if cuda or (cuda is None and usable):
+        loaders += cuda_loaders
+    else:
+        why = "asked for CPU kernels only" if cuda is False else \
+            f"no CUDA here (torch {torch.__version__}, CUDA {torch.version.cuda})"
+        skipped = [(name, "skipped", 0.0, why) for name, _ in cuda_loaders]
+    for name, load in loaders:
+        try:
+            cached = any((_ext._build_root() / name).glob(f"{name}*.so"))
+        except Exception:
+            cached = False
+        t0 = time.monotonic()
+        try:
+            mod = load()
+            status, where = ("cached" if cached else "built"), str(getattr(mod, "__file__", ""))
+        except ParityBackendUnavailable as e:
+            status, where = "failed", str(e)
+        out.append((name, status, time.monotonic() - t0, where))
+    return out + skipped
+
+
+def build_kernels(config=None, *, cuda: bool | None = None, what: str = "") -> list[tuple]:
+    """Build (or load from the cache) the kernels once per session, before any test, and say
+    what was built (tests/conftest.py, tests/gpu/conftest.py: `pytest_sessionstart`, outside
+    every per-test timeout).  A failed build does not stop the session: the tests that need the
+    kernel fail or skip with the reason themselves."""
+    import sys
+    import time
+
+    key = "auto" if cuda is None else bool(cuda)
+    if key in _KERNELS:
+        return _KERNELS[key]
+    auto = _KERNELS.get("auto")
+    if cuda and auto and not any(s in ("skipped", "failed") for _, s, _, _ in auto):
+        return auto                 # the session's first build already covered the CUDA kernels
+    t0 = time.monotonic()
+    try:
+        res = _kernel_build_results(cuda)
+    except Exception as e:                       # report it; the tests that need it will fail
+        res = [("kernels", "failed", time.monotonic() - t0, f"{type(e).__name__}: {e}")]
+    _KERNELS[key] = res
+    tr = config.pluginmanager.get_plugin("terminalreporter") if config is not None else None
+    lines = [f"leto kernels ({what or 'session start'}, {time.monotonic() - t0:.1f} s): "
+             + ", ".join(f"{n} {s}" + (f" in {sec:.0f} s" if s == "built" else "")
+                         for n, s, sec, _ in res)]
+    for why in dict.fromkeys(w for _, s, _, w in res if s == "skipped"):
+        names = ", ".join(n for n, s, _, w in res if s == "skipped" and w == why)
+        lines.append(f"  skipped ({names}): {why}")
+    lines += [f"  {n} failed: {w[:1000]}" for n, s, _, w in res if s == "failed"]
+    for line in lines:
+        if tr is not None:
+            tr.write_line(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+    return res
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -87,3 +172,118 @@ def adamw_oracle(init, cfg):
     M = [torch.zeros_like(x) for x in init]
     V = [torch.zeros_like(x) for x in init]
     return params, oracle, P, M, V
+
+
+_FORKSERVER = r"""
+import importlib, json, os, runpy, sys, traceback
+replies = os.fdopen(os.dup(1), "w", buffering=1)
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+for line in sys.stdin:
+    r = json.loads(line)
+    sys.stdout.flush(); sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            replies.close()
+            for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
+                                    (1, r["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                    (2, r["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+                f = os.open(path, flags, 0o600)
+                os.dup2(f, fd)
+                os.close(f)
+            os.environ.clear()
+            os.environ.update(r["env"])
+            os.chdir(r["cwd"])
+            sys.argv = [r["script"], *r["args"]]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(r["script"])))
+            try:
+                runpy.run_path(r["script"], run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush(); sys.stderr.flush()
+            finally:
+                os._exit(code)
+    replies.write(json.dumps({"pid": pid}) + "\n")
+    _, status = os.waitpid(pid, 0)
+    replies.write(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+"""
+
+
+class ForkServer:
+    """Starts Python scripts as fresh processes forked from one process that has already
+    imported `preload` (torch, leto_runtime...): a real process each -- its own pid, memory
+    and fds, killed by real signals, exit status as `subprocess` reports it -- without paying
+    the ~2 s import of torch each time (tests/integration/test_rmu_crash.py runs 90 of them).
+
+    The script runs as `python SCRIPT ARGS` would (runpy, `__main__`, the given env and cwd,
+    stdin /dev/null).  The preloaded modules must not read per-run settings at import: the
+    child's environment is set after they were imported (LETO_* options are read when used).
+    One script at a time; the server goes when its stdin closes (`close()`, or our death)."""
+
+    def __init__(self, preload: list[str], env: dict[str, str] | None = None):
+        import tempfile
+
+        self.tmp, self.n = Path(tempfile.mkdtemp(prefix="leto-forkserver-")), 0
+        self.proc = subprocess.Popen([sys.executable, "-c", _FORKSERVER, *preload],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, cwd=str(ROOT), text=True)
+
+    def _reply(self, deadline: float, pid: int | None = None) -> dict:
+        import select
+        import time
+
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                if pid is not None:
+                    os.kill(pid, 9)                 # a hung child: kill it, then read its end
+                    return {"pid": pid, **json.loads(self.proc.stdout.readline()),
+                            "timed_out": True}
+                raise TimeoutError("the fork server did not start the script")
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the fork server exited ({self.proc.wait()})")
+            return json.loads(line)
+
+    def run(self, script: str, args: list[str], env: dict[str, str], *, timeout: float,
+            on_start=None) -> tuple[int, str, str]:
+        """(returncode, stdout, stderr) of `script ARGS`; `on_start(pid)` once it exists."""
+        import time
+
+        self.n += 1
+        out, err = self.tmp / f"{self.n}.out", self.tmp / f"{self.n}.err"
+        req = {"script": script, "args": list(args), "env": dict(env), "cwd": os.getcwd(),
+               "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        pid = self._reply(deadline)["pid"]
+        if on_start is not None:
+            on_start(pid)
+        end = self._reply(deadline, pid)
+        text = out.read_text(), err.read_text()
+        out.unlink()
+        err.unlink()
+        if end.get("timed_out"):
+            raise subprocess.TimeoutExpired(script, timeout, text[0], text[1])
+        return end["returncode"], *text
+
+    def close(self) -> None:
+        import shutil
+
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)

@@ -348,7 +348,11 @@ class RmpClient:
     def _roundtrip(self, op, args, on_fds) -> P.Message:
         self._id += 1
         deadline = time.monotonic() + self.timeout
-        P.send_message(self._sock, {"op": op, "id": self._id, **args}, deadline=deadline)
+        try:
+            P.send_message(self._sock, {"op": op, "id": self._id, **args}, deadline=deadline)
+        except P.NotSent:
+            self._raise_queued_reply()
+            raise
         if on_fds is None:
             msg = P.recv_message(self._sock, deadline=deadline)
             P.raise_for_reply(msg.header)
@@ -364,6 +368,18 @@ class RmpClient:
                     raise
             on_fds(header, fds, offset)
         return P.Message(header)
+
+    def _raise_queued_reply(self) -> None:
+        """The request could not be sent (EPIPE: the server had closed).  A server that closes
+        unasked says why first -- a refusal at connect time (`not_authorized`, `busy`) or
+        `closing` between requests -- and that message is still queued on our side of the
+        socket: raise it, so the caller sees the reason and not the broken pipe (whether the
+        server's close or our send came first is a race on a loaded machine)."""
+        try:
+            msg = P.recv_message(self._sock, deadline=time.monotonic() + 1.0)
+        except P.RmpError:
+            return                      # nothing was queued: the NotSent stands
+        P.raise_for_reply(msg.header)
 
     # ---- states ----------------------------------------------------------------------------
     def _device(self) -> str:

@@ -17,6 +17,17 @@ def _no_cuda_reason() -> str | None:
     return None
 
 
+def pytest_sessionstart(session):
+    """The CUDA kernels (parity, RMU fused AdamW) are built before the first test, not inside
+    it: a fresh H200 spends minutes compiling them, which the first GPU test used to pay
+    against its 300 s timeout.  Run when this directory is named on the command line
+    (`pytest tests/gpu`); `pytest tests` gets them from tests/conftest.py."""
+    if _no_cuda_reason() is None:
+        from leto_testing import build_kernels
+
+        build_kernels(session.config, cuda=True, what="tests/gpu/conftest.py")
+
+
 def pytest_collection_modifyitems(config, items):
     reason = _no_cuda_reason()
     for item in items:

@@ -8,12 +8,11 @@ active of generation 0.
 """
 from __future__ import annotations
 
-from fault_matrix import GEOMETRY
+from fault_matrix import GEOMETRY, STEPS
 from leto_testing import (ROOT, base_env, events, final_digest, leto_cmd, pid_alive, run,
-                          step_losses, torchrun_cmd)
+                          step_losses)
 
 SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
-STEPS = 12
 
 
 def of(evs, name, **match):
@@ -27,12 +26,8 @@ def geometry_args() -> list[str]:
             "--chunk-pages", str(g["chunk_pages"])]
 
 
-def test_survivor_demotes_in_process_and_takes_over_at_the_next_hof(tmp_path):
-    ref = tmp_path / "ref"
-    ref.mkdir()
-    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(STEPS),
-                         "--out", str(ref)), base_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
+def test_survivor_demotes_in_process_and_takes_over_at_the_next_hof(tmp_path, gpt_reference):
+    ref = gpt_reference(2, STEPS)          # shared with the exactness tests (tests/conftest.py)
     out, ev = tmp_path / "leto", tmp_path / "ev.jsonl"
     out.mkdir()
     p = run(leto_cmd("--standalone", "--nproc-per-node", "2", *geometry_args(),

@@ -37,16 +37,23 @@ def test_no_false_hang_without_heartbeats(out_dir):
 
 
 def test_injected_hang_by_time_is_detected(tmp_path, out_dir):
-    """`hang:rank=1:after=2s`: the agent makes the runtime block the training loop (a real hang);
-    detection, stack dump and root cause follow as for any hang."""
+    """`hang:rank=1:after=3s`: the agent makes the runtime block the training loop (a real hang);
+    detection, stack dump and root cause follow as for any hang.  The trainer must have sent a
+    heartbeat by then (else the agent can only SIGSTOP it, and a process that never beat is
+    never judged hung): hang.py beats before anything else, ~0.2 s after its start, and the 3 s
+    leave that a wide margin on a busy machine."""
+    from leto_runtime.contract import HANG_SIGNAL
+
     logs, ev = tmp_path / "logs", tmp_path / "ev.jsonl"
     r = run(leto_cmd("--no-status", "--nproc-per-node", "2", "--hang-timeout", "1.5",
                      "--log-dir", str(logs), "-r", "2", "--events", str(ev),
-                     "--inject", "hang:rank=1:after=2s", str(SCRIPTS / "hang.py"), "100000"),
+                     "--inject", "hang:rank=1:after=3s", str(SCRIPTS / "hang.py"), "100000"),
             base_env(out_dir), timeout=90)
     assert r.returncode == 1, r.stderr[-3000:]
     evs = events(ev)
     inj = [e for e in evs if e["event"] == "inject"][0]
+    assert inj["signal"] == HANG_SIGNAL, \
+        f"rank 1 had sent no heartbeat {inj['after_s']} s after it started: {inj}"
     hang = [e for e in evs if e["event"] == "hang_detected"][0]
     assert hang["rank"] == 1 and inj["rank"] == 1
     # The deadline runs from the last heartbeat, one 50 ms step before the injection.

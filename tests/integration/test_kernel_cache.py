@@ -6,7 +6,7 @@ different tree, one build for concurrent builders, every build announced; and
 Each source tree is a copy of the checkout's cuda/ and leto_runtime/ put first on PYTHONPATH, so
 its processes run that tree's code and build that tree's sources.  Every test that builds uses a
 private LETO_EXT_DIR; a fresh C++ parity build takes ~40 s and ~1.8 GB here, so the two-tree
-test builds it twice in all (once shared, once for the changed source)."""
+test builds it twice in all (once shared, once for the changed source), at the same time."""
 from __future__ import annotations
 
 import json
@@ -72,35 +72,34 @@ def snapshot(slot: Path) -> dict[str, int]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_trees_share_one_build_and_a_changed_source_builds_apart(tmp_path):
-    a, b = make_tree(tmp_path / "a"), make_tree(tmp_path / "b")
+    a, b, c = make_tree(tmp_path / "a"), make_tree(tmp_path / "b"), make_tree(tmp_path / "c")
+    with open(c / "cuda" / "parity_cpu.cpp", "a") as f:
+        f.write("\n// a changed copy\n")
     cache = tmp_path / "cache"
-    # Both trees load at once into the empty cache: one builds, the other waits and loads it.
-    pa, pb = start(a, cache), start(b, cache)
-    (ga, ea), (gb, eb) = finish(pa, a), finish(pb, b)
+    # Three trees load at once into the empty cache: a and b (the same sources) share one build
+    # -- one builds, the other waits and loads it -- while c, whose source differs, builds into
+    # its own slot beside them, announced (the two builds run side by side: one core each).
+    pa, pb, pc = start(a, cache), start(b, cache), start(c, cache)
+    (ga, ea), (gb, eb), (gc, ec) = finish(pa, a), finish(pb, b), finish(pc, c)
     assert (ea + eb).count(BUILD_LINE) == 1, ea + eb
     assert "no build for these sources yet" in ea + eb and "built leto_parity_cpu in" in ea + eb
     assert sorted([ga["built"], gb["built"]]) == [False, True]
     assert ga["path"] == gb["path"]
     slot = Path(ga["path"]).parent
     assert slot.parent == cache and slot.name.startswith("leto_parity_cpu-")
-    before = snapshot(slot)
-    # Alternating loads: cache hits, nothing rebuilt, nothing rewritten.
-    for tree in (a, b, a, b):
-        got, err = load(tree, cache)
-        assert not got["built"] and got["path"] == ga["path"] and BUILD_LINE not in err, err
-    assert snapshot(slot) == before
-    # A changed source builds into its own slot, announced; the first slot is left alone.
-    with open(b / "cuda" / "parity_cpu.cpp", "a") as f:
-        f.write("\n// a changed copy\n")
-    got, err = load(b, cache)
-    assert got["built"] and err.count(BUILD_LINE) == 1 and "no build for these sources yet" in err
-    other = Path(got["path"]).parent
+    assert gc["built"] and ec.count(BUILD_LINE) == 1 and "no build for these sources yet" in ec
+    other = Path(gc["path"]).parent
     assert other != slot and other.parent == cache
     assert (other / "src" / "parity_cpu.cpp").read_bytes().endswith(b"// a changed copy\n")
-    assert snapshot(slot) == before
-    for tree, want in ((a, slot), (b, other)):
+    # the changed tree's build left the first slot alone: it holds the unchanged sources
+    assert (slot / "src" / "parity_cpu.cpp").read_bytes() == \
+        (a / "cuda" / "parity_cpu.cpp").read_bytes()
+    before = {slot: snapshot(slot), other: snapshot(other)}
+    # Alternating loads: cache hits, each tree its own slot, nothing rebuilt or rewritten.
+    for tree, want in ((a, slot), (b, slot), (c, other), (a, slot), (b, slot), (c, other)):
         got, err = load(tree, cache)
-        assert not got["built"] and Path(got["path"]).parent == want and BUILD_LINE not in err
+        assert not got["built"] and Path(got["path"]).parent == want and BUILD_LINE not in err, err
+    assert {slot: snapshot(slot), other: snapshot(other)} == before
 
 
 def _mapper_buildable() -> str | None:

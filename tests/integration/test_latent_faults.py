@@ -14,7 +14,7 @@ import pytest
 
 from fault_matrix import GEOMETRY, STEPS
 from leto_testing import (ROOT, SCRIPTS, base_env, events, final_digest, leto_cmd, run,
-                          step_losses, torchrun_cmd)
+                          step_losses)
 
 SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
 FLIP = str(SCRIPTS / "flip_bits.py")
@@ -27,13 +27,9 @@ def _geometry() -> list[str]:
             "--chunk-pages", str(g["chunk_pages"])]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("ref")
-    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(STEPS),
-                         "--out", str(d)), base_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return d
+@pytest.fixture
+def reference(gpt_reference) -> Path:
+    return gpt_reference(2, STEPS)          # the exactness tests' reference (tests/conftest.py)
 
 
 def _leto(tmp_path: Path, injects: list[str], script: str = SCRIPT, pre: tuple = ()):

@@ -193,24 +193,63 @@ def test_unregistered_pid_refused_registered_accepted(slot):
 def test_other_uid_refused(slot):
     # The child starts as root (to load Python), then becomes uid 65534 before connecting.
     # Without fs-root it cannot even reach the 0700 directory; with fsuid 0 it passes the file
-    # modes, and the state manager's SO_PEERCRED check is what refuses it.
+    # modes, and the state manager's SO_PEERCRED check is what refuses it.  The refusal is
+    # judged by what the state manager says, whichever comes first, its close or the client's
+    # request: "late" connects and sends only once the server has closed the connection
+    # (POLLHUP), so the send must fail (EPIPE) and the reason must still be readable;
+    # "client-late" is RmpClient held up the same way between connect and hello.
     code = """
-import ctypes, os, socket, sys, time
+import ctypes, os, select, socket, sys, time
 from leto_runtime.rmp import protocol as P
+from leto_runtime.rmp.client import RmpClient
 os.setresgid(65534, 65534, 0); os.setresuid(65534, 65534, 0)
-if sys.argv[2] == "fsroot":
+mode = sys.argv[2]
+if mode != "plain":
     ctypes.CDLL(None).setfsuid(0)
+
+def wait_closed(s):
+    poll = select.poll()
+    poll.register(s, select.POLLHUP)
+    end = time.monotonic() + 30
+    while not any(ev & select.POLLHUP for _, ev in poll.poll(100)):
+        if time.monotonic() > end:
+            raise SystemExit("the state manager kept the refused connection open")
+
 try:
-    s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
-    P.send_message(s, {"op": "hello"}, deadline=time.monotonic() + 5)
-    print(P.recv_message(s, deadline=time.monotonic() + 10).header["error"]["code"])
+    if mode == "client-late":
+        connect = P.connect
+        def late(*a, **kw):
+            s = connect(*a, **kw)
+            wait_closed(s)
+            return s
+        P.connect = late
+        try:
+            RmpClient(sys.argv[1])
+            print("accepted")
+        except P.RmpError as e:
+            print(e.code.value)
+    else:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(sys.argv[1])
+        if mode == "late":
+            wait_closed(s)
+        try:
+            P.send_message(s, {"op": "hello"}, deadline=time.monotonic() + 5)
+        except P.NotSent:
+            print("not-sent", end=" ")
+        print(P.recv_message(s, deadline=time.monotonic() + 10).header["error"]["code"])
 except PermissionError:
     print("permission")
 """
-    for mode, want in (("plain", "permission"), ("fsroot", "not_authorized")):
+    for mode, want in (("plain", ["permission"]), ("fsroot", ["not_authorized"]),
+                       ("late", ["not-sent", "not_authorized"]),
+                       ("client-late", ["not_authorized"])):
         r = subprocess.run([sys.executable, "-c", code, slot.socket, mode], capture_output=True,
-                           text=True, timeout=60)
-        assert r.stdout.strip() == want, r.stderr
+                           text=True, timeout=120)
+        got = r.stdout.split()
+        if mode == "fsroot" and got[:1] == ["not-sent"]:
+            got = got[1:]                   # the server's close came first: same reason read
+        assert got == want, (mode, r.stdout, r.stderr[-3000:])
 
 
 def test_nothing_world_readable(slot):

@@ -8,6 +8,11 @@ recovers (localize, remap, marker, resume point, repair, finish) and trains to t
 oracle is the same iterations on ordinary tensors with no fault: model and optimizer state must
 match bit for bit, and every group's parity must match its data.  The ablation (transactions
 off) shows the same kill makes the run diverge.
+
+Each worker is a fresh process forked from one that already imported torch and leto_runtime
+(`leto_testing.ForkServer`): its own pid, memory and fds, SIGKILLed for real, but without the
+~2 s import that 90 workers would each pay.  LETO_FORKSERVER=0 starts every worker with
+`python` instead.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import pytest
 from leto_run.state_manager import Geometry
 from leto_run.state_manager.harness import SlotHarness
 from leto_runtime.rmu.states import QBUFS
+from leto_testing import ForkServer
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "scripts", "rmu_worker.py")
@@ -35,14 +41,36 @@ QROWS = {"tier": "device", "count": 2, "first": (2 * 1 + 1) % QBUFS * 16, "state
 QROWS_G0 = {**QROWS, "first": 0}
 
 
+PRELOAD = ["torch", "numpy", "leto_runtime.rmp.client", "leto_runtime.rmu.adamw",
+           "leto_runtime.rmu.recovery", "leto_runtime.rmu.states", "leto_runtime.rmu.updater"]
+_SERVER: list[ForkServer] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forkserver():
+    if os.environ.get("LETO_FORKSERVER", "1") != "0":
+        _SERVER.append(ForkServer(PRELOAD, env=_env()))
+    yield
+    while _SERVER:
+        _SERVER.pop().close()
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE)))
+
+
 def run(sock, plan, *extra, allow=None):
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE)))
-    p = subprocess.Popen([sys.executable, WORKER, sock, str(TOTAL), json.dumps(plan), *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    if allow:
-        allow(p.pid)
-    out, err = p.communicate(timeout=180)
-    return p.returncode, (json.loads(out.strip().splitlines()[-1]) if p.returncode == 0 else None), err
+    args = [sock, str(TOTAL), json.dumps(plan), *extra]
+    if _SERVER:
+        rc, out, err = _SERVER[0].run(WORKER, args, _env(), timeout=180, on_start=allow)
+    else:
+        p = subprocess.Popen([sys.executable, WORKER, *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=_env())
+        if allow:
+            allow(p.pid)
+        out, err = p.communicate(timeout=180)
+        rc = p.returncode
+    return rc, (json.loads(out.strip().splitlines()[-1]) if rc == 0 else None), err
 
 
 @pytest.fixture(scope="module")
