@@ -239,3 +239,8 @@ class AgentEvents:
             sp.injected = spec.text
             self.ledger.fired(spec.text)
             sp.proc.send(sig)
+            timeout = self.cfg.recovery.hang_timeout
+            if sig == signal.SIGSTOP and timeout > 0 and sp.hang_deadline is None:
+                # Frozen before its first heartbeat (or a script that never beats): this agent
+                # knows it hangs, so its hang clock starts now -- it must not wait forever.
+                sp.last_beat, sp.hang_deadline = time.monotonic(), time.monotonic() + timeout

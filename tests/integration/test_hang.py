@@ -60,3 +60,20 @@ def test_injected_hang_by_time_is_detected(tmp_path, out_dir):
     assert 1.4 <= hang["mono"] - inj["mono"] < 5
     err = next(logs.glob("*/attempt_0/1/stderr.log")).read_text()
     assert "injected hang" in err and "_block_forever" in err
+
+
+def test_a_hang_injected_before_any_heartbeat_is_still_detected(tmp_path, out_dir):
+    # tree.py never heartbeats: without a clock started by the injection itself, the frozen
+    # worker would never be judged hung and the job would wait forever.
+    ev = tmp_path / "ev.jsonl"
+    t0 = time.monotonic()
+    r = run(leto_cmd("--no-status", "--recovery", "restart", "--nproc-per-node", "1",
+                     "--hang-timeout", "2", "--shutdown-timeout", "1", "--events", str(ev),
+                     "--inject", "hang:rank=0:after=1s", str(SCRIPTS / "tree.py")),
+            base_env(out_dir), timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    evs = events(ev)
+    inj = [e for e in evs if e["event"] == "inject" and e["spec"].startswith("hang")]
+    hung = [e for e in evs if e["event"] == "hang_detected"]
+    assert inj and hung and hung[0]["mono"] - inj[0]["mono"] >= 2.0, (inj, hung)
+    assert time.monotonic() - t0 < 90
