@@ -135,6 +135,24 @@ def events(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def of(evs: list[dict], name: str, **match) -> list[dict]:
+    """The events named `name` whose fields equal `match`."""
+    return [e for e in evs if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
+
+
+def assert_nothing_left(evs: list[dict]) -> None:
+    """Every process the agent spawned (per the event log) is gone."""
+    pids = [e["pid"] for e in evs if e["event"] == "spawn"]
+    assert pids and not [p for p in pids if pid_alive(p)]
+
+
+def inplace_cmd(ev, *args: str) -> list[str]:
+    """leto-run, 2 ranks in place, survivors replaced: the scripts that speak the protocol
+    without the runtime cannot demote themselves in process (test_demotion.py: `release`)."""
+    return leto_cmd("--no-status", "--standalone", "--nproc-per-node", "2", "--demote",
+                    "replace", "--events", str(ev), *args)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -53,19 +53,24 @@ def _check_mmap(addr: int | None, what: str) -> int:
     return addr
 
 
+def _page_runs(pages) -> list[tuple[int, int]]:
+    """Consecutive runs [lo, hi) of the sorted page indices `pages`."""
+    out: list[list[int]] = []
+    for i in pages:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return [(lo, hi) for lo, hi in out]
+
+
 def scan_range(base: int, n_pages: int, page_bytes: int, pages: Sequence[int] | None = None) -> list[int]:
     """Indices of pages in [0, n_pages) that MADV_POPULATE_READ cannot populate.
 
     One madvise over each contiguous run; a run that fails is halved until the failing pages
     are isolated (log2(n) calls per failed page).  `pages` restricts the scan to those indices.
     """
-    idx = sorted(set(range(n_pages) if pages is None else pages))
-    runs: list[tuple[int, int]] = []
-    for i in idx:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
+    runs = _page_runs(sorted(set(range(n_pages) if pages is None else pages)))
     failed: list[int] = []
     stack = list(reversed(runs))
     while stack:
@@ -206,17 +211,6 @@ class HostMapping:
         _libc.munmap(self.base, max(self.size, 1))
         self.base = None
         self.mapped.clear()
-
-
-def _page_runs(pages) -> list[tuple[int, int]]:
-    """Consecutive runs [lo, hi) of the sorted page indices `pages`."""
-    out: list[list[int]] = []
-    for i in pages:
-        if out and out[-1][1] == i:
-            out[-1][1] = i + 1
-        else:
-            out.append([i, i + 1])
-    return [(lo, hi) for lo, hi in out]
 
 
 def _close(fd: int) -> None:

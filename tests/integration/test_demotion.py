@@ -9,14 +9,10 @@ active of generation 0.
 from __future__ import annotations
 
 from fault_matrix import GEOMETRY, STEPS
-from leto_testing import (ROOT, base_env, events, final_digest, leto_cmd, pid_alive, run,
+from leto_testing import (ROOT, base_env, events, final_digest, leto_cmd, of, pid_alive, run,
                           step_losses)
 
 SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
-
-
-def of(evs, name, **match):
-    return [e for e in evs if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
 
 
 def geometry_args() -> list[str]:

@@ -10,23 +10,12 @@ import subprocess
 import time
 
 from fault_matrix import GEOMETRY
-from leto_testing import ROOT, SCRIPTS, base_env, events, leto_cmd, pid_alive, run
+from leto_testing import (ROOT, SCRIPTS, assert_nothing_left, base_env, events, inplace_cmd,
+                          leto_cmd, of, run)
 
 POLICY = str(SCRIPTS / "inplace_policy.py")
 
-
-def leto(ev, *args):
-    return leto_cmd("--no-status", "--standalone", "--nproc-per-node", "2", "--demote",
-                    "replace", "--events", str(ev), *args)
-
-
-def of(evs, name, **match):
-    return [e for e in evs if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
-
-
-def assert_nothing_left(evs):
-    pids = [e["pid"] for e in evs if e["event"] == "spawn"]
-    assert pids and not [p for p in pids if pid_alive(p)]
+leto = inplace_cmd
 
 
 def test_a_script_bug_at_one_step_stops_inplace_recovery_and_exits_1(tmp_path, out_dir):

@@ -2,25 +2,11 @@
 generation is replaced by the pre-started shadows of the next one, the survivors are killed as
 collateral, fresh shadows follow, and nothing is left behind.  The trainer script speaks the
 protocol directly (tests/integration/scripts/inplace.py)."""
-from leto_testing import SCRIPTS, base_env, events, leto_cmd, pid_alive, run
+from leto_testing import SCRIPTS, assert_nothing_left, base_env, events, inplace_cmd, of, run
 
 SCRIPT = str(SCRIPTS / "inplace.py")
 
-
-def leto(ev, *args):
-    # The script speaks the protocol without the runtime, so it cannot demote itself in
-    # process: survivors are replaced (tests/integration/test_demotion.py covers `release`).
-    return leto_cmd("--no-status", "--standalone", "--nproc-per-node", "2", "--demote",
-                    "replace", "--events", str(ev), *args)
-
-
-def of(evs, name, **match):
-    return [e for e in evs if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
-
-
-def assert_nothing_left(evs):
-    pids = [e["pid"] for e in evs if e["event"] == "spawn"]
-    assert pids and not [p for p in pids if pid_alive(p)]
+leto = inplace_cmd
 
 
 def test_kill_of_one_active_promotes_every_shadow(tmp_path, out_dir):
