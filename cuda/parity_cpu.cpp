@@ -1,21 +1,23 @@
 // C++ CPU parity kernels: syndrome_mix (encode / decode / scrub) and delta_update.
 //
-// Reference: leto_runtime/parity/reference.py; Python face: leto_runtime/parity/backends.py.
+// Reference: leto_runtime/parity/reference.py; Python face: leto_runtime/parity/_ext.py
+// (CpuKernels, through ctypes) and leto_runtime/parity/backends.py.
 //
 // The same kernels are compiled for three vector widths (16-byte baseline, AVX2, AVX-512F) and
 // picked at run time with cpuid, so one build runs on any x86-64 host; XOR and AND are exact,
 // so every width produces the same bytes.  On other architectures only the baseline exists
 // (GCC vector extensions lower it to whatever the target has).  Threads: parallel_blocks below
-// splits the blocks over at::get_num_threads() threads, so torch.set_num_threads(1) gives the
-// single-core figure.
+// splits the blocks over the `threads` the caller passes (torch.get_num_threads() in Python),
+// so torch.set_num_threads(1) gives the single-core figure.
 //
-// Pages are passed as arrays of raw addresses (int64 tensors): pages of one group need not be
-// contiguous.  A zero address stands for an all-zero page.  The caller (Python) has checked
-// sizes, dtypes and devices; nothing here allocates page memory.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// A plain shared library with a C ABI (no torch, no pybind): it compiles in seconds instead of
+// the half minute torch's headers cost, and ctypes releases the GIL around every call.  Pages
+// are passed as arrays of raw addresses: pages of one group need not be contiguous.  A zero
+// address stands for an all-zero page.  The caller (Python) has checked sizes, dtypes and
+// devices; nothing here allocates page memory.
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -30,12 +32,13 @@
 
 namespace {
 
-// Runs fn(b0, b1) over [0, n) split into contiguous ranges on at::get_num_threads() threads
-// (std::thread: at::parallel_for is an OpenMP pragma in a header, which this extension is not
-// compiled with, so it would run serially).  Small jobs (< ~4 MB touched) run inline.
+thread_local int64_t g_threads = 1;  // set by each entry point from its caller's `threads`
+
+// Runs fn(b0, b1) over [0, n) split into contiguous ranges on g_threads threads.  Small jobs
+// (< ~4 MB touched) run inline.
 template <class F>
 void parallel_blocks(int64_t n, int64_t bytes_per_item, F&& fn) {
-  const int64_t want = std::min<int64_t>(at::get_num_threads(), n);
+  const int64_t want = std::min<int64_t>(g_threads, n);
   const int64_t threads = std::min<int64_t>(want, std::max<int64_t>(1, n * bytes_per_item >> 22));
   if (threads <= 1) return fn(int64_t(0), n);
   std::vector<std::thread> pool;
@@ -122,80 +125,63 @@ const char* isa_name(Isa i) {
   return i == Isa::kAvx512 ? "avx512" : i == Isa::kAvx2 ? "avx2" : "base";
 }
 
-std::string get_isa() { return isa_name(g_isa); }
-
 // For tests and benchmarks: force a narrower variant (never a wider one than the CPU has).
-std::string set_isa(const std::string& name) {
+// Returns false for an unknown name.
+bool set_isa(const char* name) {
+  const std::string n = name ? name : "";
+  if (n != "avx512" && n != "avx2" && n != "base" && n != "auto") return false;
   const Isa best = detect_isa();
-  Isa want = name == "avx512" ? Isa::kAvx512 : name == "avx2" ? Isa::kAvx2 : Isa::kBase;
-  TORCH_CHECK(name == "avx512" || name == "avx2" || name == "base" || name == "auto",
-              "unknown ISA '", name, "' (avx512, avx2, base, auto)");
-  if (name == "auto" || static_cast<int>(want) > static_cast<int>(best)) want = best;
+  Isa want = n == "avx512" ? Isa::kAvx512 : n == "avx2" ? Isa::kAvx2 : Isa::kBase;
+  if (n == "auto" || static_cast<int>(want) > static_cast<int>(best)) want = best;
   g_isa = want;
-  return isa_name(g_isa);
-}
-
-template <class T>
-const T* ptr_array(const torch::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64 && t.dim() == 1 &&
-                  t.is_contiguous(),
-              what, " must be a contiguous 1-D int64 CPU tensor of addresses");
-  return reinterpret_cast<const T*>(t.data_ptr<int64_t>());
-}
-
-void syndrome_mix(const torch::Tensor& pages, const torch::Tensor& outs, const torch::Tensor& coef,
-                  int64_t page_bytes) {
-  TORCH_CHECK(page_bytes > 0 && page_bytes % 1024 == 0, "page_bytes must be a multiple of 1024");
-  const int64_t m_out = outs.numel();
-  TORCH_CHECK(coef.scalar_type() == torch::kInt32 && coef.is_contiguous() &&
-                  coef.numel() == m_out * leto_gf::kNT,
-              "coef must be a contiguous int32 tensor of shape (outputs, 16)");
-  const auto* in = ptr_array<const uint8_t*>(pages, "pages");
-  auto* const* out = ptr_array<uint8_t*>(outs, "outs");
-  const MixPlan plan = make_plan(coef.data_ptr<int32_t>(), m_out);
-  const int64_t n = pages.numel();
-  const size_t S = static_cast<size_t>(page_bytes);
-  switch (g_isa) {
-#ifdef LETO_HAVE_X86_VARIANTS
-    case Isa::kAvx512: return avx512::syndrome_mix(in, n, out, m_out, plan, S);
-    case Isa::kAvx2: return avx2::syndrome_mix(in, n, out, m_out, plan, S);
-#endif
-    default: return base::syndrome_mix(in, n, out, m_out, plan, S);
-  }
-}
-
-void delta_update(const torch::Tensor& outs, const torch::Tensor& a, const torch::Tensor& b,
-                  const torch::Tensor& coef, int64_t page_bytes) {
-  TORCH_CHECK(page_bytes > 0 && page_bytes % 1024 == 0, "page_bytes must be a multiple of 1024");
-  const int64_t m_out = outs.numel(), n = a.numel();
-  TORCH_CHECK(b.numel() == n, "a and b must list the same number of pages");
-  TORCH_CHECK(coef.scalar_type() == torch::kInt32 && coef.is_contiguous() &&
-                  coef.numel() == m_out * n,
-              "coef must be a contiguous int32 tensor of shape (outputs, pages)");
-  std::vector<uint16_t> c(static_cast<size_t>(m_out * n));
-  const int32_t* cp = coef.data_ptr<int32_t>();
-  for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<uint16_t>(cp[i]);
-  auto* const* out = ptr_array<uint8_t*>(outs, "outs");
-  const auto* pa = ptr_array<const uint8_t*>(a, "a");
-  const auto* pb = ptr_array<const uint8_t*>(b, "b");
-  const size_t S = static_cast<size_t>(page_bytes);
-  switch (g_isa) {
-#ifdef LETO_HAVE_X86_VARIANTS
-    case Isa::kAvx512: return avx512::delta_update(out, m_out, pa, pb, n, c.data(), S);
-    case Isa::kAvx2: return avx2::delta_update(out, m_out, pa, pb, n, c.data(), S);
-#endif
-    default: return base::delta_update(out, m_out, pa, pb, n, c.data(), S);
-  }
+  return true;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Leto parity codec, C++ CPU kernels (see cuda/README.md)";
-  m.def("syndrome_mix", &syndrome_mix, py::call_guard<py::gil_scoped_release>(),
-        "outs[i] = sum_t coef[i][t] * sum_j x^(j t) pages[j], t = -7..8");
-  m.def("delta_update", &delta_update, py::call_guard<py::gil_scoped_release>(),
-        "outs[i] ^= sum_l coef[i][l] * (a[l] ^ b[l])");
-  m.def("isa", &get_isa, "vector ISA in use: avx512, avx2 or base");
-  m.def("set_isa", &set_isa, "force a vector ISA (tests/benchmarks); returns the one in use");
+// The C ABI (leto_runtime/parity/_ext.py binds it).  Entry points return 0, or -1 when an
+// argument is out of contract (the Python side checks first; this is the last line).
+extern "C" {
+
+const char* leto_parity_isa() { return isa_name(g_isa); }
+
+const char* leto_parity_set_isa(const char* name) {
+  return set_isa(name) ? isa_name(g_isa) : nullptr;
 }
+
+// outs[i] = sum_t coef[i][t] * S_t(pages), coef: m_out x 16 (the t = -7..8 window).
+int leto_parity_syndrome_mix(const uint8_t* const* pages, int64_t n, uint8_t* const* outs,
+                             int64_t m_out, const int32_t* coef, int64_t page_bytes,
+                             int64_t threads) {
+  if (page_bytes <= 0 || page_bytes % 1024 != 0 || n < 0 || m_out < 0 || !coef) return -1;
+  g_threads = std::max<int64_t>(1, threads);
+  const MixPlan plan = make_plan(coef, m_out);
+  const size_t S = static_cast<size_t>(page_bytes);
+  switch (g_isa) {
+#ifdef LETO_HAVE_X86_VARIANTS
+    case Isa::kAvx512: avx512::syndrome_mix(pages, n, outs, m_out, plan, S); return 0;
+    case Isa::kAvx2: avx2::syndrome_mix(pages, n, outs, m_out, plan, S); return 0;
+#endif
+    default: base::syndrome_mix(pages, n, outs, m_out, plan, S); return 0;
+  }
+}
+
+// outs[i] ^= sum_l coef[i][l] * (a[l] ^ b[l]), coef: m_out x n.
+int leto_parity_delta_update(uint8_t* const* outs, int64_t m_out, const uint8_t* const* a,
+                             const uint8_t* const* b, int64_t n, const int32_t* coef,
+                             int64_t page_bytes, int64_t threads) {
+  if (page_bytes <= 0 || page_bytes % 1024 != 0 || n < 0 || m_out < 0 || !coef) return -1;
+  g_threads = std::max<int64_t>(1, threads);
+  std::vector<uint16_t> c(static_cast<size_t>(m_out * n));
+  for (size_t i = 0; i < c.size(); ++i) c[i] = static_cast<uint16_t>(coef[i]);
+  const size_t S = static_cast<size_t>(page_bytes);
+  switch (g_isa) {
+#ifdef LETO_HAVE_X86_VARIANTS
+    case Isa::kAvx512: avx512::delta_update(outs, m_out, a, b, n, c.data(), S); return 0;
+    case Isa::kAvx2: avx2::delta_update(outs, m_out, a, b, n, c.data(), S); return 0;
+#endif
+    default: base::delta_update(outs, m_out, a, b, n, c.data(), S); return 0;
+  }
+}
+
+}  // extern "C"

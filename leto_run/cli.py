@@ -184,7 +184,7 @@ def _print_version(ctx: click.Context, _param, value: bool) -> None:
 def _build_kernels(ctx: click.Context, _param, value: bool) -> None:
     if not value or ctx.resilient_parsing:
         return
-    from leto_runtime.kernel_cache import build_all   # lazy: torch is imported only for this
+    from leto_runtime.kernel_build import build_all   # lazy: torch is imported only for this
     built = build_all()
     for b in built:
         click.echo(f"{PROG}: kernel {b.line()}")

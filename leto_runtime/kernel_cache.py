@@ -5,10 +5,11 @@ Role: Leto ships its kernel sources as package data (package `leto_cuda`, the re
 cuda/) and JIT-builds each kernel on first use, as DeepSpeed does with its op sources.  Not at
 install time: torch is unpinned and chosen by the user, so an install-time build would need the
 matching torch and CUDA toolkit inside pip's isolated build environment, and would tie the
-wheel to one torch.  Four builders use this module: the C++ and CUDA parity codecs and the RMU
-extension (torch extensions: parity/_ext.py, rmu/fused.py), the activation-lending allocator
-(rmu/lend.py) and the native page mapper (rmp/native_map.py), both plain shared libraries
-built with the system C++ compiler and loaded through ctypes.
+wheel to one torch.  Five builders use this module: the CUDA parity codec and the RMU
+extension (torch extensions: parity/_ext.py, rmu/fused.py), and the C++ parity codec
+(parity/cpu_kernels.py), the activation-lending allocator (rmu/lend.py) and the native page
+mapper (rmp/native_map.py), plain shared libraries built with the system C++ compiler and
+loaded through ctypes.
 
 Key: a build lives in <root>/<name>-<digest[:16]>, the digest a sha256 over the bytes of every
 source and every header it includes from the source folder, the system headers it includes
@@ -32,8 +33,8 @@ Calling contract:
     got = obtain(Spec(name, what, sources, compilers, flags, ...), build)
     # build(slot) compiles slot.src's copy into slot.dir and returns the library's path
     got.path, got.built, got.seconds
-`obtain` raises what `build` raises, and `BuildLockTimeout`.  `build_all(cuda=None)` builds
-everything this machine can use (`leto-run --build-kernels`).  See docs/KERNELS.md.
+`obtain` raises what `build` raises, and `BuildLockTimeout`.  Building everything this machine
+can use at once is `leto_runtime.kernel_build` (`leto-run --build-kernels`).  See docs/KERNELS.md.
 """
 from __future__ import annotations
 
@@ -389,64 +390,3 @@ def compile_library(slot: Slot, compiler: str, before: list[str], after: list[st
         raise BuildError(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
     os.replace(tmp, slot.dir / out)
     return slot.dir / out
-
-
-@dataclass(frozen=True)
-class Built:
-    """One line of `build_all`: status is cached | built | skipped | failed; `why` says why a
-    kernel was skipped or failed ("" otherwise)."""
-    name: str
-    status: str
-    seconds: float
-    path: str | None
-    why: str = ""
-
-    def line(self) -> str:
-        return f"{self.name:<12} {self.status:<8} {self.seconds:6.1f} s  {self.path or self.why}"
-
-
-def cuda_unavailable() -> str | None:
-    """Why this machine cannot use the CUDA kernels, or None when it can."""
-    import torch
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a CPU-only build"
-    from torch.utils.cpp_extension import CUDA_HOME
-    if CUDA_HOME is None:
-        return "no CUDA toolkit (nvcc) found: install it or set CUDA_HOME"
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    return None
-
-
-def build_all(cuda: bool | None = None) -> list[Built]:
-    """Build (or find cached) every kernel this machine can use: the C++ parity codec always;
-    with `cuda` (None: when torch has CUDA, nvcc exists and a GPU is visible) also the CUDA
-    parity codec, the RMU extension, the lending allocator and the native page mapper.
-    Never raises for a kernel: its line says why it was skipped or failed."""
-    from leto_runtime.parity import _ext
-    from leto_runtime.rmp import native_map
-    from leto_runtime.rmu import fused, lend
-
-    skip = cuda_unavailable() if cuda is None else (None if cuda else "not asked for (cuda=False)")
-    jobs = (("parity_cpu", "leto_parity_cpu", _ext.load_cpu, None),
-            ("parity_cuda", "leto_parity_cuda", _ext.load_cuda, skip),
-            ("rmu_cuda", "leto_rmu_cuda", fused.load, skip),
-            ("lend_alloc", lend.NAME, lend.build, skip),
-            ("rmp_map", native_map.NAME, native_map.build, skip))
-    out: list[Built] = []
-    for name, lib, fn, why in jobs:
-        if why:
-            out.append(Built(name, "skipped", 0.0, None, why))
-            continue
-        t0 = time.monotonic()
-        try:
-            fn()
-        except Exception as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            out.append(Built(name, "failed", time.monotonic() - t0, None, f"{type(e).__name__}: {first}"))
-            continue
-        got = outcome(lib)
-        took = got.seconds if got and got.built else time.monotonic() - t0
-        out.append(Built(name, "built" if got and got.built else "cached", took,
-                         str(got.path) if got else None))
-    return out

@@ -19,18 +19,24 @@ SCRIPTS = ROOT / "tests" / "integration" / "scripts"
 _KERNELS: dict = {}
 
 
-def _kernel_build_results(cuda: bool | None) -> list[tuple[str, str, float, str]]:
+def _kernel_build_results(cuda: bool | None, parallel: bool = True) -> list[tuple[str, str, float, str]]:
     """(name, status, seconds, path or why) of every kernel this machine can use, built now or
-    loaded from the cache: `leto_runtime.kernel_cache.build_all` where it exists, else the
+    loaded from the cache: `leto_runtime.kernel_build.build_all` (or the older `kernel_cache.build_all`) where it exists, else the
     loaders themselves (`parity._ext.load_cpu`; with CUDA `load_cuda` and `rmu.fused.load`)."""
     import importlib.util
     import time
 
-    if importlib.util.find_spec("leto_runtime.kernel_cache") is not None:
+    if importlib.util.find_spec("leto_runtime.kernel_build") is not None:
+        from leto_runtime.kernel_build import build_all
+    elif importlib.util.find_spec("leto_runtime.kernel_cache") is not None:
         from leto_runtime.kernel_cache import build_all
+    else:
+        build_all = None
+    if build_all is not None:
         return [(str(b.name), str(b.status), float(b.seconds or 0.0),
                  str(getattr(b, "why", None) or getattr(b, "path", None) or ""))
-                for b in build_all(cuda=cuda)]
+                for b in (build_all(cuda=cuda, parallel=parallel) if parallel is False
+                          else build_all(cuda=cuda))]
     import torch
 
     from leto_runtime.parity import _ext
@@ -80,8 +86,11 @@ def build_kernels(config=None, *, cuda: bool | None = None, what: str = "") -> l
     if cuda and auto and not any(s in ("skipped", "failed") for _, s, _, _ in auto):
         return auto                 # the session's first build already covered the CUDA kernels
     t0 = time.monotonic()
+    # An xdist worker starts after the controller's session start built everything: it only
+    # loads from the cache, in process (no child builders per worker).
+    worker = config is not None and hasattr(config, "workerinput")
     try:
-        res = _kernel_build_results(cuda)
+        res = _kernel_build_results(cuda, parallel=not worker)
     except Exception as e:                       # report it; the tests that need it will fail
         res = [("kernels", "failed", time.monotonic() - t0, f"{type(e).__name__}: {e}")]
     _KERNELS[key] = res

@@ -1,5 +1,6 @@
-"""Builds and loads the C++ and CUDA parity kernels (and, for rmu/fused.py, the RMU extension) as
-PyTorch extensions, through the kernel cache.
+"""Builds and loads the parity kernels through the kernel cache: the CUDA codec (and, for
+rmu/fused.py, the RMU extension) as PyTorch extensions, the C++ CPU codec as a plain library
+(`parity.cpu_kernels`).
 
 Role: the torch-extension builder.  The sources ship with the package (`leto_cuda`, the
 repository's cuda/) and are JIT-built on first use with `torch.utils.cpp_extension.load`, not at
@@ -9,7 +10,8 @@ kept, when it is reused and how it is announced is `leto_runtime.kernel_cache`'s
 the sources' digest; docs/KERNELS.md); a cached build imports in milliseconds.  No network
 access is involved.
 
-Calling contract: `load_cpu()` / `load_cuda()` return the extension module or raise
+Calling contract: `load_cpu()` returns `cpu_kernels.CpuKernels`, `load_cuda()` the extension
+module; both raise
 `ParityBackendUnavailable` with an actionable message; they never fall back silently (that is
 the backend selector's job).  Results are cached per process, failures too.  `_load(name,
 sources, cuda)` is the shared builder (sources: names in the source folder, or paths in it).
@@ -125,9 +127,20 @@ def _cached(key: str, fn) -> ModuleType:
     return hit
 
 
-def load_cpu() -> ModuleType:
-    """The C++ CPU kernels (cuda/parity_cpu.cpp)."""
-    return _cached("cpu", lambda: _load("leto_parity_cpu", ["parity_cpu.cpp"], cuda=False))
+def load_cpu():
+    """The C++ CPU kernels (cuda/parity_cpu.cpp): a plain library through ctypes
+    (`parity.cpu_kernels.CpuKernels`), not a torch extension."""
+    def build():
+        from . import cpu_kernels
+        if _compiler() is None:
+            raise ParityBackendUnavailable("cpu", K.NO_COMPILER_WHY, K.INSTALL_COMPILER + "; or use backend='reference'")
+        try:
+            return cpu_kernels.build_and_load()
+        except (OSError, K.BuildError) as e:
+            raise ParityBackendUnavailable(
+                "cpu", f"building {cpu_kernels.NAME} failed: {str(e).strip()[-2000:]}",
+                "set LETO_EXT_VERBOSE=1 to see the compiler output; backend='reference' still works") from e
+    return _cached("cpu", build)
 
 
 def load_cuda() -> ModuleType:

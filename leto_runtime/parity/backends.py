@@ -146,7 +146,7 @@ class CpuBackend(_KernelBackend):
                 torch.tensor([p.data_ptr() for p in olds], dtype=torch.int64),
                 torch.tensor([p.data_ptr() for p in news], dtype=torch.int64),
                 torch.from_numpy(np.ascontiguousarray(coef, dtype=np.int32)).clone(), page_bytes)
-        return lambda: self.ext.delta_update(*args)
+        return self.ext.prepared_delta(*args)
 
 
 class CudaBackend(_KernelBackend):

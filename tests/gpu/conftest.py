@@ -36,3 +36,40 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.gpu)
         if reason:
             item.add_marker(pytest.mark.skip(reason=f"needs a CUDA GPU: {reason}"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu_alone: measures the whole device (memory, time); under xdist no other "
+        "GPU test runs beside it")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist (`pytest tests/gpu -n 8`) the workers' tests share the GPU; a test that
+    measures the whole device (`cudaMemGetInfo`) must have it alone.  A readers-writer lock over
+    flock(2) in the run's shared temp folder, held over each test's whole protocol (its setup
+    and teardown, so module fixtures that start runs are inside too): every test holds it
+    shared, a `gpu_alone` test exclusively.  The writer first takes a turnstile that readers
+    pass on their way in, so tests that arrive after it wait instead of starving it.  Without
+    xdist tests run one at a time and nothing is locked."""
+    import fcntl
+
+    if not hasattr(item.config, "workerinput"):
+        yield
+        return
+    base = item.config._tmp_path_factory.getbasetemp().parent   # shared by the run's workers
+    alone = item.get_closest_marker("gpu_alone") is not None
+    with open(base / "leto-gpu-turnstile.lock", "a+") as gate, \
+            open(base / "leto-gpu-share.lock", "a+") as share:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if alone:
+            fcntl.flock(share, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            fcntl.flock(share, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(share, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)

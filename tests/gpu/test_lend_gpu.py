@@ -148,6 +148,7 @@ def _peak(lend: bool) -> dict:
     return json.loads(line[5:])
 
 
+@pytest.mark.gpu_alone
 def test_peak_memory_does_not_grow_with_lending():
     on, off = _peak(True), _peak(False)
     print(f"\npeak device memory above the start: lending {on['peak_mib']:.0f} MiB, without "

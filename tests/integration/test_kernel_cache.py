@@ -5,7 +5,7 @@ different tree, one build for concurrent builders, every build announced; and
 
 Each source tree is a copy of the checkout's cuda/ and leto_runtime/ put first on PYTHONPATH, so
 its processes run that tree's code and build that tree's sources.  Every test that builds uses a
-private LETO_EXT_DIR; a fresh C++ parity build takes ~40 s and ~1.8 GB here, so the two-tree
+private LETO_EXT_DIR; a fresh C++ parity build takes ~10 s here, so the two-tree
 test builds it twice in all (once shared, once for the changed source), at the same time."""
 from __future__ import annotations
 
@@ -164,3 +164,37 @@ def test_build_kernels_without_a_compiler_fails_with_the_fix(tmp_path):
     status, _, why = _lines(p.stdout)["parity_cpu"]
     assert status == "failed" and "no C++ compiler" in why, why
     assert not any((tmp_path / "cache").glob("*/*.so"))
+
+
+BUILD_ALL = """
+import json
+from leto_runtime.kernel_build import build_all
+print(json.dumps([b.__dict__ for b in build_all(cuda=True)]))
+"""
+
+
+@pytest.mark.skipif(_mapper_buildable() is not None, reason=str(_mapper_buildable()))
+def test_build_all_builds_the_missing_kernels_in_children_and_loads_them_itself(tmp_path):
+    """`build_all` with an empty slot for the two plain libraries (the C++ codec's slot copied
+    from the session's cache): each is built once, by a child, announced once, and reported
+    `built` by the parent, which then loads it from the cache; the CUDA extensions fail with
+    the reason on a CPU-only torch instead of stopping the others."""
+    import torch
+    from leto_runtime import kernel_cache as K
+    from leto_runtime.parity import _ext
+    cache = tmp_path / "cache"
+    codec = Path(_ext.load_cpu().__file__).parent
+    shutil.copytree(codec, cache / codec.name)
+    p = run([sys.executable, "-c", BUILD_ALL], base_env(LETO_EXT_DIR=str(cache)), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = {r["name"]: r for r in json.loads(p.stdout.strip().splitlines()[-1])}
+    assert rows["parity_cpu"]["status"] == "cached"
+    assert Path(rows["parity_cpu"]["path"]).parent == cache / codec.name
+    for name, lib in (("lend_alloc", "leto_lend_alloc"), ("rmp_map", "rmp_map")):
+        assert rows[name]["status"] == "built" and rows[name]["seconds"] > 0, rows[name]
+        assert Path(rows[name]["path"]).parent.parent == cache
+        assert p.stderr.count(f"leto: building {lib} ") == 1, p.stderr
+        assert (Path(rows[name]["path"]).parent / K.MANIFEST).is_file()
+    if torch.version.cuda is None:
+        assert {rows[n]["status"] for n in ("parity_cuda", "rmu_cuda")} == {"failed"}
+        assert "CPU-only" in rows["parity_cuda"]["why"]

@@ -181,7 +181,12 @@ def test_unregistered_pid_refused_registered_accepted(slot):
     out, _ = p.communicate(timeout=60)
     assert out.strip() == "refused not_authorized"
     p = trainer(slot, HELLO, allow=False)
-    time.sleep(0.3)                        # registered after it connected: inside the window
+    # registered only once it is connected and waiting (the state manager counts it pending):
+    # inside the window
+    deadline = time.monotonic() + 60
+    while RmpClient(slot.socket).status()["connections"]["pending"] < 1:
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+        time.sleep(0.02)
     slot.allow(p.pid)
     out, _ = p.communicate(timeout=60)
     assert out.strip() == "accepted"
