@@ -369,7 +369,8 @@ def run_rmu(a, dev, name) -> dict:
     from leto_run.state_manager.harness import SlotHarness
     from leto_runtime.rmp.client import RmpClient
     from leto_runtime.rmu.marker import Phase
-    from leto_runtime.rmu.states import Geometry, Layout, open_states, pick_chunk_pages
+    from leto_runtime.rmu.states import Layout, open_states, pick_chunk_pages
+    from leto_runtime.wire.geometry import of_pool
     from leto_runtime.rmu.updater import Updater
     try:
         from rmp_bench import raise_nofile
@@ -384,12 +385,8 @@ def run_rmu(a, dev, name) -> dict:
     up = None
     try:
         client = RmpClient(slot.socket, timeout=120)
-        g = client.info["geometry"]
-        page = g["page_bytes"]
-        gran = (client.info.get("device") or {}).get("granularity")
-        if gran:
-            page = -(-page // gran) * gran
-        geo = Geometry(g["data_pages"], g["tier1"], g["tier2"], page)
+        geo = of_pool(client.info)        # the pool's groups, its device pages
+        page = geo.page_bytes
         cfg, model = build_model(a, dev)
         layout = Layout.of([(n, tuple(p.shape)) for n, p in model.named_parameters()], page)
         chunk = pick_chunk_pages(a.chunk_pages, geo)

@@ -43,17 +43,14 @@ def _setup(a, dev):
     from leto_run.state_manager.harness import SlotHarness
     from leto_runtime.rmp.client import RmpClient
     from leto_runtime.rmu.marker import Phase
-    from leto_runtime.rmu.states import Geometry, Layout, open_states, pick_chunk_pages
+    from leto_runtime.rmu.states import Layout, open_states, pick_chunk_pages
+    from leto_runtime.wire.geometry import of_pool
     from leto_runtime.rmu.updater import Updater
     geom = SmGeometry(a.data_pages, 16, 1, 2 << 20 if dev.type == "cuda" else 4096)
     slot = SlotHarness(device=str(dev), geometry=geom, ready_timeout=120)
     client = RmpClient(slot.socket, timeout=120)
-    g = client.info["geometry"]
-    page = g["page_bytes"]
-    gran = (client.info.get("device") or {}).get("granularity")
-    if gran:
-        page = -(-page // gran) * gran
-    geo = Geometry(g["data_pages"], g["tier1"], g["tier2"], page)
+    geo = of_pool(client.info)        # the pool's groups, its device pages
+    page = geo.page_bytes
     cfg, model = R.build_model(a, dev)
     layout = Layout.of([(n, tuple(p.shape)) for n, p in model.named_parameters()], page)
     ss = open_states(layout, client=client, geo=geo, device=str(dev),

@@ -28,6 +28,7 @@ from leto_run.config_values import (_STD_HELP, normalize_signal, parse_endpoint,
 from leto_run.errors import ConfigError
 from leto_run.inject import InjectSpec, signal_name, signal_number  # noqa: F401 (re-exported)
 from leto_run.inject_checks import check_injects
+from leto_runtime.wire.geometry import Geometry
 
 RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -360,32 +361,14 @@ class RecoveryConfig:
                       example="60 (0 disables hang detection)", maximum=L.MAX_SECONDS)
         _check_number("recovery.page_bytes", self.page_bytes, minimum=4096, integer=True,
                       example="2097152 (2 MiB)", maximum=L.MAX_PAGE_BYTES)
-        if self.page_bytes % 4096:
-            # The codec needs multiples of 1024; the pool maps whole memory pages (4 KiB).
-            raise _err("recovery.page_bytes", f"{self.page_bytes} is not a multiple of 4096",
-                       "use a multiple of 4096 (and so of 1024), e.g. 2097152 (2 MiB)")
         _check_number("recovery.data_pages", self.data_pages, minimum=1, integer=True,
                       example="1024", maximum=L.MAX_GROUP_PAGES)
         _check_number("recovery.tier1", self.tier1, minimum=1, integer=True, example="16",
                       maximum=L.MAX_GROUP_PAGES)
-        if self.tier1 > 16:
-            raise _err("recovery.tier1", f"{self.tier1} is above 16",
-                       "use 1..16 tier-1 parity pages (the codec's exponent window)")
-        if type(self.tier2) is int and self.tier2 == 0:
-            # A group's tier-1 parity is itself protected (it can be rebuilt without the data);
-            # the codec has no code with zero parity pages, so every trainer would fail.
-            raise _err("recovery.tier2", "0 tier-2 parity pages: every protection group needs "
-                       "at least one (its tier-1 parity pages are protected by tier 2)",
-                       f"use 1..{self.tier1} tier-2 parity pages (default 1)")
-        _check_number("recovery.tier2", self.tier2, minimum=1, integer=True, example="1",
+        _check_number("recovery.tier2", self.tier2, minimum=0, integer=True, example="1",
                       maximum=L.MAX_GROUP_PAGES)
-        if self.tier2 > self.tier1:
-            raise _err("recovery.tier2", f"{self.tier2} is above tier1={self.tier1}",
-                       f"use 1..{self.tier1} tier-2 parity pages (at most tier1)")
-        if self.data_pages + self.tier1 > 65535:
-            raise _err("recovery.data_pages", f"data_pages + tier1 = "
-                       f"{self.data_pages + self.tier1} is above 65535 (GF(2^16) code length)",
-                       f"use data_pages <= {65535 - self.tier1}")
+        for issue in self.geometry.issues():       # the rules every side checks (wire.geometry)
+            raise _err(f"recovery.{issue.field}", issue.problem, issue.fix)
         _check_number("recovery.chunk_pages", self.chunk_pages, minimum=0, integer=True,
                       example="0 (the runtime picks) or 64")
         if self.chunk_pages > self.data_pages:
@@ -409,8 +392,7 @@ class RecoveryConfig:
 
     @property
     def geometry(self):
-        """The state managers' `Geometry` (imported lazily: config stays import-light)."""
-        from leto_run.state_manager.metadata import Geometry
+        """The protection-group `Geometry` (leto_runtime.wire.geometry)."""
         return Geometry(data_pages=self.data_pages, tier1=self.tier1, tier2=self.tier2,
                         page_bytes=self.page_bytes)
 

@@ -3,8 +3,9 @@
 A `JobConfig` is valid on its own (`leto_run.config`); whether its paths and programs work here
 depends on this machine, so it is checked here, by `leto_run.cli` right before the agent: the
 log directory can be created (or is a directory we can write), the event log can be written,
-a temporary directory exists for the run directory, the worker's program can be executed, and
-`--nproc-per-node auto|cpu|gpu` resolves.  Each problem is a `ConfigError` (exit 2) naming the
+a temporary directory exists for the run directory, the worker's program can be executed,
+`--nproc-per-node auto|cpu|gpu` resolves, and the tuning knobs in the environment are in their
+domains (`leto_runtime.settings`).  Each problem is a `ConfigError` (exit 2) naming the
 path or option and the fix, raised before the guardian, the state managers or any worker
 exist.
 
@@ -24,6 +25,7 @@ from typing import Mapping
 from leto_run.config import JobConfig
 from leto_run.errors import ConfigError
 from leto_run.worker_cmd import resolve_nproc, worker_argv
+from leto_runtime import settings as S
 
 
 def _nearest_existing(path: str) -> str:
@@ -114,3 +116,12 @@ def preflight(cfg: JobConfig, env: Mapping[str, str], sources: Mapping[str, str]
     _probe("TMPDIR", tmp, os.path.abspath(tmp), "environment")
     _check_program(cfg, env)
     resolve_nproc(cfg.launch.nproc_per_node)
+    _check_knobs(env)
+
+
+def _check_knobs(env: Mapping[str, str]) -> None:
+    """The tuning knobs the trainers and state managers will read (`leto_runtime.settings`)."""
+    try:
+        S.Settings.from_env(env)
+    except S.SettingsError as e:
+        raise ConfigError(e.var, e.problem, e.fix, "environment") from None

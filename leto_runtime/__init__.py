@@ -12,7 +12,7 @@ Import it from ``train.py``.  Public surface:
 `leto_runtime` never imports `leto_run`: the contract between them is `leto_runtime.contract`.
 """
 from leto_runtime.context import Context, ContractError
-from leto_runtime.heartbeat import done, heartbeat
+from leto_runtime.beats import done, heartbeat
 
 __all__ = ["Context", "ContractError", "heartbeat", "done", "init", "Job", "AdamWConfig"]
 

@@ -45,7 +45,9 @@ import threading
 import time
 import traceback
 
+from leto_runtime import beats
 from leto_runtime import contract as C
+from leto_runtime import runtime
 
 RELEASE_GRACE_S = 5.0     # after a collective fails: how long a demote signal may take to arrive
 
@@ -54,20 +56,27 @@ class Demoted(BaseException):
     """Raised at a safe point after the agent asked this active to demote itself."""
 
 
-class _State:
-    installed = False
-    armed = False
-    job = None
-    requested: float | None = None      # monotonic time the demote signal arrived
-    event = threading.Event()
-    aborted = threading.Event()          # the wake thread finished its abort attempt
-    main_spec: tuple[str, str] | None = None   # ("path", file) or ("module", name)
-    prev_hook = None
-    wake_ok = False
-    finished = False
+class State:
+    """The process's demotion state (kept in `runtime.current().demotion`)."""
+
+    def __init__(self) -> None:
+        self.installed = False
+        self.armed = False
+        self.job = None
+        self.requested: float | None = None        # monotonic time the demote signal arrived
+        self.event = threading.Event()
+        self.aborted = threading.Event()           # the wake thread finished its abort attempt
+        self.main_spec: tuple[str, str] | None = None   # ("path", file) or ("module", name)
+        self.prev_hook = None
+        self.wake_ok = False
+        self.finished = False
 
 
-_S = _State()
+def _st() -> State:
+    rt = runtime.current()
+    if rt.demotion is None:
+        rt.demotion = State()
+    return rt.demotion
 
 
 def _log(msg: str) -> None:
@@ -90,13 +99,14 @@ def _main_spec() -> tuple[str, str] | None:
 def install(ctx) -> bool:
     """Arm the machinery (see the module docstring); False where this process cannot demote
     itself (then the agent's SIGKILL fallback applies)."""
-    if _S.installed:
-        return _S.wake_ok
+    S = _st()
+    if S.installed:
+        return S.wake_ok
     if threading.current_thread() is not threading.main_thread():
         return False
-    _S.installed = True
-    _S.main_spec = _main_spec()
-    if _S.main_spec is None:
+    S.installed = True
+    S.main_spec = _main_spec()
+    if S.main_spec is None:
         _log("demote=release: cannot tell how this script was started (no __main__ file or "
              "module); a demotion falls back to the agent's SIGKILL")
         return False
@@ -114,52 +124,59 @@ def install(ctx) -> bool:
              "in a collective may be killed by the agent instead of demoted")
     else:
         threading.Thread(target=_wake_loop, args=(r,), name="leto-demote", daemon=True).start()
-    _S.prev_hook = sys.excepthook
+    S.prev_hook = sys.excepthook
     sys.excepthook = _excepthook
-    _S.wake_ok = True
+    S.wake_ok = True
     return True
 
 
 def arm(job) -> None:
     """This process is an active now: a demote signal applies to it."""
-    _S.job, _S.armed = job, True
+    S = _st()
+    S.job, S.armed = job, True
 
 
 def finished() -> None:
     """The training loop ended: nothing is left to demote.  A demote signal from now on (a HOF
     of a peer during this rank's teardown) ends the process, as `replace` would."""
-    _S.armed, _S.finished = False, True
+    S = _st()
+    S.armed, S.finished = False, True
 
 
 def requested() -> bool:
-    return _S.requested is not None
+    S = _st()
+    return S.requested is not None
 
 
 def check() -> None:
     """A safe point: raise `Demoted` if the agent asked for it."""
-    if _S.requested is not None and _S.armed:
-        raise Demoted(f"demoted by the agent {time.monotonic() - _S.requested:.3f} s ago")
+    S = _st()
+    if S.requested is not None and S.armed:
+        raise Demoted(f"demoted by the agent {time.monotonic() - S.requested:.3f} s ago")
 
 
 def on_error(exc: BaseException) -> None:
     """A runtime collective failed: if a demotion is (about to be) asked for -- the dead peer
     made it fail -- raise `Demoted` from it; else return and let the caller re-raise."""
-    if not (_S.installed and _S.armed):
+    S = _st()
+    if not (S.installed and S.armed):
         return
     if isinstance(exc, Demoted):
         raise exc
-    if _S.requested is not None or (_distributed(exc) and _S.event.wait(RELEASE_GRACE_S)):
+    if S.requested is not None or (_distributed(exc) and S.event.wait(RELEASE_GRACE_S)):
         raise Demoted("demoted by the agent after a collective failed") from exc
 
 
 def _on_signal(signum, frame) -> None:
     # Records only (see the module docstring, step 1); raising here could tear library state.
-    if _S.armed and _S.requested is None:
-        _S.requested = time.monotonic()
-        _S.event.set()
+    S = _st()
+    if S.armed and S.requested is None:
+        S.requested = time.monotonic()
+        S.event.set()
 
 
 def _wake_loop(fd: int) -> None:
+    S = _st()
     while True:
         try:
             data = os.read(fd, 64)
@@ -169,14 +186,14 @@ def _wake_loop(fd: int) -> None:
             return
         if not data:
             return
-        if C.DEMOTE_SIGNAL in data and _S.finished:
+        if C.DEMOTE_SIGNAL in data and S.finished:
             os.kill(os.getpid(), signal.SIGKILL)
-        if C.DEMOTE_SIGNAL in data and _S.armed:
-            if _S.requested is None:
-                _S.requested = time.monotonic()
-            _S.event.set()
+        if C.DEMOTE_SIGNAL in data and S.armed:
+            if S.requested is None:
+                S.requested = time.monotonic()
+            S.event.set()
             _abort_process_group()
-            _S.aborted.set()
+            S.aborted.set()
 
 
 def _abort_process_group() -> None:
@@ -196,11 +213,12 @@ def _abort_process_group() -> None:
 
 
 def _looks_demoted(exc: BaseException) -> bool:
-    if isinstance(exc, Demoted) or _S.requested is not None:
+    S = _st()
+    if isinstance(exc, Demoted) or S.requested is not None:
         return True
     # An error out of the script's own collective can precede the signal by a few ms; any
     # other error is the script's own and leaves at once.
-    return _S.armed and _distributed(exc) and _S.event.wait(RELEASE_GRACE_S)
+    return S.armed and _distributed(exc) and S.event.wait(RELEASE_GRACE_S)
 
 
 def _distributed(exc: BaseException) -> bool:
@@ -216,8 +234,9 @@ def _distributed(exc: BaseException) -> bool:
 
 
 def _excepthook(tp, value, tb) -> None:
-    if not (_S.armed and _looks_demoted(value)):
-        return (_S.prev_hook or sys.__excepthook__)(tp, value, tb)
+    S = _st()
+    if not (S.armed and _looks_demoted(value)):
+        return (S.prev_hook or sys.__excepthook__)(tp, value, tb)
     _clear(value, tb)
     del value, tb
     sys.last_type = sys.last_value = sys.last_traceback = None
@@ -242,30 +261,28 @@ def _clear(value, tb) -> None:
 
 
 def _become_shadow() -> None:
-    from leto_runtime import job as J
-    import importlib
-    hb = importlib.import_module("leto_runtime.heartbeat")
+    S = _st()
     code = 0
     while True:
-        t0 = _S.requested or time.monotonic()
-        job = _S.job
+        t0 = S.requested or time.monotonic()
+        job = S.job
         old_gen = job.ctx.generation if job is not None else None
         t_left = time.monotonic()
-        if _S.wake_ok:
-            _S.aborted.wait(2.0)      # never destroy the group while the wake thread aborts it
+        if S.wake_ok:
+            S.aborted.wait(2.0)      # never destroy the group while the wake thread aborts it
         t_abort = time.monotonic()
-        detail, old = J.release_current_job()
+        detail, old = runtime.current().release_job()
         detail.update(left_s=t_left - t0, abort_wait_s=t_abort - t_left,
                       release_s=time.monotonic() - t_abort)
-        _S.job, _S.armed, _S.requested = None, False, None
-        _S.event.clear()
-        _S.aborted.clear()
+        S.job, S.armed, S.requested = None, False, None
+        S.event.clear()
+        S.aborted.clear()
         gen = (old_gen if old_gen is not None else 0) + 2
         os.environ.update(C.demoted_env(gen))
-        hb.rebind()
+        beats.rebind()
         detail.update(seconds=time.monotonic() - t0, mono=time.monotonic(), generation=gen)
         import json
-        hb.send("demoted", None, json.dumps(detail))
+        beats.send("demoted", None, json.dumps(detail))
         if old is not None:
             old.release_group()
         del old, job
@@ -273,7 +290,7 @@ def _become_shadow() -> None:
         _log(f"demoted in process: released in {detail['seconds'] * 1e3:.1f} ms; now the "
              f"shadow of generation {gen}")
         try:
-            kind, name = _S.main_spec
+            kind, name = S.main_spec
             if kind == "module":
                 runpy.run_module(name, run_name="__main__", alter_sys=True)
             else:
@@ -284,11 +301,11 @@ def _become_shadow() -> None:
         except SystemExit as e:
             code = _exit_code(e)
         except BaseException as e:
-            if _S.armed and _looks_demoted(e):
+            if S.armed and _looks_demoted(e):
                 _clear(e, e.__traceback__)
                 del e
                 continue
-            (_S.prev_hook or sys.__excepthook__)(type(e), e, e.__traceback__)
+            (S.prev_hook or sys.__excepthook__)(type(e), e, e.__traceback__)
             code = 1
         break
     _exit(code)

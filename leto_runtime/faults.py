@@ -34,11 +34,7 @@ import os
 import signal
 import sys
 
-import importlib
-
-# the module (the package exports a function of the same name)
-hb = importlib.import_module("leto_runtime.heartbeat")
-from leto_runtime import demotion
+from leto_runtime import beats, demotion
 from leto_runtime.context import Context
 
 
@@ -58,11 +54,8 @@ def _get(inj: dict, key: str, default=None):
 class Faults:
     def __init__(self, ctx: Context):
         self.ctx = ctx
-        if not hb._state:
-            hb._setup()
-        # The runtime API fires every planned injection itself, at its point and generation;
-        # the bare heartbeat must not fire them again at a replayed step.
-        hb._state["plan"] = []
+        self.beats = beats.channel()
+        self.beats.take_plan()
         self.plan = [dict(i) for i in ctx.inject_plan
                      if i.get("step") is not None and int(_get(i, "gen", 0)) == ctx.generation]
         self._first_step: int | None = None       # the first step of this trainer's loop
@@ -103,10 +96,10 @@ class Faults:
         try:
             fire_pages_spec(self.ctx.sm_socket, inj.get("params") or {})
         except RmpError as e:       # pages this pool does not have (a group past the model...)
-            hb._send("unfired", step, json.dumps({"spec": text, "reason": f"the state manager "
+            self.beats.send("unfired", step, json.dumps({"spec": text, "reason": f"the state manager "
                                                  f"refused it: {e}"}))
             return
-        hb._send("inject", step, text)
+        self.beats.send("inject", step, text)
 
     def fire(self, point: str, *, step=None, group=None, chunk=None, garbage=None) -> None:
         # Every injection point is a tested kill point, hence a safe point to leave the run
@@ -147,9 +140,9 @@ class Faults:
             self._fire_pages(pages, step)
         self.plan.remove(inj)
         text = inj.get("text") or inj.get("kind")
-        hb._send("inject", step, text)
+        self.beats.send("inject", step, text)
         if inj.get("kind") == "hang":
-            hb._block_forever(f"injected hang at {point} of step {step} ({text})")
+            beats.block_forever(f"injected hang at {point} of step {step} ({text})")
         if _get(inj, "garbage") and garbage is not None:
             garbage()
         sys.stderr.write(f"[leto_runtime] injecting '{text}' at {point} of step {step}\n")
@@ -179,7 +172,7 @@ class Faults:
                 continue
             self.plan.remove(inj)
             text = inj.get("text") or inj.get("kind")
-            hb._send("unfired", step, json.dumps({"spec": text, "reason": self._why(inj, at)}))
+            self.beats.send("unfired", step, json.dumps({"spec": text, "reason": self._why(inj, at)}))
 
     def _why(self, inj: dict, at: str) -> str:
         s, first = inj.get("step"), self._first_step

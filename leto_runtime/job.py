@@ -48,12 +48,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from leto_runtime import beats as hb
 from leto_runtime import contract as C
-from leto_runtime import demotion
-import importlib
-
-# the module (the package exports a function of the same name)
-hb = importlib.import_module("leto_runtime.heartbeat")
+from leto_runtime import demotion, runtime
 from leto_runtime.context import Context
 from leto_runtime.faults import Faults
 from leto_runtime.rmu import adamw as A
@@ -64,14 +61,15 @@ from leto_runtime.rmu.states import (GRADS, MARKER, MODEL, QBUF, UNDO, Geometry,
 from leto_runtime.rmu.guard import Guard
 from leto_runtime.rmu.updater import Updater
 from leto_runtime.rmp.reconstruct import Unrecoverable
+from leto_runtime.wire.geometry import of_pool
 
-_JOB: "Job | None" = None
-DEFAULT_GEOMETRY = Geometry(1024, 16, 1, 2 << 20)
+DEFAULT_GEOMETRY = Geometry()
 
 
 def _log(msg: str) -> None:
-    ctx = _JOB.ctx if _JOB else Context.from_env()
-    role = _JOB.role if _JOB else ctx.role
+    job = runtime.current().job
+    ctx = job.ctx if job else Context.from_env()
+    role = job.role if job else ctx.role
     sys.stderr.write(f"[leto_runtime rank={ctx.rank} role={role} gen={ctx.generation}] {msg}\n")
     sys.stderr.flush()
 
@@ -80,11 +78,11 @@ def init(*, backend: str | None = None, seed: int = 0, device: str | None = None
          transactions: bool = True) -> "Job":
     """Join the job (see the module docstring).  `transactions=False` is the RMU ablation
     (paper Fig. 12): for experiments only, it gives up exactness after a failure."""
-    global _JOB
-    if _JOB is None:
-        _JOB = Job(Context.from_env(), backend=backend, seed=seed, device=device,
-                   transactions=transactions)
-    return _JOB
+    rt = runtime.current()
+    if rt.job is None:
+        rt.job = Job(Context.from_env(), backend=backend, seed=seed, device=device,
+                     transactions=transactions)
+    return rt.job
 
 
 def _pick_device(ctx: Context, device: str | None) -> torch.device:
@@ -160,7 +158,7 @@ class Job:
             prefix = dist.PrefixStore(C.pg_prefix(ctx.generation, ctx.shadow_epoch), self.store)
             dist.init_process_group(self.backend, store=prefix, rank=ctx.rank,
                                     world_size=ctx.world_size, timeout=timeout, **kw)
-        elif ctx.world_size > 1 or os.environ.get(C.MASTER_ADDR):
+        elif ctx.world_size > 1 or ctx.master_addr:
             dist.init_process_group(self.backend, timeout=timeout, **kw)
         self.pg = dist.group.WORLD if dist.is_initialized() else None
 
@@ -255,14 +253,8 @@ class Job:
                 "dropped_pages": sum(rep.dropped.values()), "remapped": bool(rep.views_invalid)}
 
     def _geometry(self, client) -> Geometry:
-        if client is None:
-            return DEFAULT_GEOMETRY
-        g = client.info["geometry"]
-        page = g["page_bytes"]
-        gran = (client.info.get("device") or {}).get("granularity")
-        if gran:      # GPU pages are whole VMM granules (the state manager rounds up likewise)
-            page = -(-page // gran) * gran
-        return Geometry(g["data_pages"], g["tier1"], g["tier2"], page)
+        # the pool's groups, with its device pages (the state manager rounds S up to granules)
+        return DEFAULT_GEOMETRY if client is None else of_pool(client.info)
 
     def _materialize(self, client=None, attach_only: bool = False) -> None:
         t0 = time.monotonic()
@@ -524,14 +516,6 @@ class Job:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         n = self.layout.numel
         return {st.name: self.ss.flat(st)[:n].detach().cpu().clone() for st in self.ss.model}
-
-
-def release_current_job() -> tuple[dict, "Job | None"]:
-    """Drop the process's `Job` (an in-process demotion; the next `init()` makes a new one).
-    Returns the release figures and the old job, whose `release_group()` is still due."""
-    global _JOB
-    j, _JOB = _JOB, None
-    return ({} if j is None else j.release()), j
 
 
 class Optimizer:

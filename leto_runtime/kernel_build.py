@@ -92,8 +92,9 @@ def _child_env() -> dict[str, str]:
     """The parent's environment, with this copy of leto_runtime first on the path: the child must
     build the same sources the parent will load."""
     here = str(Path(__file__).resolve().parents[1])
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": here + (os.pathsep + path if path else "")}
+    env = dict(os.environ)                  # passed on whole, not read as a setting
+    path = env.get("PYTHONPATH", "")
+    return {**env, "PYTHONPATH": here + (os.pathsep + path if path else "")}
 
 
 def _build_in_children(names: list[str]) -> dict[str, Built]:

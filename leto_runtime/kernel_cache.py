@@ -53,6 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from leto_runtime import settings
+
 log = logging.getLogger("leto.kernels")
 
 FORMAT = 1                      # bump when the slot layout or the digest's inputs change
@@ -92,24 +94,24 @@ def source_dir() -> Path:
 
 def root() -> Path:
     """The cache root (see the module docstring for the environment that moves it)."""
-    r = os.environ.get("LETO_EXT_DIR")
+    r = settings.get().ext_dir
     if r:
         return Path(r).expanduser()
-    base = os.environ.get("TORCH_EXTENSIONS_DIR")
+    base = settings.get().torch_extensions_dir
     if base:
         return Path(base).expanduser() / "leto"
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    cache = settings.get().xdg_cache_home or os.path.expanduser("~/.cache")
     return Path(cache) / "leto" / "kernels"
 
 
 def verbose() -> bool:
-    return os.environ.get("LETO_EXT_VERBOSE") == "1"
+    return settings.get().ext_verbose
 
 
 def cxx() -> str | None:
     """The C++ compiler's path: $CXX if set (an explicit choice: nothing else is tried), else the
     first of c++, g++, clang++ on PATH; None when there is none."""
-    env = os.environ.get("CXX")
+    env = settings.get().cxx
     if env:
         return shutil.which(env)
     return next((p for p in map(shutil.which, ("c++", "g++", "clang++")) if p), None)
@@ -129,7 +131,7 @@ def compiler_identity(path: str) -> str:
 def cuda_arch_list() -> str:
     """The CUDA targets a torch extension is built for: TORCH_CUDA_ARCH_LIST, else (torch's own
     default) the compute capabilities of the visible GPUs."""
-    env = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    env = settings.get().torch_cuda_arch_list.strip()
     if env:
         return env
     import torch

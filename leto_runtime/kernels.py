@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import torch
 
+from leto_runtime import settings
+
 
 def prepare(device, retained: bool = True) -> dict[str, str]:
     """`retained`: the states live in a state manager (in place under leto-run), so the native
     page mapper is needed on CUDA."""
-    import os
 
     out: dict[str, str] = {}
 
@@ -49,7 +50,7 @@ def prepare(device, retained: bool = True) -> dict[str, str]:
         from leto_runtime.rmu import fused
         # the fused kernels (LETO_RMU_FUSED) and the stream-ordered marker writes
         # (LETO_RMU_STREAM_MARKER, updater.py / marker.py) live in the same extension
-        if not fused.wanted() and os.environ.get("LETO_RMU_STREAM_MARKER", "kernel") == "0":
+        if not fused.wanted() and settings.get().rmu_stream_marker == "0":
             return "not used"
         fused.load()
 

@@ -35,7 +35,6 @@ process-group key that does not verify fails the group's formation (`ForgedContr
 from __future__ import annotations
 
 import datetime
-import importlib
 import json
 import signal
 import sys
@@ -44,13 +43,11 @@ import time
 
 import torch.distributed as dist
 
+from leto_runtime import beats
 from leto_runtime import contract as C
 from leto_runtime.auth_store import AuthStore
 from leto_runtime.context import Context
 from leto_runtime.control_auth import ForgedControlKey, mac_words, verify_words
-
-# The module, not the package's `heartbeat` function of the same name.
-heartbeat = importlib.import_module("leto_runtime.heartbeat")
 
 
 def worker_store(ctx: Context, timeout: float | None = None) -> AuthStore:
@@ -81,7 +78,7 @@ def report_forged(key: str, reason: str) -> None:
     sys.stderr.write(f"[leto_runtime] refused the value under {key!r} in the job's store: "
                      f"{reason}\n")
     sys.stderr.flush()
-    heartbeat.send("forged", None, json.dumps({"key": key, "reason": reason}))
+    beats.send("forged", None, json.dumps({"key": key, "reason": reason}))
 
 
 def announce_inplace(detail: dict | None = None) -> None:
@@ -89,7 +86,7 @@ def announce_inplace(detail: dict | None = None) -> None:
     level (detail {"level": "L3", "seconds": preinit seconds})."""
     if detail is not None and _wake_installed:
         detail = {**detail, "wake": True}
-    heartbeat.send("inplace", None, None if detail is None else json.dumps(detail))
+    beats.send("inplace", None, None if detail is None else json.dumps(detail))
 
 
 _woken = threading.Event()
@@ -127,7 +124,7 @@ def wait_for_promotion(ctx: Context, store, slice_s: float = WAKE_POLL_S) -> flo
         _woken.wait(slice_s)
         _woken.clear()
     woke = time.monotonic()
-    heartbeat.send("promoted", None, json.dumps({"mono": woke}))
+    beats.send("promoted", None, json.dumps({"mono": woke}))
     return woke
 
 
@@ -168,4 +165,4 @@ def report_phase(name: str, seconds: float, **fields) -> None:
     """Datagram `phase`: recovery phase `name` (attach | localize | reconstruct | agree | finish
     | resume) took `seconds`; extra JSON-able fields (resume="finish"|"redo", step, pages...)."""
     detail = {"phase": name, "seconds": float(seconds), **fields}
-    heartbeat.send("phase", None, json.dumps(detail, default=str))
+    beats.send("phase", None, json.dumps(detail, default=str))

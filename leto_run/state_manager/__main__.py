@@ -18,6 +18,7 @@ import sys
 
 from leto_run.state_manager.keeper import KeeperLink, allow_file_path, sm_socket_path
 from leto_run.state_manager.metadata import Geometry, PoolMeta, SnapshotError
+from leto_runtime.wire.geometry import device_page_bytes
 from leto_run.state_manager.pages import device_owner
 from leto_run.state_manager.pool import FD_RESERVE, Pool
 from leto_run.state_manager.server import Server
@@ -68,9 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         log(str(e))
         return EXIT_ARGS
-    dpage = geometry.page_bytes
-    if device.kind == "cuda":
-        dpage = -(-dpage // device.granularity) * device.granularity
+    dpage = device_page_bytes(geometry.page_bytes, device.granularity) \
+        if device.kind == "cuda" else geometry.page_bytes
 
     keeper, kept, snap = None, {}, None
     if a.keeper:

@@ -1,7 +1,7 @@
 """Who gets a connection slot on the state manager's socket, and for how long.
 
 Role: the admission policy of `server.Server`, as a small table and a pure decision function.
-Nothing here does I/O except reading the one environment variable, in `limits_from_env`.
+Nothing here does I/O; `limits_from_env` parses the idle timeout from the knobs (`leto_runtime.settings.raw()`).
 
 Policy (why: a client that never speaks, or many of them, must not lock the others out):
 * A peer that is registered when it connects (the state manager's parent, or a pid in the

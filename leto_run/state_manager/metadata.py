@@ -36,6 +36,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from leto_runtime.wire.geometry import Geometry, GeometryError  # noqa: F401 (re-exported)
+
 SNAPSHOT_VERSION = 1
 NAME_RE = re.compile(r"[A-Za-z0-9_.:/@+=-]{1,200}")
 DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
@@ -47,43 +49,11 @@ class SnapshotError(ValueError):
     """A keeper snapshot that this state manager cannot trust (version, geometry, shape)."""
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """Protection-group shape: D data pages, H1 tier-1 and H2 tier-2 parity pages of S bytes."""
-
-    data_pages: int = 1024
-    tier1: int = 16
-    tier2: int = 1
-    page_bytes: int = 2 << 20
-
-    def problems(self) -> list[str]:
-        out = []
-        if self.data_pages < 1:
-            out.append(f"data_pages={self.data_pages} must be >= 1")
-        if not 1 <= self.tier1 <= 16:
-            out.append(f"tier1={self.tier1} must be 1..16 (the codec's exponent window)")
-        if not 1 <= self.tier2 <= min(16, self.tier1):
-            out.append(f"tier2={self.tier2} must be 1..min(16, tier1)")
-        if self.page_bytes < 1024 or self.page_bytes % 4096:
-            out.append(f"page_bytes={self.page_bytes} must be a positive multiple of 4096 "
-                       "(memory pages; the codec needs multiples of 1024)")
-        if self.data_pages + self.tier1 > 65535:
-            out.append("data_pages + tier1 must be <= 65535 (GF(2^16) code length)")
-        return out
-
-    def to_json(self) -> dict:
-        return {"data_pages": self.data_pages, "tier1": self.tier1, "tier2": self.tier2,
-                "page_bytes": self.page_bytes}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Geometry":
-        try:
-            g = cls(**{k: int(d[k]) for k in ("data_pages", "tier1", "tier2", "page_bytes")})
-        except (KeyError, TypeError, ValueError) as e:
-            raise SnapshotError(f"bad geometry {d!r}: {e}") from None
-        if g.problems():
-            raise SnapshotError("; ".join(g.problems()))
-        return g
+def _geometry(d: dict) -> Geometry:
+    try:
+        return Geometry.from_json(d)
+    except GeometryError as e:
+        raise SnapshotError(str(e)) from None
 
 
 @dataclass
@@ -332,7 +302,7 @@ class PoolMeta:
             raise SnapshotError(f"snapshot version {d.get('snapshot_version') if isinstance(d, dict) else d!r}"
                                 f" is not {SNAPSHOT_VERSION}")
         try:
-            meta = cls(Geometry.from_json(d["geometry"]), int(d["device_page_bytes"]))
+            meta = cls(_geometry(d["geometry"]), int(d["device_page_bytes"]))
             meta.next_page, meta.next_group = int(d["next_page"]), int(d["next_group"])
             meta.version = int(d["version"])
             for s in d["states"]:

@@ -40,6 +40,7 @@ from typing import Callable
 
 from leto_run.state_manager.metadata import NAME_RE, DTYPES, MAX_STATE_BYTES, PoolMeta, State
 from leto_run.state_manager.pages import MemfdPages
+from leto_runtime import settings
 from leto_runtime.rmp import protocol as P
 from leto_runtime.rmp.mapping import HostMapping
 
@@ -365,7 +366,7 @@ class Pool:
 
     def _fault_pages(self, ids: list[int], st: State) -> str:
         host = self.meta.where[ids[0]].tier == "host"
-        if host or (self.device.kind == "memfd" and os.environ.get(FAULT_EMULATION_ENV) != "retire"):
+        if host or (self.device.kind == "memfd" and settings.get().sm_fault_emulation != "retire"):
             for pid in ids:
                 # Registered first, then destroyed: a trainer that checks the registry after a
                 # read it did before the trap knows the read may be stale.  Truncation is the

@@ -54,6 +54,7 @@ from leto_run.state_manager.conns import ConnTable, Limits, RateLimitedLog, limi
 from leto_run.state_manager.keeper import read_allow_file
 from leto_run.state_manager.metadata import DTYPES, NAME_RE
 from leto_run.state_manager.replies import Part, Replies, WaitFds, plain
+from leto_runtime import settings
 from leto_runtime.rmp import protocol as P
 
 MAX_REFRESH_STATES = 4096      # states named in one refresh / remap request
@@ -79,7 +80,7 @@ class Server:
         self.parent_pid, self.allow_wait = parent_pid, allow_wait
         self.log = log
         if limits is None:
-            limits, why = limits_from_env(os.environ)
+            limits, why = limits_from_env(settings.raw())
             if why:
                 log(f"WARNING: {why}")
         if max_conns is not None:

@@ -27,6 +27,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from leto_runtime import settings
 from leto_runtime import kernel_cache as K
 
 from .errors import ParityBackendUnavailable
@@ -56,7 +57,7 @@ def _relative(sources: list[str]) -> tuple[str, ...]:
 @contextlib.contextmanager
 def _cxx_env(cxx: str):
     """torch compiles with $CXX or `c++`: name the compiler we found (and hashed) when CXX is unset."""
-    if os.environ.get("CXX"):
+    if settings.get().cxx:
         yield
         return
     os.environ["CXX"] = cxx
@@ -68,7 +69,7 @@ def _cxx_env(cxx: str):
 
 def _nvcc() -> str:
     import torch.utils.cpp_extension as cpp
-    return os.environ.get("PYTORCH_NVCC") or os.path.join(cpp.CUDA_HOME or "", "bin", "nvcc")
+    return settings.get().pytorch_nvcc or os.path.join(cpp.CUDA_HOME or "", "bin", "nvcc")
 
 
 def _load(name: str, sources: list[str], cuda: bool, what: str | None = None) -> ModuleType:

@@ -20,7 +20,6 @@ with m <= 16; wider codes need the reference backend.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from typing import Optional, Sequence
 
@@ -29,6 +28,8 @@ import torch
 
 from . import _ext, gf16, reference
 from .errors import ParityBackendUnavailable
+
+from leto_runtime import settings
 
 log = logging.getLogger("leto.parity")
 
@@ -156,7 +157,7 @@ class CudaBackend(_KernelBackend):
     def __init__(self, ext) -> None:
         super().__init__(ext)
         # LETO_PARITY_CUDA_VARIANT: auto | simple | nb2 | nobake | rolled (benchmarks, cross-checks).
-        self.variant = os.environ.get("LETO_PARITY_CUDA_VARIANT", "auto")
+        self.variant = settings.get().parity_cuda_variant
 
     def syndrome_mix(self, pages, outs, coef, ts, page_bytes) -> None:
         self.syndrome_mix_batch([pages], [outs], coef, ts, page_bytes)

@@ -25,7 +25,6 @@ the current CUDA stream for CUDA pages, and never synchronizes.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Sequence
@@ -34,6 +33,8 @@ import numpy as np
 import torch
 
 from . import gf16
+
+from leto_runtime import settings
 
 METHODS = ("auto", "pagewise", "syndrome")
 
@@ -52,32 +53,23 @@ class DeltaCosts:
     fixed: float            # per syndrome call: extra launches / allocation
 
 
-# The syndrome path on CUDA was validated bit for bit on the H200 (tests/gpu/test_rmu_fused_gpu.py:
-# forced syndrome vs pagewise vs full re-encode, the batched/scaled/base form RMU uses; 2026-11-29).
-# False sends CUDA back to the pagewise kernel (an escape hatch; LETO_PARITY_DELTA forces either).
+# The syndrome path on CUDA is checked bit for bit against pagewise and full re-encoding by
+# tests/gpu/test_rmu_fused_gpu.py.  False sends CUDA back to the pagewise kernel (an escape
+# hatch; LETO_PARITY_DELTA forces either).
 CUDA_AUTO = True
 
+# Relative costs per unit of work (one page multiply = 1), from benchmarks/parity_bench.py's
+# "delta" rows; the measurements they come from: docs/BENCHMARKS.md, "Parity delta cost model".
 COSTS = {
-    # C++ kernels, 1 core, AVX-512 (2-vCPU dev VM, 64 KiB pages, m = 16; benchmarks/parity_bench.py
-    # "delta" rows): page-multiply ~6 us; Horner ~11 us per page (16 exponents); the mix epilogue
-    # ~1.4 ms for 16 x 16 pairs; XOR pass ~10 us per page; fold ~4 us per row; ~0.06 ms per call
-    # (plan, address arrays).  Crossover: ~20 pages at m = 16, ~16 at m = 4.
     "cpu": DeltaCosts(pagewise_fixed=0.0, horner=1.8, mix=0.9, xor=1.6, fold=0.65, fixed=10.0),
-    # NumPy reference: the mix (log/antilog gathers) dominates both paths; the syndrome Horner on
-    # bit-planes is cheap next to it.  Measured on the dev VM (16 KiB pages, m = 8 / 16).
     "reference": DeltaCosts(pagewise_fixed=0.0, horner=0.6, mix=1.0, xor=0.1, fold=0.1, fixed=2.0),
-    # CUDA on the H200, 2 MiB pages, m = 16 (2026-11-29 19:07 UTC, page-multiply = 1.1 us from the
-    # pagewise kernel's 1.13 ms for 64 pages x 16 rows): full encode of 1024 pages 2.09 ms -> Horner
-    # 1.9 per page; one 128-page run 0.39 ms with the compiled-in mix and 0.67 ms with a run-time
-    # (shifted) one -> ~1.6 per (row, exponent) pair; XOR pass and fold ~1.4 per page (6 MiB moved
-    # per 2 MiB page at ~4 TB/s); ~9 per call in launches.  Crossover ~30 pages.
     "cuda": DeltaCosts(pagewise_fixed=61.0, horner=1.9, mix=1.6, xor=1.4, fold=1.4, fixed=9.0),
 }
 
 
 def method_from_env(method: str) -> str:
     """'auto' defers to LETO_PARITY_DELTA (auto | pagewise | syndrome: tests, benchmarks, A/B)."""
-    return os.environ.get("LETO_PARITY_DELTA", "auto") if method == "auto" else method
+    return settings.get().parity_delta if method == "auto" else method
 
 
 @dataclass(frozen=True)

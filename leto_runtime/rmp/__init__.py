@@ -16,9 +16,9 @@ import importlib
 # Lazy (PEP 562): `from leto_runtime.rmp import protocol` -- what the launcher's fd keeper needs --
 # must not pay for the client, mapping and reconstruction modules at every `leto-run` start.
 _EXPORTS = {
-    "RmpClient": "client", "RetainedState": "client", "Marks": "client",
-    "LocalizeReport": "client", "FRESH_FILL": "client", "RmpError": "protocol",
-    "RefreshReport": "client",
+    "RmpClient": "client", "RetainedState": "retained", "Marks": "retained",
+    "LocalizeReport": "retained", "FRESH_FILL": "client", "RmpError": "protocol",
+    "RefreshReport": "retained",
     "reconstruct": "reconstruct", "recover": "reconstruct", "protect": "reconstruct",
     "ReconstructReport": "reconstruct", "Unrecoverable": "reconstruct",
     "NotRemapped": "reconstruct",

@@ -30,6 +30,8 @@ import mmap
 import os
 from typing import Iterable, Sequence
 
+from leto_runtime import settings
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
@@ -259,7 +261,7 @@ def ensure_context(device: int) -> None:
 
 # Threads of the native probe loop (1: the caller's thread; more only pays if the driver's
 # pointer lookup scales, see docs/BENCHMARKS.md).  LETO_RMP_PROBE_THREADS overrides.
-PROBE_THREADS = int(os.environ.get("LETO_RMP_PROBE_THREADS", "1"))
+PROBE_THREADS = settings.get().rmp_probe_threads
 _probe_fn: object = None            # None: not resolved yet; False: unavailable
 
 
@@ -289,10 +291,10 @@ def _native_probe():
 # MAP_THREADS: workers of the native import+map loop; MAP_BATCH: fds received before one native
 # call (bounded by RLIMIT_NOFILE); GRANT_ONCE: one cuMemSetAccess pass over the whole state at
 # the end of an attach instead of one per batch.  Defaults from docs/BENCHMARKS.md.
-MAP_PATH = os.environ.get("LETO_RMP_MAP", "native")
-MAP_THREADS = int(os.environ.get("LETO_RMP_MAP_THREADS", "1"))
-MAP_BATCH = int(os.environ.get("LETO_RMP_MAP_BATCH", "1024"))
-GRANT_ONCE = os.environ.get("LETO_RMP_GRANT_ONCE", "0") == "1"
+MAP_PATH = settings.get().rmp_map
+MAP_THREADS = settings.get().rmp_map_threads
+MAP_BATCH = settings.get().rmp_map_batch
+GRANT_ONCE = settings.get().rmp_grant_once
 
 
 def _native_map():

@@ -23,6 +23,8 @@ import os
 import shutil
 import threading
 
+from leto_runtime import settings
+
 NAME = "rmp_map"
 SRC = "rmp_map.cpp"            # in the kernel sources (leto_runtime.kernel_cache.source_dir())
 _CALLS = {1: "cuMemImportFromShareableHandle", 2: "cuMemMap", 3: "cuMemSetAccess",
@@ -39,7 +41,7 @@ class NativeMapError(OSError):
 
 
 def _cuda_include() -> str | None:
-    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    cands = [settings.get().cuda_home, settings.get().cuda_path, "/usr/local/cuda"]
     nvcc = shutil.which("nvcc")
     if nvcc:
         cands.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))

@@ -34,12 +34,12 @@ requires that no page awaits remapping.  Both return a `ReconstructReport` or ra
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from leto_runtime import settings
 from leto_runtime.rmp import protocol as P
 
 
@@ -232,7 +232,7 @@ def _repair_group_staged(st, loss: GroupLoss, backend: str) -> None:
 #
 # Both kernels are the codec's (cuda/parity_cuda.cu, reference leto_runtime/parity/reference.py);
 # `split_coefficients` is their glue, checked against ParityCode.decode by the unit tests.
-FAST_PATH = os.environ.get("LETO_RMP_RECONSTRUCT_PATH", "auto") != "staged"
+FAST_PATH = settings.get().rmp_reconstruct_path != "staged"
 STAGE_TIMES: list | None = None    # benchmarks: a list -> (stage, seconds) appended, synchronized
 _log = logging.getLogger("leto.rmp")
 _warned: set[str] = set()

@@ -20,8 +20,8 @@ parity delta of its three states in one kernel, reading the old values from the 
 never writing the delta pages (docs/RMU.md, "The parity delta update").  It is taken wherever its own self-check
 (`syndrome_check`: the same bits as `step_` with deltas followed by
 `ParityCode.update_delta_many`, new states and parity pages, baked and run-time mix) passes on
-the device, unless LETO_RMU_FUSED_SYNDROME=0 (H200, 1.42B parameters: 31 ms for the kernel
-against 41 ms for the two; docs/BENCHMARKS.md).
+the device, unless LETO_RMU_FUSED_SYNDROME=0 (it is the faster of the two on the H200:
+docs/BENCHMARKS.md).
 
 Calling contract: `Fused.for_device(device, cfg)` -> a `Fused` or None; then
 `f.step_(p, m, v, g, step=, lr=, coef=, deltas=)` queues the update on the current stream
@@ -33,11 +33,11 @@ grid order (`LAYOUTS`; a name not in it raises `LayoutError`).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional, Sequence
 
 import torch
 
+from leto_runtime import settings
 from leto_runtime.rmu import adamw as A
 
 log = logging.getLogger("leto.rmu")
@@ -48,7 +48,7 @@ why_not_syndrome: str = ""
 
 
 def wanted() -> bool:
-    return os.environ.get("LETO_RMU_FUSED", "1") != "0"
+    return settings.get().rmu_fused
 
 
 # The one-kernel chunk's tiling and grid order (cuda/adamw_syndrome.cu, its `layout` argument):
@@ -63,7 +63,7 @@ class LayoutError(ValueError):
 
 
 def layout() -> int:
-    name = os.environ.get(LAYOUT_ENV, "4x2x3")
+    name = settings.get().rmu_fused_layout
     if name not in LAYOUTS:
         raise LayoutError(f"{LAYOUT_ENV}={name!r} is not a layout of the AdamW + parity kernel "
                           f"(cuda/adamw_syndrome.cu): use one of {', '.join(LAYOUTS)}, or unset it "
@@ -111,11 +111,11 @@ class Fused:
             f, bad = None, ""
             try:
                 ext = load()
-                env = os.environ.get("LETO_RMU_FUSED_VARIANT")
+                env = settings.get().rmu_fused_variant
                 # The kernel's spellings of torch's ops (adamw_cuda.cu); the first one whose bits
                 # equal adamw_chunk_'s on this device is used.  A formula that rounds differently
                 # anywhere differs in a large share of the ~3M checked updates (H200: >= 500).
-                order = [int(env)] if env else [0, 8, *[v for v in range(16) if v not in (0, 8)]]
+                order = [env] if env is not None else [0, 8, *[v for v in range(16) if v not in (0, 8)]]
                 fails = []
                 for v in order:
                     why = cls(ext, cfg, v).self_check(device)
@@ -155,7 +155,7 @@ class Fused:
         off (LETO_RMU_FUSED_SYNDROME=0), compiled for this spelling (variant 0) and bit-identical to
         the two-kernel path (checked once)."""
         global why_not_syndrome
-        if os.environ.get("LETO_RMU_FUSED_SYNDROME", "1") == "0":
+        if not settings.get().rmu_fused_syndrome:
             why_not_syndrome = "LETO_RMU_FUSED_SYNDROME=0"
             return False
         key = ("syndrome", str(torch.device(device)), self.cfg, self.variant, self.layout, m)

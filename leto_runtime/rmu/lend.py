@@ -62,6 +62,8 @@ from pathlib import Path
 
 import torch
 
+from leto_runtime import settings
+
 ENV = "LETO_LEND"
 SKIP = 512              # bytes left unlent at the start of every range (see Lender.__init__)
 NAME = "leto_lend_alloc"
@@ -80,11 +82,11 @@ def wanted(device) -> bool:
     """Lending on for this device? (on by default on CUDA; LETO_LEND=0 turns it off)."""
     if not str(device).startswith("cuda"):
         return False
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off", "")
+    return settings.get().lend
 
 
 def _cuda_home() -> str | None:
-    cands = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    cands = [settings.get().cuda_home, settings.get().cuda_path]
     nvcc = shutil.which("nvcc")
     if nvcc:
         cands += [str(Path(nvcc).parent.parent), str(Path(nvcc).resolve().parents[1])]
@@ -183,7 +185,7 @@ class Lender:
         # with it in the caching allocator's pointer -> block map ("invalid device pointer" when
         # the second one is freed; seen on the H200).
         self.ranges = [(int(a) + SKIP, int(n) - SKIP) for a, n in ranges if n > SKIP]
-        self.warmup = int(os.environ.get(ENV + "_WARMUP", "0")) if warmup is None else warmup
+        self.warmup = settings.get().lend_warmup if warmup is None else warmup
         self.iters = 0
         self.inside = False
         self.dirty = False              # the last check failed: check again before any update

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from leto_runtime.rmp.client import GroupInfo, Marks
+from leto_runtime.rmp.retained import GroupInfo, Marks
+from leto_runtime.wire.geometry import Geometry  # noqa: F401 (re-exported)
 
 MODEL = ("leto/params", "leto/exp_avg", "leto/exp_avg_sq")
 GRADS = "leto/grads"
@@ -47,14 +48,6 @@ QBUF = "leto/rmu/parity"
 ALIGN = 16          # elements: every parameter view starts 64-byte aligned
 QBUFS = 4               # parity buffers per model state (StateSet.q_first)
 MARKER_BYTES = 4096     # one host page (the record needs 1 KiB)
-
-
-@dataclass(frozen=True)
-class Geometry:
-    data_pages: int
-    tier1: int
-    tier2: int
-    page_bytes: int
 
 
 @dataclass(frozen=True)
@@ -222,8 +215,8 @@ def pick_chunk_pages(requested: int, geo: Geometry) -> int:
     """RMU transaction size: the request, else a quarter of a group (>= 1 page, <= 512 MiB).
 
     Large chunks because every chunk costs two stream synchronizations, two marker writes and
-    a fixed share of the parity kernel (its epilogue); on the H200 a 1.42B-parameter update took
-    120 ms with 128-page chunks and 99 ms with 256 (benchmarks/rmu_overhead.py, 2026-11-29 19:04 UTC).  The
+    a fixed share of the parity kernel (its epilogue); the measured effect of the chunk size is
+    in docs/BENCHMARKS.md (benchmarks/rmu_overhead.py).  The
     undo and delta buffers (6 chunks) are lent to activations outside the update, so their size
     does not raise the peak (docs/BENCHMARKS.md)."""
     if requested > 0:

@@ -77,11 +77,11 @@ interrupted update from the marker (the caller has repaired the state first: rec
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
 
+from leto_runtime import settings
 from leto_runtime.rmu import adamw as A
 from leto_runtime.rmu.cpu_chunks import ChunkCalls
 from leto_runtime.rmu.marker import GState, Marker, Phase, Record
@@ -131,17 +131,17 @@ class Updater:
         self._prefetched: tuple | None = None
         # CUDA: marker writes queued in stream order instead of "fence, then host store".
         # LETO_RMU_STREAM_MARKER: kernel (default: device-side stores), 1 / hostfunc, 0 (fences).
-        smode = os.environ.get("LETO_RMU_STREAM_MARKER", "kernel")
+        knobs = settings.get()
+        smode = knobs.rmu_stream_marker
         self.streamed = (self.cuda and transactions and smode != "0"
                          and self.marker.use_stream(ss.device, "hostfunc" if smode in ("1", "hostfunc")
                                                     else "kernel"))
         # Undo slots (LETO_RMU_UNDO_PIPELINE=1): two where the undo state's chunks 3..5 are free
         # (the one-kernel chunk writes no delta pages; on CPU the scratch is allocated apart), so
         # chunk j+1's undo copy is queued on its own stream while chunk j's kernel reads the
-        # other slot.  Off by default: on the H200 the copy beside the kernel took 26 ms instead
-        # of 8 (both contend for HBM) and the kernel 32.7 instead of 31.4, for an update of 71.3
-        # against 72.2 ms -- no gain beyond noise (docs/BENCHMARKS.md, 2026-11-30).
-        piped = os.environ.get("LETO_RMU_UNDO_PIPELINE", "0") == "1"
+        # other slot.  Off by default: on the H200 the copy and the kernel contend for HBM and
+        # the update was no faster (docs/BENCHMARKS.md, "RMU steady-state overhead").
+        piped = knobs.rmu_undo_pipeline
         self.slots = 2 if transactions and piped and (self.fused_syndrome or not self.cuda) else 1
         self._undo_stream = torch.cuda.Stream(device=ss.device) if self.cuda and self.slots == 2 else None
         self._undone: tuple | None = None        # (t, group, chunk, event) of a queued undo copy
@@ -149,10 +149,9 @@ class Updater:
         # write-back and tier-2 refresh are queued on the side stream (on CPU: run in line)
         # while the marker already moves on to group g+1 and names g in `wb`; the next marker
         # write that drops it waits for them.  Recovery finishes a named write-back from its
-        # buffer first.  On the H200 (1.42B, 2026-11-30 03:24 UTC, same call) the update took
-        # 59.2 ms with it and 67.7 ms without: the write-back's DtoH/HtoD no longer leave the
-        # GPU idle between groups (idle 6.7 instead of 19.6 ms).
-        self.wb_overlap = transactions and os.environ.get("LETO_RMU_WB_OVERLAP", "1") == "1"
+        # buffer first.  It keeps the write-back's DtoH/HtoD from leaving the GPU idle between
+        # groups (docs/BENCHMARKS.md, "RMU steady-state overhead").
+        self.wb_overlap = transactions and knobs.rmu_wb_overlap
         self._wb_done = None                    # CUDA: the event after the queued write-back
         nc = [len(ss.chunks(g)) for g in range(len(ss.model[0].groups))]
         self._chunk_base = [sum(nc[:g]) for g in range(len(nc))]

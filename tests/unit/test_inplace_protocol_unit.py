@@ -14,10 +14,9 @@ from leto_run.heartbeat import HeartbeatServer
 from leto_run.inplace import HofWatcher
 from leto_run.worker_env import WorkerEnvSpec, WorkerIdentity, build_worker_env
 from leto_runtime import contract as C
-from leto_runtime import Context, promotion
+from leto_runtime import Context, promotion, runtime
 from leto_runtime.auth_store import AuthStore
 
-runtime_hb = promotion.heartbeat          # the module (the package exports a function)
 KEY = bytes(range(32))                    # the job's MAC key (LETO_JOB_KEY)
 
 
@@ -74,7 +73,7 @@ def test_wait_for_promotion_returns_when_the_go_key_is_set(server, tmp_path, mon
                                     master_port=server.port, heartbeat_socket=hb.path))
     ctx = Context.from_env(env)
     monkeypatch.setattr(os, "environ", env)
-    monkeypatch.setattr(runtime_hb, "_state", {})      # fresh runtime state, restored after
+    monkeypatch.setattr(runtime.current(), "channel", None)   # a fresh channel, restored after
     store = promotion.worker_store(ctx, timeout=10)
     agent = AuthStore(server, KEY)            # the agent signs the go key it sets
     threading.Timer(0.3, lambda: agent.set(C.go_key(1, ctx.rank), "go")).start()

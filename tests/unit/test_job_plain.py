@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 from gpt import GPT, GPTConfig, batch, init_weights  # noqa: E402
 
 import leto_runtime.job as J  # noqa: E402
+from leto_runtime import runtime  # noqa: E402
 from leto_runtime.rmu.adamw import AdamWConfig, lr_at  # noqa: E402
 
 
@@ -21,9 +22,9 @@ def plain_job(monkeypatch):
     for k in list(os.environ):
         if k.startswith("LETO_") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
             monkeypatch.delenv(k, raising=False)
-    J._JOB = None
+    runtime.current().forget_job()
     yield J.init(seed=3, device="cpu")
-    J._JOB = None
+    runtime.current().forget_job()
 
 
 def test_plain_job_matches_torch_adamw_bitwise(plain_job):
@@ -95,18 +96,16 @@ def _clean_env(monkeypatch):
 def _loaded_at_first_heartbeat(monkeypatch, ctx):
     """(what the parity loader holds when Job sends its first heartbeat, the Job), from a fresh
     process's state (nothing loaded)."""
-    import importlib
-
+    from leto_runtime import beats as hb
     from leto_runtime.parity import _ext
-    hb = importlib.import_module("leto_runtime.heartbeat")   # (the package exports the function)
     monkeypatch.setattr(_ext, "_cache", {})
     seen = []
     monkeypatch.setattr(hb, "heartbeat", lambda step=None: seen.append(set(_ext._cache)))
-    J._JOB = None
+    runtime.current().forget_job()
     try:
         job = J.Job(ctx, backend=None, seed=3, device="cpu", transactions=True)
     finally:
-        J._JOB = None
+        runtime.current().forget_job()
     assert seen, "Job sent no heartbeat at start-up"
     return seen[0], job
 

@@ -1,0 +1,205 @@
+"""Every tuning knob, read from the environment in one place.
+
+Role: the variables a user, a benchmark or a test sets to choose a code path or a size: the
+RMU's paths (LETO_RMU_*), the memory pool's attach and repair paths (LETO_RMP_*), the parity
+codec's (LETO_PARITY_*), activation lending (LETO_LEND*), the kernel cache (LETO_EXT_*) and the
+state manager's (LETO_SM_*), and the toolchain variables the kernel builds honour (CXX,
+CUDA_HOME, CUDA_PATH, PYTORCH_NVCC, TORCH_CUDA_ARCH_LIST, TORCH_EXTENSIONS_DIR, XDG_CACHE_HOME).
+What the agent tells a trainer about its job (rank, generation,
+sockets) is the env contract instead (`leto_runtime.contract`, read by `context`).  Nothing else
+in leto_runtime or leto_run reads these variables.
+
+Each knob is typed and checked: a value out of its domain raises `SettingsError` naming the
+variable, what is wrong and the fix (leto-run checks its own environment before anything
+starts and exits 2).  Defaults are the measured best (docs/BENCHMARKS.md).
+
+Calling contract:
+    s = get()                  # the Settings of os.environ now (re-read only when it changed)
+    s.rmu_wb_overlap, s.rmp_map_threads, ...
+    Settings.from_env(env)     # of any mapping; raises SettingsError
+    problems(env)              # [message] of every bad knob in env (leto-run's preflight)
+    raw()                      # {variable: text} of the knobs that are set
+`get()` compares the knobs' raw values with the last read, so a test that changes the
+environment in process sees the change; a process that never does reads it once.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+class SettingsError(ValueError):
+    """A tuning knob with a value out of its domain."""
+
+    def __init__(self, var: str, raw: str, problem: str, fix: str):
+        super().__init__(f"{var}={raw[:60]!r}: {problem} -- fix: {fix}")
+        self.var, self.problem, self.fix = var, f"{raw[:60]!r} {problem}", fix
+
+
+def _flag(var: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise SettingsError(var, raw, "is not a yes/no value", "use 1 or 0 (or unset it)")
+
+
+def _choice(*allowed: str) -> Callable[[str, str], str]:
+    def parse(var: str, raw: str) -> str:
+        v = raw.strip()
+        if v not in allowed:
+            raise SettingsError(var, raw, "is not one of " + ", ".join(allowed),
+                                f"use one of {', '.join(allowed)} (or unset it)")
+        return v
+    return parse
+
+
+def _count(lo: int, hi: int) -> Callable[[str, str], int]:
+    def parse(var: str, raw: str) -> int:
+        try:
+            v = int(raw.strip())
+        except ValueError:
+            v = lo - 1
+        if not lo <= v <= hi:
+            raise SettingsError(var, raw, f"is not a whole number in {lo}..{hi}",
+                                f"use a number in {lo}..{hi} (or unset it)")
+        return v
+    return parse
+
+
+def _seconds(var: str, raw: str) -> float:
+    try:
+        v = float(raw.strip())
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and 0 < v <= 7 * 86400):
+        raise SettingsError(var, raw, "is not a number of seconds in (0, 604800]",
+                            "use e.g. 30 (or unset it)")
+    return v
+
+
+def _text(var: str, raw: str) -> str:
+    return raw
+
+
+def _optional_count(var: str, raw: str) -> int | None:
+    return None if raw.strip() == "" else _count(0, 1 << 20)(var, raw)
+
+
+# field -> (variable, parser, default).  The default applies when the variable is unset.
+KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
+    # RMU (leto_runtime/rmu): docs/RMU.md
+    "rmu_fused": ("LETO_RMU_FUSED", _flag, True),
+    "rmu_fused_syndrome": ("LETO_RMU_FUSED_SYNDROME", _flag, True),
+    "rmu_fused_layout": ("LETO_RMU_FUSED_LAYOUT", _text, "4x2x3"),      # checked by rmu.fused
+    "rmu_fused_variant": ("LETO_RMU_FUSED_VARIANT", _optional_count, None),
+    "rmu_stream_marker": ("LETO_RMU_STREAM_MARKER", _choice("kernel", "hostfunc", "1", "0"), "kernel"),
+    "rmu_undo_pipeline": ("LETO_RMU_UNDO_PIPELINE", _flag, False),
+    "rmu_wb_overlap": ("LETO_RMU_WB_OVERLAP", _flag, True),
+    "lend": ("LETO_LEND", _flag, True),
+    "lend_warmup": ("LETO_LEND_WARMUP", _count(0, 1 << 20), 0),
+    # parity codec (leto_runtime/parity): docs/PARITY.md
+    "parity_delta": ("LETO_PARITY_DELTA", _choice("auto", "pagewise", "syndrome"), "auto"),
+    "parity_cuda_variant": ("LETO_PARITY_CUDA_VARIANT", _text, "auto"),  # checked by the extension
+    # memory pool client (leto_runtime/rmp): docs/MEMORY.md
+    "rmp_map": ("LETO_RMP_MAP", _choice("native", "python"), "native"),
+    "rmp_map_threads": ("LETO_RMP_MAP_THREADS", _count(1, 256), 1),
+    "rmp_map_batch": ("LETO_RMP_MAP_BATCH", _count(1, 1 << 20), 1024),
+    "rmp_grant_once": ("LETO_RMP_GRANT_ONCE", _flag, False),
+    "rmp_probe_threads": ("LETO_RMP_PROBE_THREADS", _count(1, 256), 1),
+    "rmp_reconstruct_path": ("LETO_RMP_RECONSTRUCT_PATH", _choice("auto", "staged"), "auto"),
+    # the kernel cache (leto_runtime/kernel_cache.py): docs/KERNELS.md
+    "ext_dir": ("LETO_EXT_DIR", _text, None),
+    "ext_verbose": ("LETO_EXT_VERBOSE", _flag, False),
+    # the state manager (leto_run/state_manager): docs/MEMORY.md
+    "sm_idle_timeout": ("LETO_SM_IDLE_TIMEOUT", _seconds, None),
+    "sm_fault_emulation": ("LETO_SM_FAULT_EMULATION", _choice("truncate", "retire"), "truncate"),
+    # the toolchain the kernels are built with (the ecosystem's own variables, read here too)
+    "cxx": ("CXX", _text, None),
+    "cuda_home": ("CUDA_HOME", _text, None),
+    "cuda_path": ("CUDA_PATH", _text, None),
+    "pytorch_nvcc": ("PYTORCH_NVCC", _text, None),
+    "torch_cuda_arch_list": ("TORCH_CUDA_ARCH_LIST", _text, ""),
+    "torch_extensions_dir": ("TORCH_EXTENSIONS_DIR", _text, None),
+    "xdg_cache_home": ("XDG_CACHE_HOME", _text, None),
+}
+VARIABLES = tuple(var for var, _, _ in KNOBS.values())
+
+
+@dataclass(frozen=True)
+class Settings:
+    rmu_fused: bool
+    rmu_fused_syndrome: bool
+    rmu_fused_layout: str
+    rmu_fused_variant: int | None
+    rmu_stream_marker: str
+    rmu_undo_pipeline: bool
+    rmu_wb_overlap: bool
+    lend: bool
+    lend_warmup: int
+    parity_delta: str
+    parity_cuda_variant: str
+    rmp_map: str
+    rmp_map_threads: int
+    rmp_map_batch: int
+    rmp_grant_once: bool
+    rmp_probe_threads: int
+    rmp_reconstruct_path: str
+    ext_dir: str | None
+    ext_verbose: bool
+    sm_idle_timeout: float | None
+    sm_fault_emulation: str
+    cxx: str | None
+    cuda_home: str | None
+    cuda_path: str | None
+    pytorch_nvcc: str | None
+    torch_cuda_arch_list: str
+    torch_extensions_dir: str | None
+    xdg_cache_home: str | None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "Settings":
+        out = {}
+        for name, (var, parse, default) in KNOBS.items():
+            raw = env.get(var)
+            out[name] = default if raw is None else parse(var, raw)
+        return cls(**out)
+
+
+assert [f.name for f in fields(Settings)] == list(KNOBS), "Settings and KNOBS disagree"
+
+
+def problems(env: Mapping[str, str]) -> list[str]:
+    """One message per knob in `env` whose value is out of its domain."""
+    out = []
+    for var, parse, _ in KNOBS.values():
+        if var in env:
+            try:
+                parse(var, env[var])
+            except SettingsError as e:
+                out.append(str(e))
+    return out
+
+
+def raw() -> dict[str, str]:
+    """The knobs set in os.environ, unparsed (for a reader that degrades a bad value to its
+    default with a warning instead of stopping: the state manager's idle timeout)."""
+    return {v: os.environ[v] for v in VARIABLES if v in os.environ}
+
+
+_last: tuple[tuple, Settings] | None = None
+
+
+def get() -> Settings:
+    """The knobs of os.environ now (see the module docstring)."""
+    global _last
+    raw = tuple(os.environ.get(v) for v in VARIABLES)
+    hit = _last
+    if hit is None or hit[0] != raw:
+        hit = _last = (raw, Settings.from_env(os.environ))
+    return hit[1]

@@ -1,0 +1,118 @@
+"""The module structure holds what docs/ARCHITECTURE.md says of it (checked from the source,
+nothing imported): the runtime's modules import each other without a cycle, counting imports
+inside functions too (a function-level cycle is still a cycle: it only moves the failure to the
+first call), and the one runtime object is where the process's singletons live."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PKG = ROOT / "leto_runtime"
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports anywhere in it (module or function level)."""
+    me = _module_name(path)
+    pkg = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[:len(pkg.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for n in names:
+            while n and n not in modules:
+                n = n.rpartition(".")[0]
+            if n and n != me and not me.startswith(n + "."):   # a package's own __init__ aside
+                out.add(n)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = [p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts]
+    modules = {_module_name(p) for p in files}
+    return {_module_name(p): _imports(p, modules) for p in files}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_checker_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_among_runtime_modules():
+    graph = _graph()
+    assert "leto_runtime.job" in graph and graph["leto_runtime.job"], "the scan found no imports"
+    assert _cycles(graph) == []
+
+
+def test_the_runtime_object_imports_nothing_of_the_runtime():
+    """It is below everything that keeps state in it: beats, job, demotion."""
+    graph = _graph()
+    assert graph["leto_runtime.runtime"] == set()
+    for owner in ("leto_runtime.beats", "leto_runtime.job", "leto_runtime.demotion"):
+        assert "leto_runtime.runtime" in graph[owner], owner
+
+
+def test_one_geometry_for_every_side():
+    """The agent's config, the state manager and the trainer use one `Geometry` class, defined
+    once; and the trainer takes its device pages from the state manager's hello."""
+    from leto_run.config import RecoveryConfig
+    from leto_run.state_manager.metadata import Geometry as OfStateManager
+    from leto_runtime.rmu.states import Geometry as OfTrainer
+    from leto_runtime.wire.geometry import Geometry, of_pool
+    assert OfStateManager is Geometry and OfTrainer is Geometry
+    assert type(RecoveryConfig().geometry) is Geometry and RecoveryConfig().geometry == Geometry()
+    defined = [p for p in (ROOT / "leto_run").rglob("*.py")] + list(PKG.rglob("*.py"))
+    classes = [str(p.relative_to(ROOT)) for p in defined if "class Geometry" in p.read_text()]
+    assert classes == ["leto_runtime/wire/geometry.py"]
+    hello = {"geometry": Geometry(32, 16, 1, 4096).to_json(), "device_page_bytes": 2 << 20}
+    assert of_pool(hello) == Geometry(32, 16, 1, 2 << 20)
