@@ -118,6 +118,7 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "ext_verbose": ("LETO_EXT_VERBOSE", _flag, False),
     # the state manager (leto_run/state_manager): docs/MEMORY.md
     "sm_idle_timeout": ("LETO_SM_IDLE_TIMEOUT", _seconds, None),
+    "sm_send_stall": ("LETO_SM_SEND_STALL", _seconds, None),
     "sm_fault_emulation": ("LETO_SM_FAULT_EMULATION", _choice("truncate", "retire"), "truncate"),
     # the toolchain the kernels are built with (the ecosystem's own variables, read here too)
     "cxx": ("CXX", _text, None),
@@ -153,6 +154,7 @@ class Settings:
     ext_dir: str | None
     ext_verbose: bool
     sm_idle_timeout: float | None
+    sm_send_stall: float | None
     sm_fault_emulation: str
     cxx: str | None
     cuda_home: str | None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 IDLE_TIMEOUT_ENV = "LETO_SM_IDLE_TIMEOUT"
+SEND_STALL_ENV = "LETO_SM_SEND_STALL"
 
 
 @dataclass(frozen=True)
@@ -44,20 +45,27 @@ class Limits:
                 "send_stall_s": self.send_stall}
 
 
-def limits_from_env(environ: Mapping[str, str], base: Limits = Limits()) -> tuple[Limits, str]:
-    """`base` with the idle timeout from the environment; the second item says why a value
-    was not used ("" if none was set or it was used)."""
-    raw = environ.get(IDLE_TIMEOUT_ENV)
+def _seconds(environ: Mapping[str, str], var: str, default: float) -> tuple[float, str]:
+    raw = environ.get(var)
     if raw is None or raw.strip() == "":
-        return base, ""
+        return default, ""
     try:
         v = float(raw)
     except ValueError:
         v = math.nan
     if not (math.isfinite(v) and 0 < v <= 7 * 86400):
-        return base, (f"{IDLE_TIMEOUT_ENV}={raw[:40]!r} is not a number of seconds in "
-                      f"(0, 604800]; using {base.idle_timeout:g} s")
-    return Limits(base.max_conns, base.max_per_pid, base.max_pending, v, base.send_stall), ""
+        return default, (f"{var}={raw[:40]!r} is not a number of seconds in (0, 604800]; "
+                         f"using {default:g} s")
+    return v, ""
+
+
+def limits_from_env(environ: Mapping[str, str], base: Limits = Limits()) -> tuple[Limits, str]:
+    """`base` with the idle timeout and the send stall from the environment's knobs; the second
+    item says why a value was not used ("" if none was set or every one was used)."""
+    idle, why_idle = _seconds(environ, IDLE_TIMEOUT_ENV, base.idle_timeout)
+    stall, why_stall = _seconds(environ, SEND_STALL_ENV, base.send_stall)
+    why = "; ".join(w for w in (why_idle, why_stall) if w)
+    return Limits(base.max_conns, base.max_per_pid, base.max_pending, idle, stall), why
 
 
 def refusal(lim: Limits, *, pending: bool, total: int, of_pid: int, waiting: int) -> str | None:

@@ -39,6 +39,16 @@ def slot():
 
 
 @pytest.fixture
+def stall_slot(monkeypatch):
+    """A state manager that drops a reader after 3 s of stall (LETO_SM_SEND_STALL; default 10)."""
+    monkeypatch.setenv("LETO_SM_SEND_STALL", "3")
+    s = SlotHarness(device="cpu", geometry=GEOM, allow_wait=1.0)
+    monkeypatch.delenv("LETO_SM_SEND_STALL")
+    yield s
+    s.close()
+
+
+@pytest.fixture
 def idle_slot(monkeypatch):
     monkeypatch.setenv("LETO_SM_IDLE_TIMEOUT", "2")
     s = SlotHarness(device="cpu", geometry=GEOM, allow_wait=1.0)
@@ -103,7 +113,9 @@ def spawn(slot, code: str, *args, allow: bool) -> subprocess.Popen:
 
 
 # ---- a client that never reads -----------------------------------------------------------
-def test_a_client_that_never_reads_stalls_only_itself(slot):
+def test_a_client_that_never_reads_stalls_only_itself(stall_slot):
+    slot = stall_slot
+    assert RmpClient(slot.socket).info["limits"]["send_stall_s"] == 3.0
     c = RmpClient(slot.socket)
     c.allocate("wide", 300 * GEOM.page_bytes, tier="host", kind="process")   # a 2-message train
     base = RmpClient(slot.socket).status()

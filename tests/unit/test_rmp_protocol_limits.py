@@ -150,3 +150,11 @@ def test_changes_and_marks_are_the_same_whichever_walk_is_cheaper():
     assert sorted(meta.changed_since(b, v0)) == b.data[5:30]
     assert meta.changed_since(meta.states["a"], v0) == []
     assert meta.marks(b)["data"] == list(range(20)) and meta.marks(meta.states["a"])["data"] == []
+
+
+@pytest.mark.parametrize("raw, want, warn", [(None, 10.0, False), ("3", 3.0, False),
+                                             ("0", 10.0, True), ("soon", 10.0, True)])
+def test_the_send_stall_comes_from_its_knob(raw, want, warn):
+    lim, why = limits_from_env({} if raw is None else {"LETO_SM_SEND_STALL": raw})
+    assert lim.send_stall == want and lim.idle_timeout == Limits().idle_timeout
+    assert bool(why) == warn and (not warn or ("LETO_SM_SEND_STALL" in why and "using 10" in why))
