@@ -72,7 +72,11 @@ def _count(lo: int, hi: int) -> Callable[[str, str], int]:
     return parse
 
 
-def _seconds(var: str, raw: str) -> float:
+def seconds(var: str, raw: str) -> float | None:
+    """A number of seconds in (0, 604800]; "" is unset (None).  Also the state manager's parser
+    of its timeouts, which degrades a bad value to the default with a warning."""
+    if raw.strip() == "":
+        return None
     try:
         v = float(raw.strip())
     except ValueError:
@@ -117,8 +121,8 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "ext_dir": ("LETO_EXT_DIR", _text, None),
     "ext_verbose": ("LETO_EXT_VERBOSE", _flag, False),
     # the state manager (leto_run/state_manager): docs/MEMORY.md
-    "sm_idle_timeout": ("LETO_SM_IDLE_TIMEOUT", _seconds, None),
-    "sm_send_stall": ("LETO_SM_SEND_STALL", _seconds, None),
+    "sm_idle_timeout": ("LETO_SM_IDLE_TIMEOUT", seconds, None),
+    "sm_send_stall": ("LETO_SM_SEND_STALL", seconds, None),
     "sm_fault_emulation": ("LETO_SM_FAULT_EMULATION", _choice("truncate", "retire"), "truncate"),
     # the toolchain the kernels are built with (the ecosystem's own variables, read here too)
     "cxx": ("CXX", _text, None),

@@ -27,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from leto_runtime import settings as S
+
 IDLE_TIMEOUT_ENV = "LETO_SM_IDLE_TIMEOUT"
 SEND_STALL_ENV = "LETO_SM_SEND_STALL"
 
@@ -47,16 +49,11 @@ class Limits:
 
 def _seconds(environ: Mapping[str, str], var: str, default: float) -> tuple[float, str]:
     raw = environ.get(var)
-    if raw is None or raw.strip() == "":
-        return default, ""
     try:
-        v = float(raw)
-    except ValueError:
-        v = math.nan
-    if not (math.isfinite(v) and 0 < v <= 7 * 86400):
-        return default, (f"{var}={raw[:40]!r} is not a number of seconds in (0, 604800]; "
-                         f"using {default:g} s")
-    return v, ""
+        v = None if raw is None else S.seconds(var, raw)
+    except S.SettingsError as e:
+        return default, f"{e}; using {default:g} s"
+    return (default if v is None else v), ""
 
 
 def limits_from_env(environ: Mapping[str, str], base: Limits = Limits()) -> tuple[Limits, str]:
