@@ -38,21 +38,27 @@ def slot():
     s.close()
 
 
+def _slot_with(monkeypatch, var: str, value: str) -> SlotHarness:
+    """A state manager started with one knob set (only for its start: the test's own clients
+    run without it)."""
+    monkeypatch.setenv(var, value)
+    try:
+        return SlotHarness(device="cpu", geometry=GEOM, allow_wait=1.0)
+    finally:
+        monkeypatch.delenv(var)
+
+
 @pytest.fixture
 def stall_slot(monkeypatch):
     """A state manager that drops a reader after 3 s of stall (LETO_SM_SEND_STALL; default 10)."""
-    monkeypatch.setenv("LETO_SM_SEND_STALL", "3")
-    s = SlotHarness(device="cpu", geometry=GEOM, allow_wait=1.0)
-    monkeypatch.delenv("LETO_SM_SEND_STALL")
+    s = _slot_with(monkeypatch, "LETO_SM_SEND_STALL", "3")
     yield s
     s.close()
 
 
 @pytest.fixture
 def idle_slot(monkeypatch):
-    monkeypatch.setenv("LETO_SM_IDLE_TIMEOUT", "2")
-    s = SlotHarness(device="cpu", geometry=GEOM, allow_wait=1.0)
-    monkeypatch.delenv("LETO_SM_IDLE_TIMEOUT")
+    s = _slot_with(monkeypatch, "LETO_SM_IDLE_TIMEOUT", "2")
     yield s
     s.close()
 
