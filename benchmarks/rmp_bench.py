@@ -27,6 +27,7 @@ measurement ran, 1 otherwise.  The state manager is torn down in a `finally`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -45,12 +46,26 @@ from leto_runtime.rmp import mapping
 from leto_runtime.rmp import reconstruct as R
 from leto_runtime.rmp.client import RmpClient
 from leto_runtime.rmp.reconstruct import protect, reconstruct
+from leto_runtime.wire import settings
 
 MiB, GiB = 1 << 20, 1 << 30
 
 
 class _Skip(Exception):
     pass
+
+
+@contextlib.contextmanager
+def knobs(**env):
+    """Tuning knobs set for a block (the runtime reads them at each use); None unsets one."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def log(msg: str) -> None:
@@ -196,9 +211,10 @@ def main(argv=None) -> int:
         if probe_t4:
             res["probe_native_4threads_per_1000_pages_s"] = stats(probe_t4)
         res["localize_pages"] = nbytes // page
-        res["attach_path"] = {"path": mapping.MAP_PATH, "threads": mapping.MAP_THREADS,
-                              "grant_once": mapping.GRANT_ONCE, "batch": mapping.MAP_BATCH,
-                              "native": mapping.MAP_PATH == "native" and mapping._native_map() is not None}
+        k = settings.get()
+        res["attach_path"] = {"path": k.rmp_map, "threads": k.rmp_map_threads,
+                              "grant_once": k.rmp_grant_once, "batch": k.rmp_map_batch,
+                              "native": mapping._native_map() is not None}
         log(f"attach {res['attach_map_s']}, localize/1000 {res['localize_per_1000_pages_s']}")
         if cuda and a.map_variants:
             res["attach_variants"] = bench_variants(slot, a.map_variants, a.repeats)
@@ -243,14 +259,13 @@ def main(argv=None) -> int:
             res["old_path_stages_s"] = profile_staged(pc, "bench.group", device)
             pc.close()
         for path in (["cuda", "staged"] if cuda and not a.no_compare else ["default"]):
-            if path != "default":
-                R.FAST_PATH = path == "cuda"
-            rec, remap_s = run_reconstruct(slot, a, D, gid, ref, first_shift=0 if path != "staged" else 5)
+            with knobs(LETO_RMP_RECONSTRUCT_PATH="staged" if path == "staged" else None):
+                rec, remap_s = run_reconstruct(slot, a, D, gid, ref,
+                                               first_shift=0 if path != "staged" else 5)
             key = "" if path in ("cuda", "default") else f"_{path}"
             res[f"reconstruct_16_pages_s{key}"] = stats(rec)
             res[f"remap_16_pages_s{key}"] = stats(remap_s)
             log(f"reconstruct ({path} path) {res[f'reconstruct_16_pages_s{key}']}")
-        R.FAST_PATH = True
         if cuda:                                      # per stage (synchronized at each mark)
             R.STAGE_TIMES = []
             run_reconstruct(slot, a, D, gid, ref, repeats=1, first_shift=11)
@@ -281,12 +296,10 @@ def bench_variants(slot, spec: str, repeats: int) -> dict:
     """Cold attach of bench.retained per mapping variant (same run, same pages): the
     cuda-python reference and the native loop with threads / grant once or per batch."""
     out = {}
-    saved = (mapping.MAP_PATH, mapping.MAP_THREADS, mapping.GRANT_ONCE)
-    try:
-        for v in [x for x in spec.split(",") if x]:
-            path, threads, grant = v.split(":")
-            mapping.MAP_PATH, mapping.MAP_THREADS = path, int(threads)
-            mapping.GRANT_ONCE = grant == "once"
+    for v in [x for x in spec.split(",") if x]:
+        path, threads, grant = v.split(":")
+        with knobs(LETO_RMP_MAP=path, LETO_RMP_MAP_THREADS=threads,
+                   LETO_RMP_GRANT_ONCE="1" if grant == "once" else "0"):
             att, unm = [], []
             for r in range(repeats + 1):
                 c = RmpClient(slot.socket)
@@ -304,10 +317,8 @@ def bench_variants(slot, spec: str, repeats: int) -> dict:
                 if r:
                     att.append(t1 - t0)
                     unm.append(t3 - t2)
-            out[v] = {"attach_s": stats(att), "unmap_s": stats(unm)}
-            log(f"cold attach {v}: {out[v]['attach_s']}")
-    finally:
-        mapping.MAP_PATH, mapping.MAP_THREADS, mapping.GRANT_ONCE = saved
+        out[v] = {"attach_s": stats(att), "unmap_s": stats(unm)}
+        log(f"cold attach {v}: {out[v]['attach_s']}")
     return out
 
 

@@ -1,7 +1,7 @@
 """Leto's native kernel sources (C++ and CUDA), shipped as package data of the package `leto_cuda`.
 
 Role: this folder holds sources only -- nothing here is compiled at install time.  The runtime
-finds them through `leto_runtime.kernel_cache.source_dir()` (which asks `source_dir()` below in an
+finds them through `leto_runtime.wire.kernel_cache.source_dir()` (which asks `source_dir()` below in an
 installed Leto) and JIT-builds each kernel on first use into the kernel cache (docs/KERNELS.md).
 The folder keeps its place at the top of the repository (the tree mirrors the process tree:
 launcher, runtime, kernels); pyproject.toml maps the package name `leto_cuda` onto it, so that

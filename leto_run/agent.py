@@ -53,7 +53,7 @@ from leto_run.unfired import InjectLedger
 from leto_run.worker_cmd import resolve_nproc, worker_argv
 from leto_run.worker_env import (WorkerEnvSpec, build_worker_env, default_omp_threads,
                                  job_token_kv)
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 from leto_runtime.control_auth import ForgedControlKey, key_to_hex
 
 

@@ -20,7 +20,7 @@ from leto_run.decisions import blame_hangs, hang_verdict
 from leto_run.failures import failure_from_exit
 from leto_run.inject import InjectKind
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 
 _SHUTDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
 

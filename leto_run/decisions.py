@@ -48,7 +48,7 @@ import signal
 from dataclasses import dataclass
 
 from leto_run.slot import ProcState, TERMINAL
-from leto_runtime.contract import UNRECOVERABLE_EXIT
+from leto_runtime.wire.contract import UNRECOVERABLE_EXIT
 
 
 class Action(str, enum.Enum):

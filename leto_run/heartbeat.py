@@ -17,10 +17,10 @@ import struct
 import time
 from dataclasses import dataclass
 
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 
 _UCRED = struct.Struct("3i")
-# Datagram kinds (leto_runtime.contract, "Heartbeat datagram"); anything else is dropped.
+# Datagram kinds (leto_runtime.wire.contract, "Heartbeat datagram"); anything else is dropped.
 KINDS = frozenset({"beat", "register", "inject", "unfired", "bye", "inplace", "promoted",
                    "phase", "demoted", "forged"})
 

@@ -13,7 +13,7 @@ import time
 
 import torch.distributed as dist
 
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 
 STORE_TIMEOUT_S = 30.0      # agent's worker-store client: connect and each operation
 WATCH_POLL_S = 0.1          # watcher's poll of the HOF key (a non-blocking check per poll)

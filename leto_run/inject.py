@@ -24,7 +24,7 @@ In-place recovery keys (docs/ARCHITECTURE.md, "One in-place recovery, end to end
                                               after writing garbage into the chunk
     hang:rank=0:step=4:at=sync                block at the global synchronization of step 4
 
-`at=POINT` (kill, signal, hang, pages; one of `leto_runtime.contract.INJECT_POINTS`, default
+`at=POINT` (kill, signal, hang, pages; one of `leto_runtime.wire.contract.INJECT_POINTS`, default
 `step`) names where inside a step a step-triggered spec fires; it needs `step=`.  `group=G`,
 `chunk=C` and `garbage=1` (kill, signal) narrow an `rmu.*` point to one protection group / chunk
 and make the runtime overwrite the chunk with garbage before the signal; they need an `rmu.*`
@@ -63,7 +63,7 @@ from leto_run.errors import ConfigError
 from leto_run.inject_values import (ROLES, _choice, _flag01, _fmt_seconds, _inject_signal,  # noqa: F401
                                     _nonneg_int, _point, _positive_int, _role, parse_duration,
                                     signal_name, signal_number)
-from leto_runtime.contract import INJECT_POINTS
+from leto_runtime.wire.contract import INJECT_POINTS
 
 GRAMMAR = ("KIND[=ARG]:rank=R:(after=T|step=N)[:attempt=A][:gen=G][:at=POINT][:role=active]"
            "[:group=G:chunk=C:garbage=1]")

@@ -13,7 +13,7 @@ import signal as _signal
 from typing import Callable
 
 from leto_run import limits as L
-from leto_runtime.contract import INJECT_POINTS
+from leto_runtime.wire.contract import INJECT_POINTS
 
 ROLES = ("active",)          # `shadow` arrives with shadow trainers
 # Signals whose default action is to do nothing: injecting one would not fail the process.

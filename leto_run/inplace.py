@@ -58,7 +58,7 @@ from leto_run.inject import timed_for_generation
 from leto_run.procs import ExitStatus, kill_pids
 from leto_run.recovery_policy import FailurePolicy
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 from leto_runtime.auth_store import AuthStore
 from leto_runtime.control_auth import ForgedControlKey
 

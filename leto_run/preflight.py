@@ -5,7 +5,7 @@ depends on this machine, so it is checked here, by `leto_run.cli` right before t
 log directory can be created (or is a directory we can write), the event log can be written,
 a temporary directory exists for the run directory, the worker's program can be executed,
 `--nproc-per-node auto|cpu|gpu` resolves, and the tuning knobs in the environment are in their
-domains (`leto_runtime.settings`).  Each problem is a `ConfigError` (exit 2) naming the
+domains (`leto_runtime.wire.settings`).  Each problem is a `ConfigError` (exit 2) naming the
 path or option and the fix, raised before the guardian, the state managers or any worker
 exist.
 
@@ -25,7 +25,7 @@ from typing import Mapping
 from leto_run.config import JobConfig
 from leto_run.errors import ConfigError
 from leto_run.worker_cmd import resolve_nproc, worker_argv
-from leto_runtime import settings as S
+from leto_runtime.wire import settings as S
 
 
 def _nearest_existing(path: str) -> str:
@@ -120,7 +120,7 @@ def preflight(cfg: JobConfig, env: Mapping[str, str], sources: Mapping[str, str]
 
 
 def _check_knobs(env: Mapping[str, str]) -> None:
-    """The tuning knobs the trainers and state managers will read (`leto_runtime.settings`)."""
+    """The tuning knobs the trainers and state managers will read (`leto_runtime.wire.settings`)."""
     try:
         S.Settings.from_env(env)
     except S.SettingsError as e:

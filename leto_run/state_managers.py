@@ -34,7 +34,7 @@ from leto_run.state_manager.__main__ import EXIT_ARGS, EXIT_DEVICE, EXIT_KEEPER,
 from leto_run.state_manager.keeper import FdKeeper
 from leto_run.state_manager.metadata import Geometry
 from leto_run.stopper import stop_processes
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 from leto_runtime.rmp.faults import fire_pages_spec
 
 # A state manager that dies this many times within CRASH_WINDOW seconds is not restarted again:

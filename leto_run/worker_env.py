@@ -2,7 +2,7 @@
 
 Exactly torchrun's worker environment (same keys, values and rules, docs/COMPATIBILITY.md and
 torch's ``LocalElasticAgent._start_workers``), plus Leto's ``LETO_*`` contract variables whose
-names live in `leto_runtime.contract` and which `leto_runtime.context.Context` reads.
+names live in `leto_runtime.wire.contract` and which `leto_runtime.context.Context` reads.
 
 Documented differences from torchrun (the env-parity test allows exactly these):
 ``LETO_*`` keys; values of run ids, ports and paths (error file, run dir); MASTER_ADDR of a
@@ -16,7 +16,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ Import it from ``train.py``.  Public surface:
 - `done()` — the loop finished (what follows is not a hang);
 - `Context.from_env()` — the job's identity (rank, world size, role, generation...).
 
-`leto_runtime` never imports `leto_run`: the contract between them is `leto_runtime.contract`.
+`leto_runtime` never imports `leto_run`: the contract between them is `leto_runtime.wire.contract`.
 """
 from leto_runtime.context import Context, ContractError
 from leto_runtime.beats import done, heartbeat

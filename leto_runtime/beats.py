@@ -36,7 +36,7 @@ import socket
 import sys
 import time
 
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 from leto_runtime import runtime
 from leto_runtime.context import Context
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 from leto_runtime.control_auth import key_from_hex
 
 

@@ -46,7 +46,7 @@ import time
 import traceback
 
 from leto_runtime import beats
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 from leto_runtime import runtime
 
 RELEASE_GRACE_S = 5.0     # after a collective fails: how long a demote signal may take to arrive

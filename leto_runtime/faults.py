@@ -90,7 +90,7 @@ class Faults:
 
     def _fire_pages(self, inj: dict, step) -> None:
         from leto_runtime.rmp.faults import fire_pages_spec
-        from leto_runtime.rmp.protocol import RmpError
+        from leto_runtime.wire.protocol import RmpError
         self.plan.remove(inj)
         text = inj.get("text") or "pages"
         try:

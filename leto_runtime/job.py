@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from leto_runtime import beats as hb
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 from leto_runtime import demotion, runtime
 from leto_runtime.context import Context
 from leto_runtime.faults import Faults

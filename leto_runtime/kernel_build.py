@@ -1,7 +1,7 @@
 """Builds every kernel this machine can use, side by side (`leto-run --build-kernels`, the test
 suites' session start).
 
-Role: the orchestration above the kernel cache (`leto_runtime.kernel_cache`).  Each kernel that
+Role: the orchestration above the kernel cache (`leto_runtime.wire.kernel_cache`).  Each kernel that
 has no complete cache slot is built in a child process of its own, all children at once: the
 builds are independent (one slot each, each under its slot's flock), and a fresh GPU machine
 then waits for the longest build, not their sum.  Child processes rather than threads because
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from leto_runtime import kernel_cache as K
+from leto_runtime.wire import kernel_cache as K
 
 KERNELS = ("parity_cpu", "parity_cuda", "rmu_cuda", "lend_alloc", "rmp_map")
 CUDA_ONLY = frozenset(KERNELS[1:])

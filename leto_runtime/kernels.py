@@ -4,7 +4,7 @@ Role: `prepare(device)` is what `Job` calls before its first heartbeat, where it
 kernels under leto-run (in place; or on CUDA); a plain torchrun run retains nothing, protects
 nothing and never calls it (job.py).  The kernels are compiled on first use (about a minute for
 the C++ codec, a few minutes for the CUDA kernels; cached afterwards in the kernel cache,
-leto_runtime/kernel_cache.py, docs/KERNELS.md).  Built lazily
+leto_runtime/wire/kernel_cache.py, docs/KERNELS.md).  Built lazily
 -- inside `job.adamw()` or the first `opt.step()`, after the first heartbeat -- that time counted
 against the launcher's hang detection (`--hang-timeout`, armed by a trainer's first heartbeat):
 on a fresh machine the README's demo (hang timeout 10 s) had its trainers killed as hung while
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from leto_runtime import settings
+from leto_runtime.wire import settings
 
 
 def prepare(device, retained: bool = True) -> dict[str, str]:
@@ -61,8 +61,9 @@ def prepare(device, retained: bool = True) -> dict[str, str]:
         lend.build()
 
     def rmp_map():
-        from leto_runtime.rmp import mapping, native_map
-        if mapping.MAP_PATH != "native":
+        from leto_runtime.rmp import native_map
+        from leto_runtime.wire import settings
+        if settings.get().rmp_map != "native":
             return "not used"
         native_map.build()
 

@@ -1,5 +1,5 @@
 """The trainer's side of the in-place recovery protocol (docs/ARCHITECTURE.md; keys and datagrams
-in `leto_runtime.contract`, "In-place recovery protocol" and "Heartbeat datagram").
+in `leto_runtime.wire.contract`, "In-place recovery protocol" and "Heartbeat datagram").
 
 Role: small, stateless helpers that `leto_runtime.init()` / `job.steps()` (or a test script)
 call in this order:
@@ -44,7 +44,7 @@ import time
 import torch.distributed as dist
 
 from leto_runtime import beats
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 from leto_runtime.auth_store import AuthStore
 from leto_runtime.context import Context
 from leto_runtime.control_auth import ForgedControlKey, mac_words, verify_words

@@ -5,7 +5,7 @@ JIT build of the C++ (and, on a GPU machine, CUDA) kernels takes a minute or mor
 otherwise happen inside whichever test -- or whichever trainer process of a test -- first
 needs them, counted against that test's timeout (pytest-timeout counts fixture setup too, so
 a session fixture would not help).  The trainers the tests start find the built libraries in
-the same cache directory (`leto_runtime.kernel_cache`: LETO_EXT_DIR, TORCH_EXTENSIONS_DIR or
+the same cache directory (`leto_runtime.wire.kernel_cache`: LETO_EXT_DIR, TORCH_EXTENSIONS_DIR or
 ~/.cache/leto/kernels; docs/KERNELS.md), which `leto_testing.base_env` passes on."""
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ def _kernel_build_results(cuda: bool | None, parallel: bool = True) -> list[tupl
 
     if importlib.util.find_spec("leto_runtime.kernel_build") is not None:
         from leto_runtime.kernel_build import build_all
-    elif importlib.util.find_spec("leto_runtime.kernel_cache") is not None:
-        from leto_runtime.kernel_cache import build_all
+    elif importlib.util.find_spec("leto_runtime.wire.kernel_cache") is not None:
+        from leto_runtime.wire.kernel_cache import build_all
     else:
         build_all = None
     if build_all is not None:

@@ -22,8 +22,8 @@ from leto_runtime.wire.geometry import device_page_bytes
 from leto_run.state_manager.pages import device_owner
 from leto_run.state_manager.pool import FD_RESERVE, Pool
 from leto_run.state_manager.server import Server
-from leto_runtime.rmp import bulletin
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import bulletin
+from leto_runtime.wire import protocol as P
 
 EXIT_ARGS, EXIT_DEVICE, EXIT_SNAPSHOT, EXIT_KEEPER = 2, 3, 4, 5
 

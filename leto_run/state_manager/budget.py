@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from leto_run.state_manager.metadata import MAX_STATE_BYTES
 from leto_run.state_manager.pool import FD_RESERVE
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 
 GiB = 1 << 30
 _GPU_TOTAL: dict[int, int] = {}      # ordinal -> bytes (cuDeviceTotalMem, asked once)

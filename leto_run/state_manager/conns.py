@@ -1,7 +1,7 @@
 """Who gets a connection slot on the state manager's socket, and for how long.
 
 Role: the admission policy of `server.Server`, as a small table and a pure decision function.
-Nothing here does I/O; `limits_from_env` parses the idle timeout from the knobs (`leto_runtime.settings.raw()`).
+Nothing here does I/O; `limits_from_env` parses the idle timeout from the knobs (`leto_runtime.wire.settings.raw()`).
 
 Policy (why: a client that never speaks, or many of them, must not lock the others out):
 * A peer that is registered when it connects (the state manager's parent, or a pid in the
@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from leto_runtime import settings as S
+from leto_runtime.wire import settings as S
 
 IDLE_TIMEOUT_ENV = "LETO_SM_IDLE_TIMEOUT"
 SEND_STALL_ENV = "LETO_SM_SEND_STALL"

@@ -19,7 +19,7 @@ A trainer's connection is accepted if its pid is allowed within `allow_wait` sec
 connect first.  The agent's own pid (the state manager's parent) is always allowed.
 
 State-manager side -- `KeeperLink(path)`: `hello()` (restore), `commit(put, drop, snapshot)`,
-`ready()`.  Messages use `leto_runtime.rmp.protocol` framing:
+`ready()`.  Messages use `leto_runtime.wire.protocol` framing:
     hello            -> {"snapshot": {...} | null, "ids": [page ids]} + one fd per id (fd train)
     put {"ids"} + fds-> {"held": n}            (a later fd for the same id replaces the old one)
     commit {"snapshot", "drop": [ids]}  -> {"held": n, "capacity": m}
@@ -43,7 +43,7 @@ import weakref
 from typing import Callable
 
 from leto_run.state_manager.metadata import Geometry
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 
 KEEPER_TIMEOUT = 30.0
 _FD_RESERVE = 128

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 
 
 def localize(pool, device_failures: dict[str, list[int]]) -> dict:

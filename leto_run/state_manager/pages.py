@@ -17,7 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 
 
 class MemfdPages:
@@ -52,7 +52,7 @@ class CudaPages:
     kind = "cuda"
 
     def __init__(self, ordinal: int):
-        from leto_runtime.rmp.mapping import cuda_driver
+        from leto_runtime.wire.host_pages import cuda_driver
 
         try:
             cu = cuda_driver()

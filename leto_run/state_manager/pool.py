@@ -28,7 +28,7 @@ repairs it before any use (`leto_runtime.rmu.guard`):
   emulation for stand-in pages with LETO_SM_FAULT_EMULATION=retire.
 
 Calling contract: every public method is called with `self.lock` held by the server (one
-operation at a time); errors are `leto_runtime.rmp.protocol` typed errors.
+operation at a time); errors are `leto_runtime.wire.protocol` typed errors.
 """
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ from typing import Callable
 
 from leto_run.state_manager.metadata import NAME_RE, DTYPES, MAX_STATE_BYTES, PoolMeta, State
 from leto_run.state_manager.pages import MemfdPages
-from leto_runtime import settings
-from leto_runtime.rmp import protocol as P
-from leto_runtime.rmp.mapping import HostMapping
+from leto_runtime.wire import settings
+from leto_runtime.wire import protocol as P
+from leto_runtime.wire.host_pages import HostMapping
 
 FD_RESERVE = 64 + 2 * P.MAX_FDS_PER_MESSAGE      # sockets, logs and one fd train in flight
 # Tests: LETO_SM_FAULT_EMULATION=retire makes CPU stand-in device pages fail as GPU pages do
@@ -56,7 +56,7 @@ class Pool:
     def __init__(self, meta: PoolMeta, device, keeper=None, log: Callable[[str], None] = print,
                  bulletin=None):
         self.meta, self.device, self.keeper, self.log = meta, device, keeper, log
-        self.bulletin = bulletin                  # leto_runtime.rmp.bulletin.Writer, or None
+        self.bulletin = bulletin                  # leto_runtime.wire.bulletin.Writer, or None
         self.host = MemfdPages("host", sealed=True)
         self.fds: dict[int, int] = {}
         self.scan: dict[str, tuple[HostMapping, list[int]]] = {}   # the SM's view of host pages

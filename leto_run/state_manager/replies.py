@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from leto_run.state_manager.budget import FdBudget, dup_all
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 
 N = P.MAX_FDS_PER_MESSAGE
 

@@ -54,8 +54,8 @@ from leto_run.state_manager.conns import ConnTable, Limits, RateLimitedLog, limi
 from leto_run.state_manager.keeper import read_allow_file
 from leto_run.state_manager.metadata import DTYPES, NAME_RE
 from leto_run.state_manager.replies import Part, Replies, WaitFds, plain
-from leto_runtime import settings
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import settings
+from leto_runtime.wire import protocol as P
 
 MAX_REFRESH_STATES = 4096      # states named in one refresh / remap request
 MAX_REFRESH_PAGES = 65536      # changed pages listed in one refresh reply (~1.5 MB of JSON)

@@ -6,7 +6,7 @@ Role: the torch-extension builder.  The sources ship with the package (`leto_cud
 repository's cuda/) and are JIT-built on first use with `torch.utils.cpp_extension.load`, not at
 install time: torch is the user's choice and unpinned, and an install-time build would need that
 torch and a matching CUDA toolkit inside pip's isolated build environment.  Where a build is
-kept, when it is reused and how it is announced is `leto_runtime.kernel_cache`'s job (keyed by
+kept, when it is reused and how it is announced is `leto_runtime.wire.kernel_cache`'s job (keyed by
 the sources' digest; docs/KERNELS.md); a cached build imports in milliseconds.  No network
 access is involved.
 
@@ -27,8 +27,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from leto_runtime import settings
-from leto_runtime import kernel_cache as K
+from leto_runtime.wire import settings
+from leto_runtime.wire import kernel_cache as K
 
 from .errors import ParityBackendUnavailable
 

@@ -29,7 +29,7 @@ import torch
 from . import _ext, gf16, reference
 from .errors import ParityBackendUnavailable
 
-from leto_runtime import settings
+from leto_runtime.wire import settings
 
 log = logging.getLogger("leto.parity")
 

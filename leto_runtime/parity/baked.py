@@ -11,7 +11,7 @@ Usage: python -m leto_runtime.parity.baked  (rewrites the header).
 """
 from __future__ import annotations
 
-from leto_runtime.kernel_cache import source_dir
+from leto_runtime.wire.kernel_cache import source_dir
 
 from . import gf16
 

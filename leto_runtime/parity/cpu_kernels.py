@@ -1,7 +1,7 @@
 """The C++ CPU parity kernels (cuda/parity_cpu.cpp) through ctypes.
 
 Role: builds the kernels as a plain shared library with the system C++ compiler, into the
-kernel cache (`leto_runtime.kernel_cache`: keyed by the sources' digest), and gives them the
+kernel cache (`leto_runtime.wire.kernel_cache`: keyed by the sources' digest), and gives them the
 face the backends call (`CpuKernels`: the same four calls the torch extension had).  A plain
 library rather than a torch extension: the kernels use nothing of torch, and torch's headers
 alone took three quarters of the build (docs/BENCHMARKS.md, "Test-suite and kernel-build
@@ -34,7 +34,7 @@ _NT = 16                         # syndrome window t = -7..8 (gf16.KERNEL_T)
 def build() -> Path:
     """Compile cuda/parity_cpu.cpp into the kernel cache, once per source version; returns the
     library's path.  Raises OSError (no compiler) or kernel_cache.BuildError."""
-    from leto_runtime import kernel_cache as K
+    from leto_runtime.wire import kernel_cache as K
     cxx = K.cxx()
     if not cxx:
         raise OSError(K.NO_COMPILER)

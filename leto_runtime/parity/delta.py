@@ -34,7 +34,7 @@ import torch
 
 from . import gf16
 
-from leto_runtime import settings
+from leto_runtime.wire import settings
 
 METHODS = ("auto", "pagewise", "syndrome")
 

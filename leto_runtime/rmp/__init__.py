@@ -13,7 +13,7 @@ Modules: `protocol` (wire format, typed errors), `client`, `mapping` (VA ranges 
 """
 import importlib
 
-# Lazy (PEP 562): `from leto_runtime.rmp import protocol` -- what the launcher's fd keeper needs --
+# Lazy (PEP 562): `from leto_runtime.wire import protocol` -- what the launcher's fd keeper needs --
 # must not pay for the client, mapping and reconstruction modules at every `leto-run` start.
 _EXPORTS = {
     "RmpClient": "client", "RetainedState": "retained", "Marks": "retained",

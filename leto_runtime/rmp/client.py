@@ -40,7 +40,7 @@ from __future__ import annotations
 import threading
 import time
 
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 from leto_runtime.rmp.retained import (GroupInfo, LocalizeReport, Marks,  # noqa: F401 (re-exported)
                                        RefreshReport, RetainedState)
 
@@ -201,7 +201,7 @@ class RmpClient:
         """The state manager's loss bulletin (`bulletin.py`): a counter that moves whenever it
         registers a page loss; None where it has none (then ask `status()`)."""
         if self._bulletin is None:
-            from leto_runtime.rmp import bulletin
+            from leto_runtime.wire import bulletin
             self._bulletin = bulletin.open(bulletin.path_for(self.path)) or False
         return self._bulletin.value() if self._bulletin else None
 

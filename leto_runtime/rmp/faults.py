@@ -7,13 +7,12 @@ by the runtime in the trainer (step-triggered specs; a registered trainer pid).
     events.emit("inject_pages", gen, rank=..., **report)      # what was destroyed, how emulated
 
 Raises the typed
-`leto_runtime.rmp.protocol` errors (BadArgument for a group or page range that does not exist,
+`leto_runtime.wire.protocol` errors (BadArgument for a group or page range that does not exist,
 Disconnected if the state manager is gone); every call has `timeout`.
 """
 from __future__ import annotations
 
-
-PAGE_KEYS = ("tier", "count", "first", "part", "group")
+from leto_runtime.wire.host_pages import PAGE_KEYS
 
 
 def fire_pages_spec(sm_socket: str, params: dict, timeout: float = 10.0) -> dict:

@@ -2,7 +2,7 @@
 
 Role: the fast path of `CudaMapping.map_pages` (the cold attach of a retained state).  The
 library is plain C++ against the CUDA driver API (no torch, no pybind): built with the system
-C++ compiler on first use (~1 s) into the kernel cache (`leto_runtime.kernel_cache`: keyed by
+C++ compiler on first use (~1 s) into the kernel cache (`leto_runtime.wire.kernel_cache`: keyed by
 the source's digest), and loaded with ctypes (whose foreign calls release the GIL).  Where it
 cannot be built or loaded (no compiler, no cuda.h) `load()` returns None, logged once, and the
 caller keeps the cuda-python loop (the reference).
@@ -23,10 +23,10 @@ import os
 import shutil
 import threading
 
-from leto_runtime import settings
+from leto_runtime.wire import settings
 
 NAME = "rmp_map"
-SRC = "rmp_map.cpp"            # in the kernel sources (leto_runtime.kernel_cache.source_dir())
+SRC = "rmp_map.cpp"            # in the kernel sources (leto_runtime.wire.kernel_cache.source_dir())
 _CALLS = {1: "cuMemImportFromShareableHandle", 2: "cuMemMap", 3: "cuMemSetAccess",
           4: "the CUDA driver entry points (libcuda.so.1)"}
 _lock = threading.Lock()
@@ -60,8 +60,8 @@ def _cuda_include() -> str | None:
 
 def build() -> str:
     """Compile cuda/rmp_map.cpp into the kernel cache, once per source version
-    (`leto_runtime.kernel_cache`); returns the library's path."""
-    from leto_runtime import kernel_cache as K
+    (`leto_runtime.wire.kernel_cache`); returns the library's path."""
+    from leto_runtime.wire import kernel_cache as K
 
     inc = _cuda_include()
     if inc is None:

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from leto_runtime import settings
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import settings
+from leto_runtime.wire import protocol as P
 
 
 class Unrecoverable(P.RmpError):
@@ -169,7 +169,7 @@ def reconstruct(client, names: list[str] | None = None, *, backend: str = "auto"
 def _repair_group(st, loss: GroupLoss, backend: str) -> None:
     """Repair one group in place (see the module docstring): the address-array path on CUDA
     pages with the CUDA kernels, else the staged path (CPU pages, reference backend)."""
-    if FAST_PATH and st.device.startswith("cuda"):
+    if settings.get().rmp_reconstruct_path != "staged" and st.device.startswith("cuda"):
         be = _cuda_kernels(backend, st)
         if be is not None:
             return _repair_group_cuda(st, loss, be)
@@ -232,7 +232,6 @@ def _repair_group_staged(st, loss: GroupLoss, backend: str) -> None:
 #
 # Both kernels are the codec's (cuda/parity_cuda.cu, reference leto_runtime/parity/reference.py);
 # `split_coefficients` is their glue, checked against ParityCode.decode by the unit tests.
-FAST_PATH = settings.get().rmp_reconstruct_path != "staged"
 STAGE_TIMES: list | None = None    # benchmarks: a list -> (stage, seconds) appended, synchronized
 _log = logging.getLogger("leto.rmp")
 _warned: set[str] = set()

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from leto_runtime.rmp import mapping as _mapping
-from leto_runtime.rmp import protocol as P
-from leto_runtime.rmp.mapping import CudaMapping, HostMapping
+from leto_runtime.rmp.mapping import CudaMapping
 from leto_runtime.rmp.tensors import ViewRegistry, make_tensor
+from leto_runtime.wire import protocol as P, settings
+from leto_runtime.wire.host_pages import HostMapping
 
 
 @dataclass
@@ -159,7 +159,7 @@ class RetainedState:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        return max(P.MAX_FDS_PER_MESSAGE, min(_mapping.MAP_BATCH, (soft - 1024) // 2))
+        return max(P.MAX_FDS_PER_MESSAGE, min(settings.get().rmp_map_batch, (soft - 1024) // 2))
 
     def _map_batch(self, fds: list[int], offset: int) -> None:
         by_map: dict[int, tuple[object, list]] = {}
@@ -181,7 +181,7 @@ class RetainedState:
     def _flush(self) -> None:
         pairs, self._pending = self._pending, []
         if pairs:
-            self._data.map_pages(pairs, grant=not _mapping.GRANT_ONCE)
+            self._data.map_pages(pairs, grant=not settings.get().rmp_grant_once)
 
     def _abort(self) -> None:
         """An attach failed midway: close the fds not mapped yet."""
@@ -190,7 +190,7 @@ class RetainedState:
 
     def _finish_map(self) -> None:
         self._flush()
-        if _mapping.GRANT_ONCE:
+        if settings.get().rmp_grant_once:
             self._data.grant_all()
         del self._slots
         if self._parity is not None:

@@ -27,7 +27,7 @@ import time
 import weakref
 from typing import Sequence
 
-from leto_runtime.rmp.protocol import ViewsAlive
+from leto_runtime.wire.protocol import ViewsAlive
 
 _DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
            "float64", "bool")

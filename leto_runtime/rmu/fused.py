@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from leto_runtime import settings
+from leto_runtime.wire import settings
 from leto_runtime.rmu import adamw as A
 
 log = logging.getLogger("leto.rmu")

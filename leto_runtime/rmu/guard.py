@@ -6,7 +6,7 @@ every group's data agrees with its host parity.  That is where a page loss that 
 the trainer lived -- registered by the state manager (an injected or a real fault: its loss
 registry, `status()["pending_losses"]`) -- is repaired before any further read:
 
-0. the state manager's loss bulletin (`leto_runtime.rmp.bulletin`: a counter in shared memory)
+0. the state manager's loss bulletin (`leto_runtime.wire.bulletin`: a counter in shared memory)
    is read; only when it moved is the state manager asked (`status`) -- no round trip otherwise;
 1. `localize` marks every lost page, `remap` puts fresh memory behind it (mapped in place: the
    same addresses, so views, prepared kernels and address arrays stay valid);

@@ -62,12 +62,12 @@ from pathlib import Path
 
 import torch
 
-from leto_runtime import settings
+from leto_runtime.wire import settings
 
 ENV = "LETO_LEND"
 SKIP = 512              # bytes left unlent at the start of every range (see Lender.__init__)
 NAME = "leto_lend_alloc"
-SRC = "lend_alloc.cpp"         # in the kernel sources (leto_runtime.kernel_cache.source_dir())
+SRC = "lend_alloc.cpp"         # in the kernel sources (leto_runtime.wire.kernel_cache.source_dir())
 _STATS = ("region_bytes", "region_in_use", "region_peak", "overflow_in_use", "overflow_peak",
           "region_allocs", "overflow_allocs", "region_misses", "failed_allocs", "live_segments",
           "regions")
@@ -99,8 +99,8 @@ def _cuda_home() -> str | None:
 
 def build() -> Path:
     """Compile cuda/lend_alloc.cpp (plain C++ against the CUDA runtime; seconds) into the kernel
-    cache, once per source version (`leto_runtime.kernel_cache`); returns the library's path."""
-    from leto_runtime import kernel_cache as K
+    cache, once per source version (`leto_runtime.wire.kernel_cache`); returns the library's path."""
+    from leto_runtime.wire import kernel_cache as K
 
     home = _cuda_home()
     if home is None:

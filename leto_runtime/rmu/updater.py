@@ -26,7 +26,7 @@ a crash inside the update leaves state that can only be updated a second time --
 diverges.  It exists to show that exactness comes from the transactions.
 
 `inject(point, **where)` is called before each operation (points in
-`leto_runtime.contract.INJECT_POINTS`); the trainer's fault injection kills the process there.
+`leto_runtime.wire.contract.INJECT_POINTS`); the trainer's fault injection kills the process there.
 `where` carries `step`, `group`, `chunk` and `garbage`: a callable that scribbles random bytes
 into the chunk being updated and the scratch parity, as a kill in the middle of a kernel would
 leave them.
@@ -81,7 +81,7 @@ import time
 
 import torch
 
-from leto_runtime import settings
+from leto_runtime.wire import settings
 from leto_runtime.rmu import adamw as A
 from leto_runtime.rmu.cpu_chunks import ChunkCalls
 from leto_runtime.rmu.marker import GState, Marker, Phase, Record

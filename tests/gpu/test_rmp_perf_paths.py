@@ -81,7 +81,7 @@ def test_reconstruction_exact(slot, case, path, monkeypatch):
     calls = []
     real = R._repair_group_cuda
     monkeypatch.setattr(R, "_repair_group_cuda", lambda *a: (calls.append(a[1]), real(*a))[1])
-    monkeypatch.setattr(R, "FAST_PATH", path == "cuda")
+    monkeypatch.setenv("LETO_RMP_RECONSTRUCT_PATH", "auto" if path == "cuda" else "staged")
     name = f"rec.{case}.{path}"
     c = RmpClient(slot.socket)
     st = c.allocate(name, 72 * P)

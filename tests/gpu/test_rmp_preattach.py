@@ -44,10 +44,10 @@ def test_native_attach_maps_what_the_reference_maps(slot, monkeypatch, path, thr
     torch.cuda.synchronize()
     del st
     c.close()
-    monkeypatch.setattr(mapping, "MAP_PATH", path)
-    monkeypatch.setattr(mapping, "MAP_THREADS", threads)
-    monkeypatch.setattr(mapping, "GRANT_ONCE", once)
-    monkeypatch.setattr(mapping, "MAP_BATCH", 256)
+    monkeypatch.setenv("LETO_RMP_MAP", path)          # knobs are read at each attach
+    monkeypatch.setenv("LETO_RMP_MAP_THREADS", str(threads))
+    monkeypatch.setenv("LETO_RMP_GRANT_ONCE", "1" if once else "0")
+    monkeypatch.setenv("LETO_RMP_MAP_BATCH", "256")
     c = RmpClient(slot.socket)
     st = c.attach("gpu.cold")
     if path == "native":

@@ -42,7 +42,7 @@ def test_injected_hang_by_time_is_detected(tmp_path, out_dir):
     heartbeat by then (else the agent can only SIGSTOP it, and a process that never beat is
     never judged hung): hang.py beats before anything else, ~0.2 s after its start, and the 3 s
     leave that a wide margin on a busy machine."""
-    from leto_runtime.contract import HANG_SIGNAL
+    from leto_runtime.wire.contract import HANG_SIGNAL
 
     logs, ev = tmp_path / "logs", tmp_path / "ev.jsonl"
     r = run(leto_cmd("--no-status", "--nproc-per-node", "2", "--hang-timeout", "1.5",

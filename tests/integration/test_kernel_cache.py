@@ -1,4 +1,4 @@
-"""The kernel cache in real processes (leto_runtime/kernel_cache.py, docs/KERNELS.md): builds keyed
+"""The kernel cache in real processes (leto_runtime/wire/kernel_cache.py, docs/KERNELS.md): builds keyed
 by the sources' digest, shared by source trees with the same sources, never overwritten by a
 different tree, one build for concurrent builders, every build announced; and
 `leto-run --build-kernels` on this machine.
@@ -23,7 +23,7 @@ from leto_testing import ROOT, base_env, leto_cmd, run
 LOAD = """
 import json, sys
 import leto_runtime
-from leto_runtime import kernel_cache as K
+from leto_runtime.wire import kernel_cache as K
 kind = sys.argv[1]
 if kind == "parity_cpu":
     from leto_runtime.parity import _ext
@@ -103,7 +103,7 @@ def test_two_trees_share_one_build_and_a_changed_source_builds_apart(tmp_path):
 
 
 def _mapper_buildable() -> str | None:
-    from leto_runtime import kernel_cache as K
+    from leto_runtime.wire import kernel_cache as K
     from leto_runtime.rmp import native_map
     if native_map._cuda_include() is None:
         return "no cuda.h to build cuda/rmp_map.cpp"
@@ -180,7 +180,7 @@ def test_build_all_builds_the_missing_kernels_in_children_and_loads_them_itself(
     `built` by the parent, which then loads it from the cache; the CUDA extensions fail with
     the reason on a CPU-only torch instead of stopping the others."""
     import torch
-    from leto_runtime import kernel_cache as K
+    from leto_runtime.wire import kernel_cache as K
     from leto_runtime.parity import _ext
     cache = tmp_path / "cache"
     codec = Path(_ext.load_cpu().__file__).parent

@@ -157,7 +157,7 @@ def test_marks_survive_a_state_manager_crash(slot):
 
 def test_inject_spec_fired_like_the_agent_does(slot):
     from leto_run.inject import parse_inject
-    from leto_run.state_manager.faults import fire_pages_spec
+    from leto_runtime.rmp.faults import fire_pages_spec
     write_state(slot, "e", 5, n_pages=40)
     spec = parse_inject(f"pages:rank=0:group={gid(slot, 'e', 1)}:count=2:tier=device:after=1s")
     rep = fire_pages_spec(slot.socket, spec.to_json()["params"])

@@ -11,7 +11,7 @@ import pytest
 
 from leto_run.state_manager import Geometry
 from leto_run.state_manager.harness import SlotHarness
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 from leto_runtime.rmp.client import RmpClient
 from leto_runtime.rmp.reconstruct import protect, recover
 

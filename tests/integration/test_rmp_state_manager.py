@@ -21,7 +21,7 @@ import pytest
 
 from leto_run.state_manager import Geometry
 from leto_run.state_manager.harness import SlotHarness
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 from leto_runtime.rmp.client import RmpClient
 
 GEOM = Geometry(data_pages=8, tier1=4, tier2=1, page_bytes=64 << 10)
@@ -167,7 +167,7 @@ def test_retain_by_name_and_typed_errors(slot):
 # ---- who may connect -------------------------------------------------------------------------
 HELLO = r"""
 import sys
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 from leto_runtime.rmp.client import RmpClient
 try:
     RmpClient(sys.argv[1]); print("accepted")
@@ -205,7 +205,7 @@ def test_other_uid_refused(slot):
     # "client-late" is RmpClient held up the same way between connect and hello.
     code = """
 import ctypes, os, select, socket, sys, time
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 from leto_runtime.rmp.client import RmpClient
 os.setresgid(65534, 65534, 0); os.setresuid(65534, 65534, 0)
 mode = sys.argv[2]

@@ -24,7 +24,7 @@ import pytest
 
 from leto_run.state_manager import Geometry
 from leto_run.state_manager.harness import SlotHarness
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 from leto_runtime.rmp.client import RmpClient
 
 GEOM = Geometry(data_pages=8, tier1=4, tier2=1, page_bytes=64 << 10)
@@ -154,7 +154,7 @@ def test_a_client_that_never_reads_stalls_only_itself(stall_slot):
 # ---- slots and idle connections ----------------------------------------------------------
 HOG = r"""
 import socket, sys, time, json
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 path, n = sys.argv[1], int(sys.argv[2])
 sys.stdin.readline()                                  # registered by now
 socks = []

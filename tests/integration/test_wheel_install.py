@@ -27,7 +27,7 @@ PACKAGING = ("pyproject.toml", "README.md", "cuda", "leto_run", "leto_runtime")
 PROBE = """
 import json, sys
 import leto_run, leto_runtime
-from leto_runtime import kernel_cache as K
+from leto_runtime.wire import kernel_cache as K
 from leto_runtime.parity import _ext
 _ext.load_cpu()
 got = K.outcome("leto_parity_cpu")

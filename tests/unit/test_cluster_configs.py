@@ -23,7 +23,7 @@ from leto_run import job_secret
 from leto_run.agent_events import _SHUTDOWN_SIGNALS
 from leto_run.cli import load_config
 from leto_run.state_manager import __main__ as sm_main
-from leto_runtime import contract
+from leto_runtime.wire import contract
 
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "configs" / "cluster" / "slurm.sbatch"

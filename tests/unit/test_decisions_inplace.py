@@ -1,6 +1,6 @@
 """decide_inplace: when a HOF is recovered in place, when the job ends, when it falls back."""
 from leto_run.decisions import Action, Failure, SlotView, decide_inplace
-from leto_runtime.contract import UNRECOVERABLE_EXIT
+from leto_runtime.wire.contract import UNRECOVERABLE_EXIT
 
 KILL = Failure(rank=1, exitcode=-9, how="Signal 9 (SIGKILL)")
 

@@ -10,7 +10,7 @@ from leto_run.failures import error_identity, failure_from_exit
 from leto_run.recovery_policy import FailurePolicy
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_run.worker_env import WorkerIdentity
-from leto_runtime.contract import UNRECOVERABLE_EXIT
+from leto_runtime.wire.contract import UNRECOVERABLE_EXIT
 
 TB = "ValueError at /job/train.py:42 in step_fn"
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from leto_run.heartbeat import HeartbeatServer
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 
 
 @pytest.fixture

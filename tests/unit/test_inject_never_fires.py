@@ -12,7 +12,7 @@ from leto_run.config import JobConfig, LaunchConfig, RecoveryConfig
 from leto_run.errors import ConfigError
 from leto_run.inject import CHUNK_POINTS, GARBAGE_POINTS, GROUP_POINTS, parse_inject
 from leto_run.inject_checks import never_fires
-from leto_runtime.contract import INJECT_POINTS
+from leto_runtime.wire.contract import INJECT_POINTS
 from leto_runtime.rmu.states import Geometry, pick_chunk_pages
 
 UPDATER = Path(__file__).resolve().parents[2] / "leto_runtime" / "rmu" / "updater.py"

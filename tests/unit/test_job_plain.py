@@ -131,7 +131,7 @@ def test_an_inplace_job_builds_the_kernels_before_the_first_heartbeat(monkeypatc
 def test_a_plain_job_loads_no_kernel(monkeypatch):
     """Plain torchrun retains nothing, so it protects nothing: no kernel is loaded (nor built,
     nor a compiler needed -- tests/integration/test_plain_torchrun_no_build.py runs it for real)."""
-    from leto_runtime import kernel_cache
+    from leto_runtime.wire import kernel_cache
     from leto_runtime.context import Context
     from leto_runtime.parity import _ext
 

@@ -1,5 +1,5 @@
 """The kernel sources ship with the package and are found through one function, and the kernel
-cache's key covers what shapes a build (leto_runtime/kernel_cache.py, docs/KERNELS.md).
+cache's key covers what shapes a build (leto_runtime/wire/kernel_cache.py, docs/KERNELS.md).
 
 Fast checks, nothing compiled: pyproject's package list against the tree, the package-data
 globs against cuda/, the one source lookup, that cuda/__init__.py does not hide cuda-python, and
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import setuptools
 
-from leto_runtime import kernel_cache as K
+from leto_runtime.wire import kernel_cache as K
 
 ROOT = Path(__file__).resolve().parents[2]
 tomllib = pytest.importorskip("tomllib")

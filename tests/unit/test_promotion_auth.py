@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from leto_run.heartbeat import HeartbeatServer
 from leto_run.worker_env import WorkerEnvSpec, WorkerIdentity, build_worker_env
-from leto_runtime import Context, contract as C
+from leto_runtime import Context
+from leto_runtime.wire import contract as C
 from leto_runtime.auth_store import AuthStore
 from leto_runtime.control_auth import key_to_hex
 from leto_testing import ROOT

@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 from leto_run.state_manager.keeper import FdKeeper, fds_held_by_keepers
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 
 
 def test_soft_limit_raised_and_hard_limit_error_names_the_fix():
     code = r"""
 import resource
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 resource.setrlimit(resource.RLIMIT_NOFILE, (300, 900))
 soft, hard = P.check_nofile(800, "the state manager")
 assert (soft, hard) == (900, 900), (soft, hard)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from leto_run.state_manager.metadata import Geometry, PoolMeta, SnapshotError
-from leto_runtime.rmp import protocol as P
-from leto_runtime.rmp.mapping import HostMapping, scan_range
+from leto_runtime.wire import protocol as P
+from leto_runtime.wire.host_pages import HostMapping, scan_range
 from leto_runtime.rmp.tensors import ViewRegistry, make_tensor
 
 G = Geometry(data_pages=32, tier1=16, tier2=1, page_bytes=16 << 10)

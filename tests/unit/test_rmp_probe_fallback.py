@@ -46,5 +46,7 @@ def test_native_function_gets_geometry_and_pages(monkeypatch):
     m = _fake_mapping()
     assert m.probe() == [5]
     assert m.probe(range(2, 4)) == [5]
-    assert calls == [(1 << 40, 2 << 20, 8, None, mapping.PROBE_THREADS),
-                     (1 << 40, 2 << 20, 8, [2, 3], mapping.PROBE_THREADS)]
+    monkeypatch.setenv("LETO_RMP_PROBE_THREADS", "3")     # read at each probe
+    assert m.probe(range(1, 2)) == [5]
+    assert calls == [(1 << 40, 2 << 20, 8, None, 1), (1 << 40, 2 << 20, 8, [2, 3], 1),
+                     (1 << 40, 2 << 20, 8, [1], 3)]

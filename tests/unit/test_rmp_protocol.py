@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 
 
 @pytest.fixture
@@ -177,7 +177,7 @@ def test_idle_wait_works_for_fds_above_fd_setsize():
     import os
     import socket as _socket
 
-    from leto_runtime.rmp import protocol as PP
+    from leto_runtime.wire import protocol as PP
     filler = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
     try:
         a, b = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)

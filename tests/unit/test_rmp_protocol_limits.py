@@ -16,8 +16,8 @@ import pytest
 from leto_run.state_manager.budget import Need, allocation_need, memory_refusal
 from leto_run.state_manager.conns import ConnTable, Limits, limits_from_env, refusal
 from leto_run.state_manager.metadata import Geometry, PoolMeta
-from leto_runtime.rmp import header as H
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import header as H
+from leto_runtime.wire import protocol as P
 
 
 @pytest.fixture

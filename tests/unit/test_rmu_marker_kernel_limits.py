@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from leto_runtime.kernel_cache import source_dir
+from leto_runtime.wire.kernel_cache import source_dir
 from leto_runtime.rmu import marker as M
 
 HEADER = source_dir() / "marker_kernel.h"

@@ -1,4 +1,4 @@
-"""The tuning knobs (leto_runtime/settings.py): one typed reader, the only one; a bad value stops
+"""The tuning knobs (leto_runtime/wire/settings.py): one typed reader, the only one; a bad value stops
 leto-run with exit 2 naming the variable and the fix, before anything starts."""
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from leto_runtime import settings as S
+from leto_runtime.wire import settings as S
 
 ROOT = Path(__file__).resolve().parents[2]
 # The modules that may read the environment: the contract's reader, the knobs' reader, and the
 # agent's config loader (torchrun's PET_* and Leto's options).
-READERS = {"leto_runtime/context.py", "leto_runtime/settings.py", "leto_run/config_load.py"}
+READERS = {"leto_runtime/context.py", "leto_runtime/wire/settings.py", "leto_run/config_load.py"}
 
 
 def test_defaults_without_any_knob():

@@ -22,7 +22,7 @@ from leto_run.state_manager.conns import Limits
 from leto_run.state_manager.metadata import Geometry, PoolMeta
 from leto_run.state_manager.pool import MemfdPages, Pool
 from leto_run.state_manager.server import Server
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 
 GEOM = Geometry(data_pages=8, tier1=4, tier2=1, page_bytes=4096)
 PAGES = 3000                   # 12 messages of fds: far more than the small buffer holds
@@ -165,7 +165,7 @@ def test_a_client_that_stops_reading_is_dropped_and_others_are_served(make):
 
 ATTACHER = r"""
 import sys, time
-from leto_runtime.rmp import protocol as P
+from leto_runtime.wire import protocol as P
 P.raise_nofile_limit()
 s = P.connect(sys.argv[1], deadline=time.monotonic() + 10)
 P.send_message(s, {"op": "attach", "name": "w"}, deadline=time.monotonic() + 10)

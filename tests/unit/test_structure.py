@@ -116,3 +116,16 @@ def test_one_geometry_for_every_side():
     assert classes == ["leto_runtime/wire/geometry.py"]
     hello = {"geometry": Geometry(32, 16, 1, 4096).to_json(), "device_page_bytes": 2 << 20}
     assert of_pool(hello) == Geometry(32, 16, 1, 2 << 20)
+
+
+def test_the_state_manager_imports_only_the_wire_package():
+    """`leto_run/state_manager/` reads what it shares with the trainer from `leto_runtime.wire`
+    and never imports the trainer's client modules (function-level imports included)."""
+    bad = []
+    for path in sorted((ROOT / "leto_run" / "state_manager").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{path.name}: {n}" for n in names
+                    if n.split(".")[0] == "leto_runtime" and not n.startswith("leto_runtime.wire")]
+    assert not bad, bad

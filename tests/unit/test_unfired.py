@@ -9,7 +9,7 @@ import sys
 from leto_run.heartbeat import HeartbeatServer
 from leto_run.inject import parse_inject
 from leto_run.unfired import InjectLedger, unfired_reason
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 
 
 def spec(text):

@@ -1,7 +1,7 @@
 """The env writer and reader agree (round trip through the contract), without processes."""
 from leto_run.worker_env import WorkerEnvSpec, WorkerIdentity, build_worker_env, default_omp_threads
 from leto_runtime import Context
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 
 
 def spec(**kw):

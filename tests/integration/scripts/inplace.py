@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 import leto_runtime as hb
 from leto_runtime import promotion
 from leto_runtime.context import Context

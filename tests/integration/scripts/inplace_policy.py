@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import leto_runtime as hb
-from leto_runtime import contract as C
+from leto_runtime.wire import contract as C
 from leto_runtime import promotion
 from leto_runtime.context import Context
 

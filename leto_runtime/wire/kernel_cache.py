@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from leto_runtime import settings
+from leto_runtime.wire import settings
 
 log = logging.getLogger("leto.kernels")
 
@@ -80,7 +80,7 @@ def source_dir() -> Path:
     """The kernel sources: the one lookup every builder uses.  In a source checkout (an editable
     install, or the checkout on sys.path) they are the `cuda/` next to this package, so the
     sources always match the Python code that runs; in an installed wheel, package `leto_cuda`."""
-    here = Path(__file__).resolve().parents[1] / "cuda"
+    here = Path(__file__).resolve().parents[2] / "cuda"
     if (here / "parity_cpu.cpp").is_file():
         return here
     try:

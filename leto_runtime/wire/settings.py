@@ -6,7 +6,7 @@ codec's (LETO_PARITY_*), activation lending (LETO_LEND*), the kernel cache (LETO
 state manager's (LETO_SM_*), and the toolchain variables the kernel builds honour (CXX,
 CUDA_HOME, CUDA_PATH, PYTORCH_NVCC, TORCH_CUDA_ARCH_LIST, TORCH_EXTENSIONS_DIR, XDG_CACHE_HOME).
 What the agent tells a trainer about its job (rank, generation,
-sockets) is the env contract instead (`leto_runtime.contract`, read by `context`).  Nothing else
+sockets) is the env contract instead (`leto_runtime.wire.contract`, read by `context`).  Nothing else
 in leto_runtime or leto_run reads these variables.
 
 Each knob is typed and checked: a value out of its domain raises `SettingsError` naming the
@@ -117,7 +117,7 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "rmp_grant_once": ("LETO_RMP_GRANT_ONCE", _flag, False),
     "rmp_probe_threads": ("LETO_RMP_PROBE_THREADS", _count(1, 256), 1),
     "rmp_reconstruct_path": ("LETO_RMP_RECONSTRUCT_PATH", _choice("auto", "staged"), "auto"),
-    # the kernel cache (leto_runtime/kernel_cache.py): docs/KERNELS.md
+    # the kernel cache (leto_runtime/wire/kernel_cache.py): docs/KERNELS.md
     "ext_dir": ("LETO_EXT_DIR", _text, None),
     "ext_verbose": ("LETO_EXT_VERBOSE", _flag, False),
     # the state manager (leto_run/state_manager): docs/MEMORY.md

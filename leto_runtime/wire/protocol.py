@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from leto_runtime.rmp import header as _header
+from leto_runtime.wire import header as _header
 
 # 1: the first protocol.  2: `refresh` (what changed since a mapping was made), "uid" and
 # "version" in attach/allocate/list replies, retired pages marked by localize.
