@@ -29,14 +29,14 @@ stdout gets a Markdown table (median, p10, p90, min per launcher and the leto/to
 medians) and one PASS/MISS line per goal; progress goes to stderr; ``--json`` gets every sample,
 the summary, the goals and the machine.  Exit status 0 when every trial produced its numbers
 (whatever the goals say), 1 when a trial failed (its launcher log tail is printed), 2 on usage
-errors.  No process outlives the benchmark: every launch is torn down in a ``finally``.
+errors.  No process outlives the benchmark: every launch is torn down in a ``finally``.  The
+machine and code description in the report is provenance.py's (benchmarks/recovery uses it too).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import random
 import shlex
 import shutil
@@ -46,7 +46,13 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from importlib import metadata
+from pathlib import Path
+
+# Run as a script only benchmarks/ is on sys.path; imported (benchmarks.recovery) the root is.
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import machine_info  # noqa: E402
 
 LETO, TORCHRUN = "leto-run", "torchrun"
 MODULES = {LETO: "leto_run", TORCHRUN: "torch.distributed.run"}   # what each script runs
@@ -355,59 +361,6 @@ def render_markdown(summary: dict[str, dict]) -> str:
         cells = [label] + [_ms(per[LETO], c) for c in cols] + [_ms(per[TORCHRUN], c) for c in cols]
         lines.append("| " + " | ".join(cells + [ratio]) + " |")
     return "\n".join(lines)
-
-
-def machine_info() -> dict[str, str | int]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
-                       cpu)
-    except OSError:
-        pass
-
-    def version(dist: str) -> str:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            return "not installed"
-
-    # What leto-run code was measured: an editable install runs the working tree as it is.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    tree = "unknown"
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--",
-                                "leto_run", "leto_runtime"],
-                               capture_output=True, text=True, timeout=10).stdout.split("\n")
-        dirty = [ln[3:] for ln in dirty if ln.strip()]
-        tree = head + (f" + uncommitted changes in {', '.join(dirty)}" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    # Versions from package metadata: importing torch here would cost seconds and memory that
-    # the launches would then compete with.
-    return {"nproc": os.cpu_count() or 0, "cpu": cpu, "python": platform.python_version(),
-            "torch": version("torch"), "leto": version("leto"), "leto_tree": tree,
-            "leto_sources": sources_digest(root), "platform": platform.platform()}
-
-
-def sources_digest(root: str) -> str:
-    """sha256 (16 hex digits) of the launcher's, the runtime's and the kernels' source files,
-    paths and contents: two measurements with the same digest ran the same code, whatever git
-    says (the device's copy of the tree can carry a stale HEAD)."""
-    import hashlib
-    h = hashlib.sha256()
-    for top in ("leto_run", "leto_runtime", "cuda"):
-        for dirpath, dirnames, files in sorted(os.walk(os.path.join(root, top))):
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-            for name in sorted(files):
-                if name.endswith((".py", ".cu", ".cuh", ".h", ".cpp")):
-                    path = os.path.join(dirpath, name)
-                    h.update(os.path.relpath(path, root).encode() + b"\0")
-                    with open(path, "rb") as f:
-                        h.update(f.read())
-    return h.hexdigest()[:16]
 
 
 # ---- main --------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from leto_runtime.parity import ParityCode, ProtectionGroup, _ext, backends, delta, gf16  # noqa: E402
+from leto_runtime.parity import ParityCode, _ext, backends, delta, gf16  # noqa: E402
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 results: dict = {"rows": []}
@@ -74,6 +74,18 @@ def cpu_time(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(ts)
 
 
+def copy_yardstick(dev, nbytes: int, reps: int) -> float:
+    """Read+write bandwidth (bytes/s) of a device-to-device copy of one contiguous buffer of
+    `nbytes`, reported as a row.  The two buffers are this function's own: freed on return."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev).random_(0, 256)
+    dst = torch.empty_like(src)
+    t = gpu_time(lambda: dst.copy_(src), reps)
+    copy_bw = 2 * nbytes / t
+    row("gpu", f"d2d copy of {nbytes / GiB:g} GiB (read+write bandwidth)", copy_bw / 1e12, "TB/s",
+        f"{t * 1e3:.3f} ms")
+    return copy_bw
+
+
 def bench_gpu(reps: int) -> None:
     dev = torch.device("cuda")
     D, H1, H2, S = 1024, 16, 1, 2 * MiB
@@ -81,14 +93,8 @@ def bench_gpu(reps: int) -> None:
     results["gpu"] = f"{prop.name}, {prop.multi_processor_count} SMs, torch {torch.__version__}"
     print(f"GPU: {results['gpu']}", flush=True)
     cuda_ops = backends.cuda_backend()
-    # Yardstick: a device-to-device copy of the group's bytes.
-    src = torch.empty(D * S, dtype=torch.uint8, device=dev).random_(0, 256)
-    dst = torch.empty_like(src)
-    t = gpu_time(lambda: dst.copy_(src), reps)
-    copy_bw = 2 * D * S / t
-    row("gpu", "d2d copy of 2 GiB (read+write bandwidth)", copy_bw / 1e12, "TB/s", f"{t * 1e3:.3f} ms")
-    del src, dst
-    torch.cuda.empty_cache()
+    copy_bw = copy_yardstick(dev, D * S, reps)
+    torch.cuda.empty_cache()        # the copy's 4 GiB go back before the group is allocated
 
     data = [torch.empty(S, dtype=torch.uint8, device=dev).random_(0, 256) for _ in range(D)]
     code = ParityCode(D, H1, S, backend="cuda")

@@ -22,7 +22,8 @@ trainer:
                                    [--page-bytes S] [--repeats N] [--json FILE]
 
 stdout: a Markdown table and one PASS/MISS line per goal; progress on stderr.  Exit 0 when every
-measurement ran, 1 otherwise.  The state manager is torn down in a `finally`.
+measurement ran, 1 otherwise.  The state manager is torn down in a `finally`.  The table and the
+goal lines are rmp_report.py's, from the result dict that --json writes.
 """
 from __future__ import annotations
 
@@ -47,6 +48,12 @@ from leto_runtime.rmp import reconstruct as R
 from leto_runtime.rmp.client import RmpClient
 from leto_runtime.rmp.reconstruct import protect, reconstruct
 from leto_runtime.wire import settings
+
+# Run as a script only benchmarks/ is on sys.path (the root may be, through PYTHONPATH).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from benchmarks.rmp_report import report_md  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -101,7 +108,7 @@ def stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--retained-gib", type=float, default=64.0)
@@ -120,10 +127,18 @@ def main(argv=None) -> int:
                     help="cold-attach variants measured next to the default path: "
                          "PATH:THREADS:GRANT (grant = once | batch), comma-separated")
     ap.add_argument("--json")
-    a = ap.parse_args(argv)
-    if a.probe == "python":
-        mapping._probe_fn = False
+    return ap.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.probe == "python":                       # the cuda-python loop for the whole run
+        with mapping.override_native_probe(False):
+            return run(a)
+    return run(a)
+
+
+def run(a) -> int:
     cuda = torch.cuda.is_available() and a.device != "cpu"
     device = ("cuda:0" if a.device == "auto" else a.device) if cuda else "cpu"
     nofile = raise_nofile()
@@ -145,77 +160,10 @@ def main(argv=None) -> int:
         c = RmpClient(slot.socket)
         page = c.info["device_page_bytes"]
         res["page_bytes"] = page
-        # ---- state manager GPU memory ---------------------------------------------------
         if a.skip_retained:
             raise _Skip()
-        nbytes = int(a.retained_gib * GiB) // page * page
-        t0 = time.perf_counter()
-        c.allocate("bench.retained", nbytes, kind="process")
-        alloc_s = time.perf_counter() - t0
-        c.close()
-        log(f"allocated {nbytes / GiB:.1f} GiB in {nbytes // page} pages in {alloc_s:.2f} s")
-        if cuda:
-            free1 = torch.cuda.mem_get_info(0)[0]
-            apps = compute_apps()
-            res["sm_gpu_memory"] = {
-                "start_mib": (free0 - free_started) / MiB,
-                "device_free_drop_mib": (free0 - free1) / MiB, "pool_mib": nbytes / MiB,
-                "sm_overhead_mib": (free0 - free1 - nbytes) / MiB,
-                "sm_listed_by_nvidia_smi": None if apps is None else slot.proc.pid in apps,
-                "sm_mib_by_nvidia_smi": None if apps is None else apps.get(slot.proc.pid, 0)}
-            log(f"state manager GPU memory: {res['sm_gpu_memory']}")
-        res["allocate"] = {"seconds": alloc_s, "pages": nbytes // page, "bytes": nbytes}
-        # ---- attach / map ---------------------------------------------------------------
-        att, unm, loc_probe, loc_total, probe_py, probe_t4 = [], [], [], [], [], []
-        if cuda:
-            res["probe_native"] = mapping._native_probe() is not None
-        for r in range(a.repeats + 1):
-            c = RmpClient(slot.socket)
-            t0 = time.perf_counter()
-            st = c.attach("bench.retained")
-            t = st.tensor(dtype="uint8")
-            t1 = time.perf_counter()
-            if r == 0:
-                t[:page].fill_(1)                    # touch: the mapping works
-                assert int(t[page - 1]) == 1
-            rep = c.localize()
-            assert rep.failed() == 0
-            if cuda:                                  # same run: the reference loop and threads
-                m = st._data
-                tp = time.perf_counter()
-                assert m._probe_python() == []
-                tq = time.perf_counter()
-                fn = mapping._native_probe()
-                if fn is not None:
-                    assert list(fn(m.base, m.page_bytes, m.n_pages, None, 4)) == []
-                tr = time.perf_counter()
-                if r:
-                    probe_py.append((tq - tp) / m.n_pages * 1000)
-                    if fn is not None:
-                        probe_t4.append((tr - tq) / m.n_pages * 1000)
-            del t
-            t2 = time.perf_counter()
-            c.close()
-            t3 = time.perf_counter()
-            if r:                                     # repeat 0 is the warm-up
-                att.append(t1 - t0)
-                unm.append(t3 - t2)
-                loc_probe.append(rep.device_probe_s / rep.device_pages_probed * 1000)
-                loc_total.append(rep.total_s)
-        res["attach_map_s"] = stats(att)
-        res["unmap_s"] = stats(unm)
-        res["localize_per_1000_pages_s"] = stats(loc_probe)
-        res["localize_call_s"] = stats(loc_total)
-        if probe_py:
-            res["probe_python_per_1000_pages_s"] = stats(probe_py)
-        if probe_t4:
-            res["probe_native_4threads_per_1000_pages_s"] = stats(probe_t4)
-        res["localize_pages"] = nbytes // page
-        k = settings.get()
-        res["attach_path"] = {"path": k.rmp_map, "threads": k.rmp_map_threads,
-                              "grant_once": k.rmp_grant_once, "batch": k.rmp_map_batch,
-                              "native": mapping._native_map() is not None}
-        log(f"attach {res['attach_map_s']}, localize/1000 {res['localize_per_1000_pages_s']}")
+        nbytes = bench_allocate(slot, c, a, res, cuda, page, free0, free_started)
+        bench_attach(slot, a, res, cuda, page, nbytes)
         if cuda and a.map_variants:
             res["attach_variants"] = bench_variants(slot, a.map_variants, a.repeats)
         res.update(bench_preattached(slot, a.repeats, page))
@@ -225,64 +173,15 @@ def main(argv=None) -> int:
     except _Skip:
         pass
     except Exception as e:
-        ok = False
-        res["error"] = f"{type(e).__name__}: {e}"
-        log(f"FAILED: {res['error']}")
-        import traceback
-        traceback.print_exc()
+        ok = _failed(res, e)
     try:
         if a.skip_reconstruct or not ok:
             raise _Skip()
-        # ---- reconstruction of 16 pages in one group ------------------------------------
-        D = a.data_pages
-        page = RmpClient(slot.socket).info["device_page_bytes"]
-        from leto_runtime.parity import ParityCode
-        used = ParityCode(D, 16, page, backend=a.backend).backend_for(torch.device(device)).name
-        res["codec_backend"] = used
-        log(f"parity codec backend for {device} pages: {used}")
-        if used == "reference" and D * page > 256 * MiB:
-            raise RuntimeError(f"the parity codec resolved to the NumPy reference for {device} "
-                               "pages (kernels unavailable): a 2 GiB group would take minutes; "
-                               "not measured")
-        c = RmpClient(slot.socket)
-        st = c.allocate("bench.group", D * page)
-        gid = st.groups[0].id
-        ref = torch.randint(0, 256, (D, page), dtype=torch.uint8, device=st.device)
-        st.pages().copy_(ref)
-        t0 = time.perf_counter()
-        protect(st, backend=a.backend)
-        res["protect_group_s"] = time.perf_counter() - t0
-        del st
-        c.close()
-        if cuda:
-            pc = RmpClient(slot.socket)
-            res["old_path_stages_s"] = profile_staged(pc, "bench.group", device)
-            pc.close()
-        for path in (["cuda", "staged"] if cuda and not a.no_compare else ["default"]):
-            with knobs(LETO_RMP_RECONSTRUCT_PATH="staged" if path == "staged" else None):
-                rec, remap_s = run_reconstruct(slot, a, D, gid, ref,
-                                               first_shift=0 if path != "staged" else 5)
-            key = "" if path in ("cuda", "default") else f"_{path}"
-            res[f"reconstruct_16_pages_s{key}"] = stats(rec)
-            res[f"remap_16_pages_s{key}"] = stats(remap_s)
-            log(f"reconstruct ({path} path) {res[f'reconstruct_16_pages_s{key}']}")
-        if cuda:                                      # per stage (synchronized at each mark)
-            R.STAGE_TIMES = []
-            run_reconstruct(slot, a, D, gid, ref, repeats=1, first_shift=11)
-            per: dict = {}
-            for name, sec in R.STAGE_TIMES[len(R.STAGE_TIMES) // 2:]:   # the repeat after warm-up
-                per[name] = per.get(name, 0.0) + sec
-            res["fast_path_stages_s"] = per
-            R.STAGE_TIMES = None
-        res["group_bytes"] = D * page
+        bench_reconstruct(slot, a, res, cuda, device)
     except _Skip:
         pass
     except Exception as e:
-        ok = False
-        res["error"] = f"{type(e).__name__}: {e}"
-        log(f"FAILED: {res['error']}")
-        import traceback
-        traceback.print_exc()
+        ok = _failed(res, e)
     finally:
         slot.close()
     report_md(res)
@@ -290,6 +189,139 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2, default=str)
     return 0 if ok else 1
+
+
+def _failed(res: dict, e: Exception) -> bool:
+    """A part that raised: the error into `res` and stderr; returns the new `ok` (False)."""
+    res["error"] = f"{type(e).__name__}: {e}"
+    log(f"FAILED: {res['error']}")
+    import traceback
+    traceback.print_exc()
+    return False
+
+
+def bench_allocate(slot, c, a, res: dict, cuda: bool, page: int, free0, free_started) -> int:
+    """Allocate bench.retained (--retained-gib, whole pages) through client `c` (closed after)
+    and, on CUDA, what the state manager costs in GPU memory beyond it.  Returns its bytes."""
+    nbytes = int(a.retained_gib * GiB) // page * page
+    t0 = time.perf_counter()
+    c.allocate("bench.retained", nbytes, kind="process")
+    alloc_s = time.perf_counter() - t0
+    c.close()
+    log(f"allocated {nbytes / GiB:.1f} GiB in {nbytes // page} pages in {alloc_s:.2f} s")
+    if cuda:
+        free1 = torch.cuda.mem_get_info(0)[0]
+        apps = compute_apps()
+        res["sm_gpu_memory"] = {
+            "start_mib": (free0 - free_started) / MiB,
+            "device_free_drop_mib": (free0 - free1) / MiB, "pool_mib": nbytes / MiB,
+            "sm_overhead_mib": (free0 - free1 - nbytes) / MiB,
+            "sm_listed_by_nvidia_smi": None if apps is None else slot.proc.pid in apps,
+            "sm_mib_by_nvidia_smi": None if apps is None else apps.get(slot.proc.pid, 0)}
+        log(f"state manager GPU memory: {res['sm_gpu_memory']}")
+    res["allocate"] = {"seconds": alloc_s, "pages": nbytes // page, "bytes": nbytes}
+    return nbytes
+
+
+def bench_attach(slot, a, res: dict, cuda: bool, page: int, nbytes: int) -> None:
+    """Warm-up + --repeats rounds of attach/map, localize and unmap of bench.retained (on CUDA
+    also the probe's reference loop and 4 threads, same run); the statistics into `res`."""
+    att, unm, loc_probe, loc_total, probe_py, probe_t4 = [], [], [], [], [], []
+    if cuda:
+        res["probe_native"] = mapping.native_probe() is not None
+    for r in range(a.repeats + 1):
+        c = RmpClient(slot.socket)
+        t0 = time.perf_counter()
+        st = c.attach("bench.retained")
+        t = st.tensor(dtype="uint8")
+        t1 = time.perf_counter()
+        if r == 0:
+            t[:page].fill_(1)                    # touch: the mapping works
+            assert int(t[page - 1]) == 1
+        rep = c.localize()
+        assert rep.failed() == 0
+        if cuda:                                  # same run: the reference loop and threads
+            m = st.mapping
+            tp = time.perf_counter()
+            assert m.probe_python() == []
+            tq = time.perf_counter()
+            fn = mapping.native_probe()
+            if fn is not None:
+                assert list(fn(m.base, m.page_bytes, m.n_pages, None, 4)) == []
+            tr = time.perf_counter()
+            if r:
+                probe_py.append((tq - tp) / m.n_pages * 1000)
+                if fn is not None:
+                    probe_t4.append((tr - tq) / m.n_pages * 1000)
+        del t
+        t2 = time.perf_counter()
+        c.close()
+        t3 = time.perf_counter()
+        if r:                                     # repeat 0 is the warm-up
+            att.append(t1 - t0)
+            unm.append(t3 - t2)
+            loc_probe.append(rep.device_probe_s / rep.device_pages_probed * 1000)
+            loc_total.append(rep.total_s)
+    res["attach_map_s"] = stats(att)
+    res["unmap_s"] = stats(unm)
+    res["localize_per_1000_pages_s"] = stats(loc_probe)
+    res["localize_call_s"] = stats(loc_total)
+    if probe_py:
+        res["probe_python_per_1000_pages_s"] = stats(probe_py)
+    if probe_t4:
+        res["probe_native_4threads_per_1000_pages_s"] = stats(probe_t4)
+    res["localize_pages"] = nbytes // page
+    k = settings.get()
+    res["attach_path"] = {"path": k.rmp_map, "threads": k.rmp_map_threads,
+                          "grant_once": k.rmp_grant_once, "batch": k.rmp_map_batch,
+                          "native": mapping._native_map() is not None}
+    log(f"attach {res['attach_map_s']}, localize/1000 {res['localize_per_1000_pages_s']}")
+
+
+def bench_reconstruct(slot, a, res: dict, cuda: bool, device: str) -> None:
+    """Reconstruction of 16 pages in one protected group of --data-pages pages: per path
+    (CUDA and staged on CUDA, else the default), and per stage on CUDA; into `res`."""
+    D = a.data_pages
+    page = RmpClient(slot.socket).info["device_page_bytes"]
+    from leto_runtime.parity import ParityCode
+    used = ParityCode(D, 16, page, backend=a.backend).backend_for(torch.device(device)).name
+    res["codec_backend"] = used
+    log(f"parity codec backend for {device} pages: {used}")
+    if used == "reference" and D * page > 256 * MiB:
+        raise RuntimeError(f"the parity codec resolved to the NumPy reference for {device} "
+                           "pages (kernels unavailable): a 2 GiB group would take minutes; "
+                           "not measured")
+    c = RmpClient(slot.socket)
+    st = c.allocate("bench.group", D * page)
+    gid = st.groups[0].id
+    ref = torch.randint(0, 256, (D, page), dtype=torch.uint8, device=st.device)
+    st.pages().copy_(ref)
+    t0 = time.perf_counter()
+    protect(st, backend=a.backend)
+    res["protect_group_s"] = time.perf_counter() - t0
+    del st
+    c.close()
+    if cuda:
+        pc = RmpClient(slot.socket)
+        res["old_path_stages_s"] = profile_staged(pc, "bench.group", device)
+        pc.close()
+    for path in (["cuda", "staged"] if cuda and not a.no_compare else ["default"]):
+        with knobs(LETO_RMP_RECONSTRUCT_PATH="staged" if path == "staged" else None):
+            rec, remap_s = run_reconstruct(slot, a, D, gid, ref,
+                                           first_shift=0 if path != "staged" else 5)
+        key = "" if path in ("cuda", "default") else f"_{path}"
+        res[f"reconstruct_16_pages_s{key}"] = stats(rec)
+        res[f"remap_16_pages_s{key}"] = stats(remap_s)
+        log(f"reconstruct ({path} path) {res[f'reconstruct_16_pages_s{key}']}")
+    if cuda:                                      # per stage (synchronized at each mark)
+        R.STAGE_TIMES = []
+        run_reconstruct(slot, a, D, gid, ref, repeats=1, first_shift=11)
+        per: dict = {}
+        for name, sec in R.STAGE_TIMES[len(R.STAGE_TIMES) // 2:]:   # the repeat after warm-up
+            per[name] = per.get(name, 0.0) + sec
+        res["fast_path_stages_s"] = per
+        R.STAGE_TIMES = None
+    res["group_bytes"] = D * page
 
 
 def bench_variants(slot, spec: str, repeats: int) -> dict:
@@ -350,7 +382,7 @@ def bench_preattached(slot, repeats: int, page: int) -> dict:
         rep = shadow.refresh()
         t3 = time.perf_counter()
         assert rep.changed == {"bench.retained": 16}, rep
-        assert st._data.probe(list(range(first, first + 16))) == []
+        assert st.mapping.probe(list(range(first, first + 16))) == []
         first = (r * 2003 + 500) % (n - 16)
         inj = RmpClient(slot.socket)
         how = inj.inject_pages(tier="device", state="bench.retained", first=first,
@@ -452,72 +484,6 @@ def profile_staged(c, name, device) -> dict:
                "clear_marks round trip": t5 - t4}
     del st
     return out
-
-
-def report_md(res: dict) -> None:
-    ms = lambda s: f"{s * 1e3:.3f}"
-    rows = []
-    if "attach_map_s" in res:
-        gib = res["allocate"]["bytes"] / GiB
-        rows.append((f"attach/map {gib:g} GiB ({res['allocate']['pages']} pages)", res["attach_map_s"], 0.100))
-        rows.append(("unmap (after views dropped)", res["unmap_s"], None))
-        rows.append(("localization, device probe per 1,000 pages", res["localize_per_1000_pages_s"], 0.001))
-        rows.append((f"localize() call, {res['localize_pages']} pages", res["localize_call_s"], None))
-        if "probe_python_per_1000_pages_s" in res:
-            rows.append(("probe per 1,000 pages, cuda-python loop (old), same run",
-                         res["probe_python_per_1000_pages_s"], None))
-        if "probe_native_4threads_per_1000_pages_s" in res:
-            rows.append(("probe per 1,000 pages, native, 4 threads", res["probe_native_4threads_per_1000_pages_s"], None))
-        for v, d in (res.get("attach_variants") or {}).items():
-            rows.append((f"cold attach/map {gib:g} GiB, variant {v} (path:threads:grant)", d["attach_s"], None))
-            rows.append((f"unmap, variant {v}", d["unmap_s"], None))
-        if "refresh_nothing_changed_s" in res:
-            rows.append((f"attach on the recovery path, pre-attached {gib:g} GiB: refresh, nothing changed",
-                         res["refresh_nothing_changed_s"], 0.100))
-            rows.append((f"attach on the recovery path, pre-attached {gib:g} GiB: refresh, 16 pages remapped elsewhere",
-                         res["refresh_16_remapped_s"], 0.100))
-            rows.append(("pre-attached shadow, 16 pages retired while waiting: refresh + localize + remap",
-                         res["shadow_recovery_16_retired_s"], None))
-    if "reconstruct_16_pages_s" in res:
-        rows.append((f"reconstruct 16 pages, {res['group_bytes'] / GiB:g} GiB group",
-                     res["reconstruct_16_pages_s"], 0.005))
-        rows.append(("remap 16 pages (fresh memory)", res["remap_16_pages_s"], None))
-    if "reconstruct_16_pages_s_staged" in res:
-        rows.append(("reconstruct 16 pages, staged (old) path, same run", res["reconstruct_16_pages_s_staged"], None))
-    print("| metric (ms) | median | min | max | n | goal |")
-    print("|---|---|---|---|---|---|")
-    for name, s, goal in rows:
-        print(f"| {name} | {ms(s['median'])} | {ms(s['min'])} | {ms(s['max'])} | {s['n']} | "
-              f"{'' if goal is None else '<= ' + ms(goal)} |")
-    for name, s, goal in rows:
-        if goal is not None:
-            print(f"{'PASS' if s['median'] <= goal else 'MISS'} {name}: median {ms(s['median'])} ms "
-                  f"(goal <= {ms(goal)} ms)")
-    if "sm_gpu_memory" in res:
-        g = res["sm_gpu_memory"]
-        print(f"{'PASS' if abs(g['sm_overhead_mib']) < 1 and not g['sm_listed_by_nvidia_smi'] else 'MISS'} "
-              f"state manager GPU memory: {g['start_mib']:.1f} MiB to start, "
-              f"{g['sm_overhead_mib']:.1f} MiB beyond the pool "
-              f"(device free memory dropped {g['device_free_drop_mib']:.0f} MiB for a "
-              f"{g['pool_mib']:.0f} MiB pool; listed by nvidia-smi: {g['sm_listed_by_nvidia_smi']})")
-    if "protect_group_s" in res:
-        print(f"(full encode of the group with the parity codec: {res['protect_group_s'] * 1e3:.1f} ms, "
-              f"first call includes any kernel build)")
-    for key, title in (("old_path_stages_s", "staged (old) path, per stage"),
-                       ("fast_path_stages_s", "CUDA path, per stage")):
-        if res.get(key):
-            print(f"{title} (ms, each synchronized): " +
-                  ", ".join(f"{n} {v * 1e3:.3f}" for n, v in res[key].items()))
-    if "shadow_recovery_16_retired_parts_median_s" in res:
-        print("pre-attached shadow, 16 retired pages, parts (median ms): " + ", ".join(
-            f"{k} {v * 1e3:.3f}" for k, v in res["shadow_recovery_16_retired_parts_median_s"].items())
-            + f"; its own cold pre-attach took {res['preattach_cold_attach_s'] * 1e3:.0f} ms")
-    if "attach_path" in res:
-        print(f"default attach path: {res['attach_path']}")
-    if "probe_native" in res:
-        print(f"device probe: {'native (cuda/rmp_probe.cpp)' if res['probe_native'] else 'cuda-python loop'}")
-    if "error" in res:
-        print(f"ERROR: {res['error']}")
 
 
 if __name__ == "__main__":

@@ -141,6 +141,13 @@ def main(argv=None) -> int:
                                              first=a.first, outs=outs, bases=q), a.reps, a.warmup)
         # minimum traffic: old p, m, v and g read, new p, m, v written, parity read and written
         row(label, ms, 7 * chunk_bytes + parity_bytes, "bit-identical to the two-kernel path")
+    report(a, dev, n, S, rows, results)
+    return 0
+
+
+def report(a, dev, n: int, S: int, rows: list[str], results: dict) -> None:
+    """The Markdown table (stdout, --md) and the JSON (--json) of the measured rows."""
+    E = S // 4
     meta = {"date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": torch.cuda.get_device_name(dev),
             "torch": torch.__version__, "python": platform.python_version(), "pages": n, "page_bytes": S,
             "k": a.k, "first": a.first, "reps": a.reps, "warmup": a.warmup,
@@ -154,7 +161,6 @@ def main(argv=None) -> int:
         Path(a.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     if a.md:
         Path(a.md).write_text(md + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,15 +1,13 @@
-"""Bounded waits and the cross-node HOF watcher of in-place recovery (`leto_run.inplace`).
+"""The cross-node HOF watcher of in-place recovery (`leto_run.inplace`).
 
-`wait_exits(procs, timeout)` blocks until processes' pidfds say they exited (bounded) and reaps
-them; `HofWatcher` is the thread that sees a HOF another node declared in the worker store.
+`HofWatcher` is the thread that sees a HOF another node declared in the worker store and wakes
+the agent's selector through a pipe (the loop then reads the key: `InplaceRecovery.on_wake`).
 """
 from __future__ import annotations
 
 import datetime
 import os
-import select
 import threading
-import time
 
 import torch.distributed as dist
 
@@ -17,22 +15,6 @@ from leto_runtime.wire import contract as C
 
 STORE_TIMEOUT_S = 30.0      # agent's worker-store client: connect and each operation
 WATCH_POLL_S = 0.1          # watcher's poll of the HOF key (a non-blocking check per poll)
-
-
-def wait_exits(procs, timeout: float) -> list:
-    """Block (bounded) until every proc's pidfd is readable; reap them.  Returns the stragglers."""
-    left = [p for p in procs if p.status is None and p.pidfd >= 0]
-    deadline = time.monotonic() + timeout
-    while left:
-        ms = (deadline - time.monotonic()) * 1000
-        if ms <= 0:
-            break
-        poller = select.poll()
-        for p in left:
-            poller.register(p.pidfd, select.POLLIN)
-        poller.poll(ms)
-        left = [p for p in left if p.poll_exit() is None]
-    return left
 
 
 class HofWatcher:

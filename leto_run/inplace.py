@@ -1,8 +1,9 @@
 """The agent's half of in-place HOF recovery: shadows, promotion, demotion (docs/ARCHITECTURE.md).
 
-Role: everything the agent does for in-place mode that is not the control loop itself.
-`InplaceRecovery` owns the shadows' life cycle and the HOF procedure; the agent calls it from its
-loop (one thread: the agent's main thread, which spawn's parent-death rule requires):
+Role: the in-place recovery policy, a procedure over the worker group (`leto_run.group`) and the
+worker store; it never sees the agent.  `InplaceRecovery` owns the shadows' life cycle and the
+HOF procedure; the agent's loop calls it (one thread: the agent's main thread, which spawn's
+parent-death rule requires), and its `Supervisor` tells it what it observes:
 
 - `on_datagram(slot, sp, beat)` for the datagram kinds `inplace`, `promoted`, `phase`:
   an active's `inplace` marks its slot in place and starts its shadow (generation + 1);
@@ -19,11 +20,13 @@ loop (one thread: the agent's main thread, which spawn's parent-death rule requi
        `replace`: SIGKILL its process group, wait for its pidfd (bounded), record it STOPPED
        (collateral, never a new failure);
        `release` (the survivors; a failed one is always killed): send `contract.DEMOTE_SIGNAL`
-       and wait (bounded, DEMOTE_RELEASE_S) for its `demoted` datagram -- it has released its
+       and wait (bounded, DEMOTE_RELEASE_S, in `group.wait`: the agent's selector keeps
+       running every handler) for its `demoted` datagram -- it has released its
        GPU memory and process group and synchronized its device (`leto_runtime.demotion`);
        one that does not confirm in time is killed as with `replace`;
     c. promote: set `go_key(g + 1, rank)` for every local rank and send PROMOTE_SIGNAL to each
-       ready shadow (it then checks the key at once); each shadow becomes its slot's active; the agent's generation becomes g + 1 (not a restart: `--max-restarts` unused);
+       ready shadow (it then checks the key at once); each shadow becomes its slot's active; the
+       group advances to generation g + 1 (not a restart: `--max-restarts` unused);
     d. the demoted survivors become their slots' shadows of generation g + 2 (same process);
        fresh shadows of g + 2 start for the other slots.
 - `collateral(sp)`: a death of an active that belongs to a HOF being recovered in place;
@@ -33,29 +36,30 @@ The decision (`decisions.decide_inplace`) also weighs the failure policy (`recov
 the classification of the root cause against the last recovered failure, the in-place budget,
 and whether this node's retained state can still be served (`StateManagers.lost`).  With
 `--max-inplace-recoveries 0` no shadow is started.  A promoted or demoted process keeps its
-pipes; its console label is changed to the role it has now (`agent.relabel`).
+pipes; its console label is changed to the role it has now (`group.relabel`).
 
 Events (all with generation, rank, pid, mono): shadow_ready, hof, demote, demoted, promote,
 promoted (the runtime's wake time), phase, shadow_exit, shadow_respawn, inplace_fallback.
 Every blocking call is bounded: store operations (client timeout), pidfd waits (DEMOTE_WAIT_S),
-the wait for demotions (DEMOTE_RELEASE_S).
+the wait for demotions (DEMOTE_RELEASE_S).  Processes are killed and reaped by the group
+(`kill_and_reap`), which records each exit once.
 """
 from __future__ import annotations
 
 import datetime
 import json
 import os
-import select
-import signal
+import selectors
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
 from leto_run import errors as E, job_secret
 from leto_run.decisions import Action, Decision, SlotView, decide_inplace
-from leto_run.hof_watch import STORE_TIMEOUT_S, HofWatcher, wait_exits
-from leto_run.inject import timed_for_generation
-from leto_run.procs import ExitStatus, kill_pids
+from leto_run.group import WorkerGroup
+from leto_run.hof_watch import STORE_TIMEOUT_S, HofWatcher
+from leto_run.procs import ExitStatus
 from leto_run.recovery_policy import FailurePolicy
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_runtime.wire import contract as C
@@ -68,11 +72,17 @@ MAX_SHADOW_RESPAWNS = 3     # per generation: a shadow that keeps dying is a scr
 
 
 class InplaceRecovery:
-    """See the module docstring.  `agent` is the `leto_run.agent.Agent` that owns the loop; this
-    class reads its cfg/slots/generation/round and uses its spawn, events, log and selector."""
+    """See the module docstring.  `group` is the node's worker group; `recovery` the job's
+    `RecoveryConfig`; `retained_lost()` says why some slot's retained state cannot be served
+    any more (None: every slot can)."""
 
-    def __init__(self, agent):
-        self.a = agent
+    action = Action.INPLACE
+
+    def __init__(self, group: WorkerGroup, *, recovery, node: str, job_key: bytes | None,
+                 retained_lost: Callable[[], str | None]):
+        self.g, self.rc, self.node, self.job_key = group, recovery, node, job_key
+        self.retained_lost = retained_lost
+        self.events, self.log = group.events, group.log
         self.epoch = 0                       # LETO_SHADOW_EPOCH of the shadows being started
         self.respawns = 0                    # shadow respawns in this generation
         self.unusable: str | None = None     # why the current shadows cannot take over
@@ -80,12 +90,11 @@ class InplaceRecovery:
         self.watcher: HofWatcher | None = None
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
-        agent.sel.register(self.wake_r, 1, "hof")   # selectors.EVENT_READ == 1
+        group.io.sel.register(self.wake_r, selectors.EVENT_READ, "hof")
         self.remote: dict | None = None      # a HOF of the current generation another node declared
         self.declared: set[int] = set()      # generations whose HOF this node recovered
         self.demoted: list = []              # (slot, sp): survivors demoted in process, to adopt
-        rc = agent.cfg.recovery
-        self.policy = FailurePolicy(rc.max_inplace_recoveries, rc.inplace_window)
+        self.policy = FailurePolicy(recovery.max_inplace_recoveries, recovery.inplace_window)
 
     # ---- round lifecycle -----------------------------------------------------------------
     def new_round(self) -> None:
@@ -106,21 +115,21 @@ class InplaceRecovery:
 
     def _client(self):
         if self.store is None:
-            r = self.a.round
+            r = self.g.round
             # Signs the go and HOF keys it sets, verifies the HOF keys it reads (job_secret).
             self.store = AuthStore(dist.TCPStore(
                 r.master_addr, r.master_port, is_master=False, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)), self.a.job_key)
+                timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S)), self.job_key)
         return self.store
 
     # ---- datagrams -----------------------------------------------------------------------
     def on_datagram(self, slot: RankSlot, sp: SlotProcess, beat) -> None:
-        a = self.a
+        ev = self.events
         detail = _json(beat.detail)
         if beat.kind == "inplace" and sp.role == SlotRole.ACTIVE:
             if not slot.inplace:
                 slot.inplace = True
-                a.events.emit("inplace", sp.generation, rank=slot.rank, pid=beat.pid,
+                ev.emit("inplace", sp.generation, rank=slot.rank, pid=beat.pid,
                               mono=beat.mono)
                 self._ensure_watcher()
             if slot.shadow is None and not self.unusable and self.policy.inplace_enabled:
@@ -128,12 +137,12 @@ class InplaceRecovery:
         elif beat.kind == "inplace":
             sp.ready = True
             sp.wake = bool(detail.get("wake"))
-            a.events.emit("shadow_ready", sp.generation, rank=slot.rank, pid=beat.pid,
-                          role=sp.role.value, epoch=sp.epoch, level=detail.get("level"),
+            ev.emit("shadow_ready", sp.generation, rank=slot.rank, pid=beat.pid,
+                    role=sp.role.value, epoch=sp.epoch, level=detail.get("level"),
                           seconds=detail.get("seconds"), mono=beat.mono)
         elif beat.kind == "promoted":
             granted = sp.role == SlotRole.ACTIVE     # else it woke without the go key _promote sets
-            a.events.emit("promoted", sp.generation, rank=slot.rank, pid=beat.pid,
+            ev.emit("promoted", sp.generation, rank=slot.rank, pid=beat.pid,
                           mono=float(detail.get("mono", beat.mono)), agent_mono=beat.mono,
                           granted=granted)
             if not granted:
@@ -144,21 +153,21 @@ class InplaceRecovery:
             reserved = {"event", "mono", "wall", "node", "generation", "rank", "local_rank",
                         "role", "pid"}
             fields = {(f"detail_{k}" if k in reserved else k): v for k, v in detail.items()}
-            a.events.emit("phase", sp.generation, rank=slot.rank, pid=beat.pid,
+            ev.emit("phase", sp.generation, rank=slot.rank, pid=beat.pid,
                           mono=beat.mono, **fields)
 
     def _spawn_shadow(self, slot: RankSlot) -> None:
-        a = self.a
-        sp = a._spawn(slot, SlotRole.SHADOW, generation=a.generation + 1, epoch=self.epoch)
-        a.log(f"rank {slot.rank}: shadow of generation {a.generation + 1} started (pid "
-              f"{sp.proc.pid}, epoch {self.epoch})")
+        gen = self.g.generation + 1
+        sp = self.g.spawn(slot, SlotRole.SHADOW, generation=gen, epoch=self.epoch)
+        self.log(f"rank {slot.rank}: shadow of generation {gen} started (pid {sp.proc.pid}, "
+                 f"epoch {self.epoch})")
 
     def _ensure_watcher(self) -> None:
         # One node needs no watcher: every HOF is its own (and a timed-out wait prints c10d
         # warnings on the agent's console).
-        r = self.a.round
+        r = self.g.round
         if self.watcher is None and r is not None and r.group_world_size > 1:
-            self.watcher = HofWatcher(r.master_addr, r.master_port, lambda: self.a.generation,
+            self.watcher = HofWatcher(r.master_addr, r.master_port, lambda: self.g.generation,
                                       self.wake_w)
 
     def on_wake(self) -> None:
@@ -167,7 +176,7 @@ class InplaceRecovery:
             os.read(self.wake_r, 64)
         except BlockingIOError:
             pass
-        g = self.a.generation
+        g = self.g.generation
         if g in self.declared:
             return
         try:
@@ -177,15 +186,15 @@ class InplaceRecovery:
                 return
             self.remote = json.loads(self._client().get(C.hof_key(g)))
         except ForgedControlKey as e:
-            raise job_secret.forged(f"the agent of node {self.a.node}", e.key, e.reason,
+            raise job_secret.forged(f"the agent of node {self.node}", e.key, e.reason,
                                     True) from e
         except Exception as e:
-            self.a.log(f"HOF of generation {g} seen but unreadable ({type(e).__name__}: {e})")
+            self.log(f"HOF of generation {g} seen but unreadable ({type(e).__name__}: {e})")
 
     # ---- the decision ----------------------------------------------------------------------
     def views(self) -> list[SlotView]:
         out = []
-        for s in self.a.slots:
+        for s in self.g.slots:
             sh = s.shadow
             live = sh is not None and not sh.done and sh.proc.alive
             out.append(SlotView(s.rank, s.inplace, sh.generation if live else None))
@@ -194,33 +203,34 @@ class InplaceRecovery:
     def decide(self, failures) -> Decision:
         """`decisions.decide_inplace` over what this agent knows now.  No side effects: it may
         be asked again within one loop turn (`collateral`)."""
-        a = self.a
-        fs = self.policy.facts(a.slots, a.generation, failures)
+        g = self.g
+        fs = self.policy.facts(g.slots, g.generation, failures)
         if not fs and self.remote is None:
             return Decision(Action.CONTINUE, "no failure")
         remote = (f"node {self.remote.get('node')} (rank {self.remote.get('rank')}, "
                   f"{self.remote.get('how')})" if self.remote else None)
-        return decide_inplace(a.cfg.recovery.mode, a.generation, fs, self.views(), remote,
+        return decide_inplace(self.rc.mode, g.generation, fs, self.views(), remote,
                               self.unusable, history=self.policy.history,
                               budget=self.policy.budget, now=time.monotonic(),
-                              retained_lost=a.sms.lost() if a.sms else None)
+                              retained_lost=self.retained_lost())
 
     def note_restart(self, failures) -> None:
         """The group restarts because of `failures`: the root cause joins the history."""
-        fs = self.policy.facts(self.a.slots, self.a.generation, failures)
-        self.policy.record(fs[0] if fs else None, self.a.generation, time.monotonic(),
+        fs = self.policy.facts(self.g.slots, self.g.generation, failures)
+        self.policy.record(fs[0] if fs else None, self.g.generation, time.monotonic(),
                            inplace=False)
 
     def collateral(self, sp: SlotProcess) -> bool:
-        """Is the death of active `sp` part of a HOF that is (being) recovered in place?"""
-        a = self.a
+        """Is the death of active `sp` part of a HOF that is (being) recovered in place?  (Once
+        this node declared the HOF of its generation, it is: the procedure is under way.)"""
+        g = self.g
         if sp.role != SlotRole.ACTIVE:
             return False
-        if sp.generation < a.generation:
+        if sp.generation < g.generation or sp.generation in self.declared:
             return True
-        return (sp.generation == a.generation and any(f.generation == sp.generation
-                                                      for f in a.failures)
-                and self.decide(a.failures).action == Action.INPLACE)
+        return (sp.generation == g.generation and any(f.generation == sp.generation
+                                                      for f in g.failures)
+                and self.decide(g.failures).action == Action.INPLACE)
 
     def remote_rank(self) -> int | None:
         return None if self.remote is None else int(self.remote.get("rank", -1))
@@ -231,167 +241,110 @@ class InplaceRecovery:
         d = self.decide(failures)
         if d.action != Action.INPLACE:
             return d
-        a = self.a
-        g = a.generation
+        g = self.g.generation
         t0 = time.monotonic()
-        a.log(f"in-place recovery: {d.reason}")
-        a.events.emit("decision", g, action=d.action.value, reason=d.reason,
-                      **(d.classification.fields() if d.classification else {}))
-        fs = self.policy.facts(a.slots, g, failures)
+        self.log(f"in-place recovery: {d.reason}")
+        self.events.emit("decision", g, action=d.action.value, reason=d.reason,
+                         **(d.classification.fields() if d.classification else {}))
+        fs = self.policy.facts(self.g.slots, g, failures)
         self.policy.record(fs[0] if fs else None, g, t0, inplace=True)
         self._declare(g, failures)
         self._demote(g)
         self._promote(g + 1)
         self._adopt_demoted(g + 2)
         self._spawn_next_shadows()
-        a.events.emit("inplace_done", g + 1, seconds=time.monotonic() - t0)
+        self.events.emit("inplace_done", g + 1, seconds=time.monotonic() - t0)
         return d
 
     def _declare(self, g: int, failures) -> None:
-        a = self.a
         self.declared.add(g)
         first = next((f for f in failures if f.generation == g), None)
         if first is None:            # another node's HOF: it declared it
-            a.events.emit("hof", g, by="remote", **(self.remote or {}))
+            self.events.emit("hof", g, by="remote", **(self.remote or {}))
             return
-        value = json.dumps({"rank": first.rank, "how": first.how, "node": a.node,
+        value = json.dumps({"rank": first.rank, "how": first.how, "node": self.node,
                             "mono": first.mono})
         try:
             won = self._client().compare_set(C.hof_key(g), "", value).decode() == value
         except ForgedControlKey as e:
-            raise job_secret.forged(f"the agent of node {a.node}", e.key, e.reason,
-                                    a.round is not None and a.round.group_world_size > 1) from e
+            r = self.g.round
+            raise job_secret.forged(f"the agent of node {self.node}", e.key, e.reason,
+                                    r is not None and r.group_world_size > 1) from e
         except Exception as e:       # the store is ours (or the rank-0 node's): log, go on
-            a.log(f"cannot publish the HOF of generation {g}: {type(e).__name__}: {e}")
+            self.log(f"cannot publish the HOF of generation {g}: {type(e).__name__}: {e}")
             won = False
-        a.events.emit("hof", g, rank=first.rank, how=first.how, by="local", first_writer=won,
-                      failure_mono=first.mono)
+        self.events.emit("hof", g, rank=first.rank, how=first.how, by="local",
+                         first_writer=won, failure_mono=first.mono)
 
     def _demote(self, g: int) -> None:
         """Every local active of generation g is gone or demoted when this returns (module
         docstring, step b).  The failed ones still alive (a hang we killed, not yet reaped) are
         waited for too: no process of generation g may touch retained memory once the go key
         is set."""
-        a = self.a
-        alive = [(s, s.active) for s in a.slots
+        alive = [(s, s.active) for s in self.g.slots
                  if s.active is not None and s.active.generation == g and s.active.proc.alive]
         self.demoted = []
         kill = alive
-        if a.cfg.recovery.demote == "release":
+        if self.rc.demote == "release":
             survivors = [(s, sp) for s, sp in alive if not sp.done]
             self.demoted = self._release(g, survivors)
             kill = [(s, sp) for s, sp in alive if all(sp is not d for _, d in self.demoted)]
-        self._kill(g, kill)
+        for slot, sp in kill:
+            if not sp.done:
+                self.events.emit("demote", g, rank=slot.rank, role=sp.role.value,
+                                 pid=sp.proc.pid, mode="replace")
+        self.g.kill_and_reap(kill, "collateral", DEMOTE_WAIT_S)
 
     def _release(self, g: int, survivors) -> list:
         """Ask each survivor to demote itself; returns those that confirmed in time."""
-        a = self.a
         t0 = time.monotonic()
         for slot, sp in survivors:
             sp.demoted = None
+            sp.exit_note = {"collateral": True}      # should it die instead of demoting
             try:
                 sp.proc.send(C.DEMOTE_SIGNAL)
             except ProcessLookupError:
                 continue
-            a.events.emit("demote", g, rank=slot.rank, role=sp.role.value, pid=sp.proc.pid,
-                          mode="release", mono=t0)
-        deadline = t0 + DEMOTE_RELEASE_S
-        pending = list(survivors)
-        while pending:
-            ms = (deadline - time.monotonic()) * 1000
-            if ms <= 0:
-                break
-            poller = select.poll()
-            poller.register(a.hb.fileno(), select.POLLIN)
-            for _, sp in pending:
-                poller.register(sp.proc.pidfd, select.POLLIN)
-            poller.poll(ms)
-            a._on_beats()            # a `demoted` datagram sets sp.demoted (on_datagram)
-            pending = [(s, sp) for s, sp in pending
-                       if sp.demoted is None and not self._exited(sp)]
+            self.events.emit("demote", g, rank=slot.rank, role=sp.role.value, pid=sp.proc.pid,
+                             mode="release", mono=t0)
+        # A `demoted` datagram sets sp.demoted (on_datagram); an exit is reaped by the group.
+        self.g.wait(lambda: all(sp.demoted is not None or sp.proc.status is not None
+                                for _, sp in survivors), t0 + DEMOTE_RELEASE_S)
         done = []
         for slot, sp in survivors:
             if sp.demoted is None or sp.proc.status is not None:
                 why = ("exited" if sp.proc.status is not None
                        else f"no confirmation within {DEMOTE_RELEASE_S:g} s")
-                a.log(f"rank {slot.rank} (pid {sp.proc.pid}) was not demoted in process "
-                      f"({why}); replacing it")
-                a.events.emit("demote", g, rank=slot.rank, role=sp.role.value,
-                              pid=sp.proc.pid, mode="replace", reason=why)
+                self.log(f"rank {slot.rank} (pid {sp.proc.pid}) was not demoted in process "
+                         f"({why}); replacing it")
+                self.events.emit("demote", g, rank=slot.rank, role=sp.role.value,
+                                 pid=sp.proc.pid, mode="replace", reason=why)
                 continue
             d = sp.demoted
-            a.events.emit("demoted", g, rank=slot.rank, pid=sp.proc.pid,
-                          seconds=d.get("seconds"), agent_seconds=time.monotonic() - t0,
-                          **{k: v for k, v in d.items() if k.startswith("gpu_")
-                             or k in ("views_alive", "left_s", "abort_wait_s", "release_s")})
+            self.events.emit("demoted", g, rank=slot.rank, pid=sp.proc.pid,
+                             seconds=d.get("seconds"), agent_seconds=time.monotonic() - t0,
+                             **{k: v for k, v in d.items() if k.startswith("gpu_")
+                                or k in ("views_alive", "left_s", "abort_wait_s", "release_s")})
             done.append((slot, sp))
         return done
-
-    def _exited(self, sp) -> bool:
-        """Reap `sp` if its pidfd says it exited (unregistered from the agent's selector first:
-        reaping closes the pidfd)."""
-        p = select.poll()
-        p.register(sp.proc.pidfd, select.POLLIN)
-        if not p.poll(0):
-            return False
-        try:
-            self.a.sel.unregister(sp.proc.pidfd)
-        except (KeyError, ValueError):
-            pass
-        sp.proc.poll_exit()
-        return True
-
-    def _kill(self, g: int, victims) -> None:
-        """`replace`: SIGKILL, wait (bounded), STOPPED."""
-        a = self.a
-        for slot, sp in victims:
-            kids = sp.proc.snapshot_descendants()
-            sp.proc.send_group(signal.SIGKILL)
-            kill_pids(kids)
-            if not sp.done:
-                a.events.emit("demote", g, rank=slot.rank, role=sp.role.value,
-                              pid=sp.proc.pid, mode="replace")
-        for _, sp in victims:
-            try:
-                a.sel.unregister(sp.proc.pidfd)
-            except (KeyError, ValueError):
-                pass
-        stragglers = wait_exits([sp.proc for _, sp in victims], DEMOTE_WAIT_S)
-        for slot, sp in victims:
-            st: ExitStatus | None = sp.proc.status
-            a.events.emit("exit", g, rank=slot.rank, local_rank=slot.local_rank,
-                          role=sp.role.value, pid=sp.proc.pid,
-                          exitcode=None if st is None else st.exitcode,
-                          how="unknown" if st is None else st.describe(),
-                          mono=None if st is None else st.mono, collateral=not sp.done)
-            if not sp.done:
-                sp.move(ProcState.STOPPING)
-                sp.move(ProcState.STOPPED)
-            if a.sms:
-                a.pending_revokes.append((slot.local_rank, sp.proc.pid))
-        for p in stragglers:
-            a.log(f"pid {p.pid} did not exit within {DEMOTE_WAIT_S:g} s of SIGKILL; "
-                  "the end of the job stops it")
-            a.leftovers.append(p)
 
     def _adopt_demoted(self, gen: int) -> None:
         """The survivors demoted in process are their slots' shadows of `gen` now (they rewrote
         their environment to exactly that: `contract.demoted_env`)."""
-        a = self.a
         for slot, sp in self.demoted:
             sp.new_role(SlotRole.SHADOW, gen)
             sp.epoch, sp.ready = 0, False
             sp.wake = False           # until its readiness datagram of the new generation
             slot.procs[SlotRole.SHADOW] = sp
-            a.relabel(slot, sp)
-            a.log(f"rank {slot.rank}: pid {sp.proc.pid} demoted in process to the shadow of "
-                  f"generation {gen}")
+            self.g.relabel(slot, sp)
+            self.log(f"rank {slot.rank}: pid {sp.proc.pid} demoted in process to the shadow of "
+                     f"generation {gen}")
         self.demoted = []
 
     def _promote(self, gen: int) -> None:
-        a = self.a
         woke = time.monotonic()
-        for slot in a.slots:
+        slots = self.g.slots
+        for slot in slots:
             try:
                 self._client().set(C.go_key(gen, slot.rank), json.dumps({"mono": woke}))
             except Exception as e:
@@ -400,94 +353,66 @@ class InplaceRecovery:
                 raise E.RendezvousFailed(
                     f"cannot set the go key of rank {slot.rank} for generation {gen} "
                     f"({type(e).__name__}: {e}): its shadow cannot be promoted") from e
-        for slot in a.slots:
+        for slot in slots:
             sp = slot.procs.pop(SlotRole.SHADOW)
             if sp.ready and sp.wake:    # its runtime handles the signal (it said so)
                 sp.proc.send(C.PROMOTE_SIGNAL)
             sp.new_role(SlotRole.ACTIVE, gen)
             slot.procs[SlotRole.ACTIVE] = sp
-            a.relabel(slot, sp)
-            a.ledger.ran(slot.rank, a.restart_count, gen - a.attempt_base_gen)
-            a.events.emit("promote", gen, rank=slot.rank, local_rank=slot.local_rank,
-                          pid=sp.proc.pid, epoch=sp.epoch, ready=sp.ready, mono=woke)
-        a.generation = gen
-        a.failures.clear()
+            self.g.relabel(slot, sp)
+            self.events.emit("promote", gen, rank=slot.rank, local_rank=slot.local_rank,
+                             pid=sp.proc.pid, epoch=sp.epoch, ready=sp.ready, mono=woke)
+        self.g.advance(gen, "shadows promoted on ranks "
+                       f"{', '.join(str(s.rank) for s in slots)}")
         self.remote, self.epoch, self.respawns = None, 0, 0
         if self.watcher:
             self.watcher.advanced.set()
-        # Time-triggered injections of the old generation that did not fire are dropped.
-        ranks = {s.rank for s in a.slots}
-        a.timers = [(woke + spec.after_s, "inject", spec) for spec in timed_for_generation(
-            a.cfg.inject, ranks, a.restart_count, gen - a.attempt_base_gen)]
-        a.status.set_group(a.slots, a.generation, a.restart_count)
-        a.log(f"generation {gen}: shadows promoted on ranks "
-              f"{', '.join(str(s.rank) for s in a.slots)}")
+        self.g.arm(woke)
 
     def _spawn_next_shadows(self) -> None:
-        for slot in self.a.slots:
+        for slot in self.g.slots:
             if slot.shadow is None:
                 self._spawn_shadow(slot)
 
     # ---- shadows that die ------------------------------------------------------------------
     def on_shadow_exit(self, slot: RankSlot, sp: SlotProcess, status: ExitStatus) -> None:
-        a = self.a
         if not sp.done:
             sp.move(ProcState.FAILED)
-        a.events.emit("shadow_exit", sp.generation, rank=slot.rank, pid=sp.proc.pid,
-                      epoch=sp.epoch, how=status.describe(), mono=status.mono)
-        if sp.generation != a.generation + 1:
+        self.events.emit("shadow_exit", sp.generation, rank=slot.rank, pid=sp.proc.pid,
+                         epoch=sp.epoch, how=status.describe(), mono=status.mono)
+        if sp.generation != self.g.generation + 1:
             return                       # an older shadow; nothing depends on it
-        if a.round is not None and a.round.group_world_size > 1:
-            self.unusable = (f"a shadow of generation {sp.generation} died on node {a.node} "
+        r = self.g.round
+        if r is not None and r.group_world_size > 1:
+            self.unusable = (f"a shadow of generation {sp.generation} died on node {self.node} "
                              "and shadows of several nodes cannot be restarted together")
-            a.log(f"warning: rank {slot.rank}'s shadow died ({status.describe()}); the next "
-                  "HOF falls back to a restart")
+            self.log(f"warning: rank {slot.rank}'s shadow died ({status.describe()}); the next "
+                     "HOF falls back to a restart")
             return
         self.respawns += 1
         if self.respawns > MAX_SHADOW_RESPAWNS:
             self.unusable = (f"shadows of generation {sp.generation} died "
                              f"{self.respawns} times")
-            a.log(f"warning: {self.unusable}; not restarting them again (the next HOF falls "
-                  "back to a restart)")
-            self._kill_shadows(sp.generation)
+            self.log(f"warning: {self.unusable}; not restarting them again (the next HOF falls "
+                     "back to a restart)")
+            self._kill_shadows()
             return
-        a.log(f"rank {slot.rank}'s shadow (pid {sp.proc.pid}) died before its promotion "
-              f"({status.describe()}); restarting every shadow of generation {sp.generation} "
-              f"with epoch {self.epoch + 1}")
-        self._kill_shadows(sp.generation)
+        self.log(f"rank {slot.rank}'s shadow (pid {sp.proc.pid}) died before its promotion "
+                 f"({status.describe()}); restarting every shadow of generation "
+                 f"{sp.generation} with epoch {self.epoch + 1}")
+        self._kill_shadows()
         self.epoch += 1
-        a.events.emit("shadow_respawn", sp.generation, rank=slot.rank, epoch=self.epoch,
-                      reason=status.describe())
-        for s in a.slots:
+        self.events.emit("shadow_respawn", sp.generation, rank=slot.rank, epoch=self.epoch,
+                         reason=status.describe())
+        for s in self.g.slots:
             if s.inplace:
                 self._spawn_shadow(s)
 
-    def _kill_shadows(self, gen: int) -> None:
-        a = self.a
-        victims = [(s, s.shadow) for s in a.slots if s.shadow is not None]
-        for slot, sp in victims:
-            if sp.proc.alive:
-                kids = sp.proc.snapshot_descendants()
-                sp.proc.send_group(signal.SIGKILL)
-                kill_pids(kids)
-                try:
-                    a.sel.unregister(sp.proc.pidfd)
-                except (KeyError, ValueError):
-                    pass
-        left = wait_exits([sp.proc for _, sp in victims], DEMOTE_WAIT_S)
-        a.leftovers.extend(left)
-        for slot, sp in victims:
-            st = sp.proc.status
-            if sp.state not in (ProcState.FAILED, ProcState.STOPPED):
-                if not sp.done:
-                    sp.move(ProcState.STOPPING)
-                    sp.move(ProcState.STOPPED)
-                a.events.emit("exit", sp.generation, rank=slot.rank, role=sp.role.value,
-                              pid=sp.proc.pid, how="unknown" if st is None else st.describe(),
-                              mono=None if st is None else st.mono, stopped=True)
+    def _kill_shadows(self) -> None:
+        victims = [(s, s.shadow) for s in self.g.slots if s.shadow is not None]
+        self.g.kill_and_reap(victims, "stopped", DEMOTE_WAIT_S)
+        for slot, _ in victims:
             del slot.procs[SlotRole.SHADOW]
-            if a.sms:
-                a.pending_revokes.append((slot.local_rank, sp.proc.pid))
 
 
 def _json(text: str | None) -> dict:

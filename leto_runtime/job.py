@@ -31,6 +31,9 @@ What the script must keep: data and randomness are functions of (seed, step, ran
 `steps()` seeds torch's RNG per step; the model has no buffers (or `retain(..., buffers=fn)`
 recomputes them); it does not wrap the model in DDP (`opt.step()` all-reduces the gradients).
 
+The pieces around the job: `resume` (initialize or recover the retained state before the first
+step, and the step boundary before each), `optimizer` (`opt.step()`), `trainer_log` (log lines).
+
 Calling contract: one `Job` per process (`init()` returns the same one when called again);
 `retain` before `adamw` before `steps`; `opt.step()` exactly once per step.  A retained state
 that cannot be recovered in place ends the process with `contract.UNRECOVERABLE_EXIT` after a
@@ -41,8 +44,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-import os
-import sys
 import time
 
 import torch
@@ -50,28 +51,18 @@ import torch.distributed as dist
 
 from leto_runtime import beats as hb
 from leto_runtime.wire import contract as C
-from leto_runtime import demotion, runtime
+from leto_runtime import demotion, resume, runtime
 from leto_runtime.context import Context
 from leto_runtime.faults import Faults
+from leto_runtime.optimizer import Optimizer
 from leto_runtime.rmu import adamw as A
-from leto_runtime.rmu.marker import Phase
-from leto_runtime.rmu.recovery import Progress, RecoveryError, prepare
 from leto_runtime.rmu.states import (GRADS, MARKER, MODEL, QBUF, UNDO, Geometry, Layout,
                                      open_states, pick_chunk_pages)
 from leto_runtime.rmu.guard import Guard
-from leto_runtime.rmu.updater import Updater
-from leto_runtime.rmp.reconstruct import Unrecoverable
+from leto_runtime.trainer_log import log
 from leto_runtime.wire.geometry import of_pool
 
 DEFAULT_GEOMETRY = Geometry()
-
-
-def _log(msg: str) -> None:
-    job = runtime.current().job
-    ctx = job.ctx if job else Context.from_env()
-    role = job.role if job else ctx.role
-    sys.stderr.write(f"[leto_runtime rank={ctx.rank} role={role} gen={ctx.generation}] {msg}\n")
-    sys.stderr.flush()
 
 
 def init(*, backend: str | None = None, seed: int = 0, device: str | None = None,
@@ -223,7 +214,7 @@ class Job:
                 return
             self._materialize(client=client, attach_only=True)
         except Exception as e:
-            _log(f"pre-attach skipped ({type(e).__name__}: {e}); attaching at promotion")
+            log(f"pre-attach skipped ({type(e).__name__}: {e}); attaching at promotion")
             self.ss = None
             if client is not None:
                 try:
@@ -335,14 +326,14 @@ class Job:
             hb.heartbeat(None)
             fields = self._attach_at_promotion()
             promotion.report_phase("attach", self.recovery_info["attach_s"], **fields)
-        start = self._prepare()
+        start = resume.prepare(self)
         for t in range(start, total):
             if not self._stepped:
                 raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
             self.step_t, self._stepped = t, False
             hb.heartbeat(t)
             self.faults.fire("step", step=t)
-            self._boundary(t)
+            resume.boundary(self, t)
             self.updater.begin(t)
             self.ss.flat(self.ss.grads).zero_()
             torch.manual_seed(self.step_seed(t))
@@ -367,7 +358,7 @@ class Job:
         try:
             self.updater.prepare_lending()
         except Exception as e:
-            _log(f"lending pool not prepared before promotion ({type(e).__name__}: {e}); "
+            log(f"lending pool not prepared before promotion ({type(e).__name__}: {e}); "
                  "creating it at the first step")
             return
         self.recovery_info["lend_prepare_s"] = time.monotonic() - t0
@@ -375,101 +366,14 @@ class Job:
     def step_seed(self, t: int) -> int:
         return (self.seed * 1_000_003 + t) * 65_537 + self.rank
 
-    def _phase(self, name: str, seconds: float, **fields) -> None:
-        # A heartbeat per phase: recovery is progress, not a hang (a phase blocked for longer
-        # than --hang-timeout, e.g. waiting on a dead peer, still is one).
-        hb.heartbeat(None)
-        self.recovery_info[name] = {"seconds": seconds, **fields}
-        if self.inplace:
-            from leto_runtime import promotion
-            promotion.report_phase(name, seconds, **fields)
-
-    def _prepare(self) -> int:
-        """Initialize (first trainer) or recover (every later one); returns the first step."""
-        ss, up = self.ss, self.updater
-        try:
-            res, _ = prepare(ss, up, rank=self.rank, initialize=self._initialize,
-                             gather=self._gather, fire=self.faults.fire, phase=self._phase,
-                             transactions=self.transactions)
-        except Exception as e:
-            if isinstance(e, (RecoveryError, Unrecoverable)):
-                self._unrecoverable(e)
-            demotion.on_error(e)      # the agreement's collective met a dead peer
-            raise
-        if not ss.created or res.action != "start":
-            self._phase("resume", 0.0, step=res.step, action=res.action)
-        return res.step
-
-    def _initialize(self) -> None:
-        """First trainer: zero every state, write the initial parameters, encode parity."""
-        ss, up = self.ss, self.updater
-        for st in (*ss.model, ss.grads):
-            ss.flat(st).zero_()
-        with torch.no_grad():
-            if self.init_fn is not None:
-                self.init_fn(self.model, self.seed)
-            else:
-                torch.manual_seed(self.seed)
-                for m in self.model.modules():
-                    if hasattr(m, "reset_parameters"):
-                        m.reset_parameters()
-        up.encode_all([*ss.model, ss.grads])
-        up.marker.write(initialized=1, t=-1, phase=Phase.DONE)
-        if ss.client is not None:
-            for st in ss.all:
-                if st.marks:
-                    ss.client.clear_marks(st.name)
-
-    def _gather(self, mine: Progress) -> list[Progress]:
-        if self.pg is None or self.world_size == 1:
-            return [mine]
-        from leto_runtime import promotion
-        dev = self.device if self.backend == "nccl" else torch.device("cpu")
-        words = mine.to_list()
-        if self.inplace:            # the resume point is agreed among holders of the job key
-            words = promotion.seal_progress(self.ctx, words)
-        t = torch.tensor(words, dtype=torch.int64, device=dev)
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        hb.collective(None)
-        dist.all_gather(out, t)
-        hb.left_collective(None)
-        rows = [x.tolist() for x in out]
-        if self.inplace:
-            rows = promotion.open_progress(self.ctx, rows)
-        return [Progress(*r) for r in rows]
-
-    def _boundary(self, t: int) -> None:
-        """Honour page losses and scrub a slice before step t touches retained memory."""
-        if self.guard is None:
-            return
-        try:
-            self.guard.at_boundary(t)
-        except Unrecoverable as e:
-            self._unrecoverable(e)
-
     def _report(self, kind: str, **fields) -> None:
         """A boundary repair or a scrub finding: the event log (a `phase` datagram) and, where
         something was found, one line in this rank's log."""
         if kind != "scrub" or fields.get("action") not in ("ok", "summary"):
-            _log(f"{kind}: {fields}")
+            log(f"{kind}: {fields}")
         if self.inplace:
             from leto_runtime import promotion
             promotion.report_phase(kind, float(fields.pop("seconds", 0.0)), **fields)
-
-    def _unrecoverable(self, e: Exception) -> None:
-        """Say why (log and torchelastic error file, for the root-cause summary) and end with
-        UNRECOVERABLE_EXIT; called inside the handler of `e`."""
-        msg = (f"UNRECOVERABLE retained state: {e}. In-place recovery is impossible; the job "
-               f"must restart from a checkpoint (exit code {C.UNRECOVERABLE_EXIT}).")
-        _log(msg)
-        try:
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-            ErrorHandler().record_exception(e)
-        except Exception as werr:       # no error file: the log line above still says why
-            _log(f"could not write the error file: {type(werr).__name__}: {werr}")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(C.UNRECOVERABLE_EXIT)
 
     # ---- demotion (leto_runtime.demotion) -------------------------------------------------
     def release(self) -> dict:
@@ -501,7 +405,7 @@ class Job:
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception as e:        # an aborted group may refuse a clean destroy
-            _log(f"destroying the old process group: {type(e).__name__}: {e}")
+            log(f"destroying the old process group: {type(e).__name__}: {e}")
         self.pg = self.store = None
 
     # ---- results -------------------------------------------------------------------------
@@ -517,43 +421,3 @@ class Job:
         n = self.layout.numel
         return {st.name: self.ss.flat(st)[:n].detach().cpu().clone() for st in self.ss.model}
 
-
-class Optimizer:
-    """`opt.step()`: gradient all-reduce, protection, global synchronization, RMU update."""
-
-    def __init__(self, job: Job, cfg: "A.AdamWConfig"):
-        self.job, self.config = job, cfg
-        if job.ss is not None:
-            self._bind()
-
-    def _bind(self) -> None:
-        j = self.job
-        j.updater = Updater(j.ss, self.config, inject=j._inject, backend=j.parity,
-                            transactions=j.transactions)
-        j.guard = Guard(j.ss, j.updater, report=j._report, scrub_budget=j.ctx.scrub_budget)
-
-    @property
-    def lr(self) -> float:
-        return A.lr_at(self.config, self.job.step_t or 0)
-
-    def zero_grad(self, set_to_none: bool = False) -> None:
-        """Gradients are zeroed by `job.steps()` at the start of every step (kept as views)."""
-
-    def step(self) -> None:
-        j = self.job
-        t = j.step_t
-        if t is None or j._stepped:
-            raise RuntimeError("opt.step() is called once per step of job.steps()")
-        G = j.ss.flat(j.ss.grads)[:j.layout.numel]
-        j.faults.fire("grads.allreduce", step=t)
-        try:
-            if j.pg is not None and j.world_size > 1:
-                hb.collective(t)
-                dist.all_reduce(G)
-                hb.left_collective(t)
-                G.div_(j.world_size)
-            j.updater.step(t, j.pg if j.world_size > 1 else None)
-        except Exception as e:
-            demotion.on_error(e)      # a collective met the dead peer of a HOF
-            raise
-        j._stepped = True

@@ -141,7 +141,7 @@ def _agree_name(ctx: Context, rank: int) -> str:
 
 
 def seal_progress(ctx: Context, words: list[int]) -> list[int]:
-    """This rank's agreement values (`job._gather`) followed by their MAC (four int64)."""
+    """This rank's agreement values (`resume.gather`) followed by their MAC (four int64)."""
     return list(words) + mac_words(ctx.job_key, _agree_name(ctx, ctx.rank), words)
 
 

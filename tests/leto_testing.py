@@ -150,9 +150,20 @@ def of(evs: list[dict], name: str, **match) -> list[dict]:
 
 
 def assert_nothing_left(evs: list[dict]) -> None:
-    """Every process the agent spawned (per the event log) is gone."""
+    """Every process the agent spawned (per the event log) is gone, and its exit was recorded
+    once: never twice, and, when the job ended, for every trainer (whoever saw the exit --
+    its pidfd, a kill by a policy, or the final stop: `WorkerGroup.recorded_exit`)."""
     pids = [e["pid"] for e in evs if e["event"] == "spawn"]
     assert pids and not [p for p in pids if pid_alive(p)]
+    exits: dict[int, int] = {}
+    for e in evs:
+        if e["event"] == "exit":
+            exits[e["pid"]] = exits.get(e["pid"], 0) + 1
+    assert not {p: n for p, n in exits.items() if n > 1}, "exit recorded more than once"
+    if any(e["event"] == "job_end" for e in evs):
+        trainers = {e["pid"] for e in evs
+                    if e["event"] == "spawn" and e.get("role") != "state_manager"}
+        assert trainers <= set(exits), f"no exit recorded for {sorted(trainers - set(exits))}"
 
 
 def inplace_cmd(ev, *args: str) -> list[str]:

@@ -41,7 +41,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
-from benchmarks.launch_overhead import machine_info
+from benchmarks.provenance import machine_info
 from benchmarks.recovery import metrics as M
 from benchmarks.recovery import presets, report, systems
 from benchmarks.recovery.launch import Launch, run_system
@@ -276,6 +276,87 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _continue_run(prev: dict, a, now: str, command: list[str]) -> tuple[dict, tuple]:
+    """The same run, one more call: its reference, intervals and systems stand.  Returns the
+    result dict and the basis (reference, its step records, interval K and cost per kind)."""
+    res = dict(prev, continued=[*prev.get("continued", []),
+                                {"date_utc": now, "command": command}])
+    res["skipped"] = {k: v for k, v in prev.get("skipped", {}).items()
+                      if k not in {s.name for s in a.system_list}}
+    ref = res["reference"]
+    K = {k: v["steps"] for k, v in res["intervals"].items()}
+    cost = {k: v["cost_s"] for k, v in res["intervals"].items()}
+    log(f"continuing the run of {prev['date_utc']} ({a.cont}): reference and "
+        f"{', '.join(res['systems']) or 'no system'} kept")
+    return res, (ref, ref["records"], K, cost)
+
+
+def _reference_and_intervals(res: dict, preset, work: str, env: dict, timeout: float,
+                             save) -> tuple | None:
+    """Run the reference, then Young's interval per checkpoint kind from its costs; both into
+    `res` (saved after each).  Returns the basis as _continue_run does, None if it failed."""
+    ref, ref_recs = run_reference(preset, work, env, timeout)
+    res["reference"] = ref
+    save()
+    if not ref["ok"]:
+        log(f"reference failed (exit {ref['launch']['exit_code']}):\n"
+            f"{ref['launch']['log_tail']}")
+        return None
+    c = ref["calibration"]
+    K = {"sync": M.young_interval(c["sync_cost_s"], preset.mtbf_s, ref["t_iter"]),
+         "async": M.young_interval(c["async_cost_s"], preset.mtbf_s, ref["t_iter"])}
+    cost = {"sync": c["sync_cost_s"], "async": c["async_cost_s"]}
+    res["intervals"] = {k: {"steps": K[k], "cost_s": cost[k], "mtbf_s": preset.mtbf_s,
+                            "t_iter_s": ref["t_iter"]} for k in K}
+    log(f"reference: {ref['steps']} steps, t_iter {ref['t_iter'] * 1e3:.1f} ms, "
+        f"T_ref {ref['T_ref']:.1f} s; checkpoint cost sync {cost['sync'] * 1e3:.0f} ms, "
+        f"async {cost['async'] * 1e3:.0f} ms -> Young interval at MTBF "
+        f"{preset.mtbf_s:g} s: sync {K['sync']}, async {K['async']} steps")
+    save()
+    return ref, ref_recs, K, cost
+
+
+def _run_faulted(sysm, preset, work: str, env: dict, basis: tuple, timeout: float) -> dict:
+    """One faulted system for the reference's steps under the kill schedule, evaluated."""
+    ref, ref_recs, K, cost = basis
+    run_dir = os.path.join(work, sysm.name)
+    k = K[sysm.ckpt] if sysm.mode == "dcp" else None
+    argv_ = systems.argv(sysm, preset, run_dir, steps=ref["steps"], interval=k)
+    log(f"{sysm.name}: {shlex.join(argv_)}")
+    ev = (os.path.join(run_dir, "events.jsonl")
+          if sysm.launcher == systems.LETO and sysm.recovery == "inplace" else None)
+    ln = run_system(argv_, systems.launcher_env(sysm, env), run_dir, preset.schedule(),
+                    timeout, progress=lambda m: log(f"  {m}"),
+                    events_path=ev, nproc=preset.nproc)
+    r = evaluate(sysm, preset, ln, ref, ref_recs, k,
+                 cost[sysm.ckpt] if sysm.mode == "dcp" else None)
+    r["launcher_env_extra"] = {key: v for key, v in
+                               systems.launcher_env(sysm, {}).items()}
+    log(f"{sysm.name}: exit {ln.exit_code}, ETTR "
+        f"{(r['ettr'] or 0) * 100:.1f}%, recovery I+R "
+        + ", ".join(f"{f['recovery']:.2f} s" if f["recovery"] is not None else "n/a"
+                    for f in r["failures"]))
+    if not r["complete"]:
+        log(f"{sysm.name}: incomplete run; launcher log tail:\n{ln.log_tail}")
+    shutil.rmtree(os.path.join(run_dir, "ckpt"), ignore_errors=True)   # disk, on GPUs
+    return r
+
+
+def _finish(res: dict, a, prev: dict | None, t_begin: float, save) -> None:
+    """The goals and the wall time into `res` (saved), the Markdown report out."""
+    res["goals"] = report.goals(res)
+    res["wall_s"] = time.monotonic() - t_begin
+    if prev is not None:
+        res["continued"][-1]["wall_s"] = res["wall_s"]
+        res["wall_s"] += prev.get("wall_s") or 0.0
+    save()
+    md = report.markdown(res)
+    print(md)
+    if a.md:
+        with open(a.md, "w", encoding="utf-8") as f:
+            f.write(md + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget,
@@ -311,37 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     try:
         if prev is not None:
-            # The same run, one more call: its reference, intervals and systems stand.
-            res = dict(prev, continued=[*prev.get("continued", []),
-                                        {"date_utc": now, "command": command}])
-            res["skipped"] = {k: v for k, v in prev.get("skipped", {}).items()
-                              if k not in {s.name for s in a.system_list}}
-            ref = res["reference"]
-            ref_recs = ref["records"]
-            K = {k: v["steps"] for k, v in res["intervals"].items()}
-            cost = {k: v["cost_s"] for k, v in res["intervals"].items()}
-            log(f"continuing the run of {prev['date_utc']} ({a.cont}): reference and "
-                f"{', '.join(res['systems']) or 'no system'} kept")
+            res, basis = _continue_run(prev, a, now, command)
         else:
             left = budget - (time.monotonic() - t_begin)
-            ref, ref_recs = run_reference(preset, work, env, min(preset.system_timeout_s, left))
-            res["reference"] = ref
-            save()
-            if not ref["ok"]:
-                log(f"reference failed (exit {ref['launch']['exit_code']}):\n"
-                    f"{ref['launch']['log_tail']}")
+            basis = _reference_and_intervals(res, preset, work, env,
+                                             min(preset.system_timeout_s, left), save)
+            if basis is None:
                 return 1
-            c = ref["calibration"]
-            K = {"sync": M.young_interval(c["sync_cost_s"], preset.mtbf_s, ref["t_iter"]),
-                 "async": M.young_interval(c["async_cost_s"], preset.mtbf_s, ref["t_iter"])}
-            cost = {"sync": c["sync_cost_s"], "async": c["async_cost_s"]}
-            res["intervals"] = {k: {"steps": K[k], "cost_s": cost[k], "mtbf_s": preset.mtbf_s,
-                                    "t_iter_s": ref["t_iter"]} for k in K}
-            log(f"reference: {ref['steps']} steps, t_iter {ref['t_iter'] * 1e3:.1f} ms, "
-                f"T_ref {ref['T_ref']:.1f} s; checkpoint cost sync {cost['sync'] * 1e3:.0f} ms, "
-                f"async {cost['async'] * 1e3:.0f} ms -> Young interval at MTBF "
-                f"{preset.mtbf_s:g} s: sync {K['sync']}, async {K['async']} steps")
-            save()
         for sysm in a.system_list:
             if sysm.name in res["systems"]:
                 log(f"{sysm.name}: measured in the run being continued")
@@ -354,40 +411,11 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{sysm.name}: skipped ({why})")
                 ok = False
                 continue
-            run_dir = os.path.join(work, sysm.name)
-            k = K[sysm.ckpt] if sysm.mode == "dcp" else None
-            argv_ = systems.argv(sysm, preset, run_dir, steps=ref["steps"], interval=k)
-            log(f"{sysm.name}: {shlex.join(argv_)}")
-            ev = (os.path.join(run_dir, "events.jsonl")
-                  if sysm.launcher == systems.LETO and sysm.recovery == "inplace" else None)
-            ln = run_system(argv_, systems.launcher_env(sysm, env), run_dir, preset.schedule(),
-                            min(preset.system_timeout_s, left), progress=lambda m: log(f"  {m}"),
-                            events_path=ev, nproc=preset.nproc)
-            r = evaluate(sysm, preset, ln, ref, ref_recs, k,
-                         cost[sysm.ckpt] if sysm.mode == "dcp" else None)
-            r["launcher_env_extra"] = {key: v for key, v in
-                                       systems.launcher_env(sysm, {}).items()}
+            r = _run_faulted(sysm, preset, work, env, basis, min(preset.system_timeout_s, left))
             res["systems"][sysm.name] = r
             ok &= r["complete"]
-            log(f"{sysm.name}: exit {ln.exit_code}, ETTR "
-                f"{(r['ettr'] or 0) * 100:.1f}%, recovery I+R "
-                + ", ".join(f"{f['recovery']:.2f} s" if f["recovery"] is not None else "n/a"
-                            for f in r["failures"]))
-            if not r["complete"]:
-                log(f"{sysm.name}: incomplete run; launcher log tail:\n{ln.log_tail}")
-            shutil.rmtree(os.path.join(run_dir, "ckpt"), ignore_errors=True)   # disk, on GPUs
             save()
-        res["goals"] = report.goals(res)
-        res["wall_s"] = time.monotonic() - t_begin
-        if prev is not None:
-            res["continued"][-1]["wall_s"] = res["wall_s"]
-            res["wall_s"] += prev.get("wall_s") or 0.0
-        save()
-        md = report.markdown(res)
-        print(md)
-        if a.md:
-            with open(a.md, "w", encoding="utf-8") as f:
-                f.write(md + "\n")
+        _finish(res, a, prev, t_begin, save)
         return 0 if ok else 1
     finally:
         if not a.work_dir:

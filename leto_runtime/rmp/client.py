@@ -74,6 +74,13 @@ class RmpClient:
         self.info = self._call("hello").header
 
     # ---- transport -----------------------------------------------------------------------
+    @property
+    def connection(self):
+        """The socket of the current connection to the state manager (None when there is
+        none: the next call connects); for observing it only -- requests go through the
+        methods."""
+        return self._sock
+
     def _connect(self) -> None:
         self._sock = P.connect(self.path, deadline=time.monotonic() + self.connect_timeout)
 

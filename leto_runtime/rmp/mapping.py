@@ -23,6 +23,7 @@ current (the one torch uses).  Nothing imports torch or cuda-python at module im
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Iterable, Sequence
@@ -33,7 +34,7 @@ from leto_runtime.wire.host_pages import close_fd, cu_check, cuda_driver, ensure
 _probe_fn: object = None            # None: not resolved yet; False: unavailable
 
 
-def _native_probe():
+def native_probe():
     """`rmp_probe_unmapped` of the CUDA parity extension, or None (logged once) when that
     extension cannot be built or loaded here; the caller then uses the cuda-python loop."""
     global _probe_fn
@@ -52,6 +53,19 @@ def _native_probe():
             _probe_fn = False
             logging.getLogger("leto.rmp").warning("leto rmp: native probe unavailable: %s", e)
     return _probe_fn or None
+
+
+@contextlib.contextmanager
+def override_native_probe(fn):
+    """Test seam: inside the block `native_probe()` starts from `fn` -- None: not resolved yet
+    (the next probe loads the extension again), False: unavailable (the cuda-python loop), a
+    function: that native probe -- and the previous resolution is restored on exit."""
+    global _probe_fn
+    old, _probe_fn = _probe_fn, fn
+    try:
+        yield
+    finally:
+        _probe_fn = old
 
 
 def _native_map():
@@ -190,17 +204,17 @@ class CudaMapping:
         """Pages whose mapping the driver does not know (cuPointerGetAttribute fails), in the
         order probed.  Native loop (cuda/rmp_probe.cpp, ~0.3 us a page on the H200 instead of
         ~1-1.8 us through cuda-python) when the CUDA extension is available, else
-        `_probe_python` (logged once)."""
-        fn = _native_probe()
+        `probe_python` (logged once)."""
+        fn = native_probe()
         if fn is None:
-            return self._probe_python(pages)
+            return self.probe_python(pages)
         want = None if pages is None else [int(i) for i in pages]
         if want == []:
             return []          # the native probe reads an empty list as "every page"
         return list(fn(self.base, self.page_bytes, self.n_pages, want,
                        settings.get().rmp_probe_threads))
 
-    def _probe_python(self, pages: Sequence[int] | None = None) -> list[int]:
+    def probe_python(self, pages: Sequence[int] | None = None) -> list[int]:
         """Reference of the native probe: the same driver query per page through cuda-python."""
         get, attr, ok, base, P = (self.cu.cuPointerGetAttribute, self._attr, self._ok,
                                   self.base, self.page_bytes)

@@ -289,84 +289,104 @@ class _Stages:
 
 
 def _repair_group_cuda(st, loss: GroupLoss, be) -> None:
-    import torch
+    """One group on the CUDA path (kernel backend `be`): its parity staged on the side stream,
+    the module docstring's steps 1-3 in that order, then the changed parity rows back."""
+    r = _CudaRepair(st, loss)
+    r.stage()
+    if r.via_t2:
+        r.tier2_decode()
+    if r.lost_d or r.bad1:
+        r.tier1_decode(be)
+    if r.reencode2:
+        r.tier2_encode()
+    r.parity_back()
 
-    from leto_runtime.parity import ParityCode
 
-    H1, H2, S = st.h1, st.h2, st.page_bytes
-    g = st.groups[loss.index]
-    k = g.k
-    dev = torch.device(st.device)
-    clock = _Stages(dev)
-    main = torch.cuda.current_stream(dev)
-    side = _side_streams.get(dev)
-    if side is None:
-        side = _side_streams[dev] = torch.cuda.Stream(dev)
-    p1h, p2h = st.tier1(loss.index), st.tier2(loss.index)
-    lost_d = sorted(i - g.first for i in loss.data)
-    lost1, lost2 = sorted(loss.p1), sorted(loss.p2)
-    via_t2 = bool(lost1) and _tier2_can_repair(st, loss)
-    bad1 = [] if via_t2 else lost1
-    reencode2 = bool(H2) and ((bool(lost2) and not via_t2) or bool(bad1))
-    changed1: set[int] = set()
-    changed2: set[int] = set()
+class _CudaRepair:
+    """One group's repair on the CUDA path: what was lost and which steps repair it, the staged
+    parity, the streams.  Its buffers live as long as it does (`_repair_group_cuda`'s call)."""
 
-    # Staging: tier 1 always (the decode's parity term, or the tier-2 code's data); tier 2 only
-    # when its contents are read (tier-2 decode).  Buffers are allocated on the main stream (the
-    # caching allocator's owner); the side stream first waits for it so that reused memory is free.
-    p1 = torch.empty((H1, S), dtype=torch.uint8, device=dev)
-    p2 = torch.empty((H2, S), dtype=torch.uint8, device=dev) if (via_t2 or reencode2) else None
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        p1.copy_(p1h, non_blocking=True)
-        if via_t2:
-            p2.copy_(p2h, non_blocking=True)
-    staged = torch.cuda.Event()
-    staged.record(side)
-    clock.mark("stage parity (issue)")
+    def __init__(self, st, loss: GroupLoss):
+        import torch
 
-    # 1. tier 2 -> tier 1 (small: H1 + H2 pages), through the codec's page API.
-    if via_t2:
-        main.wait_event(staged)
+        self.st = st
+        self.H1, self.H2, self.S = st.h1, st.h2, st.page_bytes
+        self.g = st.groups[loss.index]
+        self.k = self.g.k
+        self.dev = dev = torch.device(st.device)
+        self.clock = _Stages(dev)
+        self.main = torch.cuda.current_stream(dev)
+        side = _side_streams.get(dev)
+        if side is None:
+            side = _side_streams[dev] = torch.cuda.Stream(dev)
+        self.side = side
+        self.p1h, self.p2h = st.tier1(loss.index), st.tier2(loss.index)
+        self.lost_d = sorted(i - self.g.first for i in loss.data)
+        self.lost1, self.lost2 = sorted(loss.p1), sorted(loss.p2)
+        self.via_t2 = bool(self.lost1) and _tier2_can_repair(st, loss)
+        self.bad1 = [] if self.via_t2 else self.lost1
+        self.reencode2 = bool(self.H2) and ((bool(self.lost2) and not self.via_t2)
+                                            or bool(self.bad1))
+        self.changed1: set[int] = set()
+        self.changed2: set[int] = set()
+
+    def stage(self) -> None:
+        """Staging: tier 1 always (the decode's parity term, or the tier-2 code's data); tier 2
+        only when its contents are read (tier-2 decode).  Buffers are allocated on the main
+        stream (the caching allocator's owner); the side stream first waits for it so that
+        reused memory is free."""
+        import torch
+
+        H1, H2, S, dev, side = self.H1, self.H2, self.S, self.dev, self.side
+        self.p1 = torch.empty((H1, S), dtype=torch.uint8, device=dev)
+        self.p2 = (torch.empty((H2, S), dtype=torch.uint8, device=dev)
+                   if (self.via_t2 or self.reencode2) else None)
+        side.wait_stream(self.main)
+        with torch.cuda.stream(side):
+            self.p1.copy_(self.p1h, non_blocking=True)
+            if self.via_t2:
+                self.p2.copy_(self.p2h, non_blocking=True)
+        self.staged = torch.cuda.Event()
+        self.staged.record(side)
+        self.clock.mark("stage parity (issue)")
+
+    def tier2_decode(self) -> None:
+        """1. tier 2 -> tier 1 (small: H1 + H2 pages), through the codec's page API."""
+        from leto_runtime.parity import ParityCode
+
+        H1, H2, S, p1, p2 = self.H1, self.H2, self.S, self.p1, self.p2
+        lost1, lost2 = self.lost1, self.lost2
+        self.main.wait_event(self.staged)
         pages = [None if i in lost1 else p1[i] for i in range(H1)] + \
                 [None if i in lost2 else p2[i] for i in range(H2)]
         ParityCode(H1, H2, S, backend="cuda").decode(
             pages, out={**{i: p1[i] for i in lost1}, **{H1 + i: p2[i] for i in lost2}})
-        changed1.update(lost1)
-        changed2.update(lost2)
-        clock.mark("tier-2 decode")
+        self.changed1.update(lost1)
+        self.changed2.update(lost2)
+        self.clock.mark("tier-2 decode")
 
-    # 2. tier 1 -> data pages (and tier-1 pages tier 2 could not rebuild), split as above.
-    #    Order: the data kernel is queued as soon as A^-1 is known; the parity coefficients
-    #    (A^-1 V, CPU) are computed while it runs.
-    if lost_d or bad1:
+    def tier1_decode(self, be) -> None:
+        """2. tier 1 -> data pages (and tier-1 pages tier 2 could not rebuild), split as above.
+        Order: the data kernel is queued as soon as A^-1 is known; the parity coefficients
+        (A^-1 V, CPU) are computed while it runs."""
+        import torch
+
         from leto_runtime.parity import gf16
 
+        k, H1, S, main, clock = self.k, self.H1, self.S, self.main, self.clock
+        lost_d, bad1 = self.lost_d, self.bad1
         lost = tuple(lost_d) + tuple(k + i for i in bad1)
         survivors1 = [i for i in range(H1) if i not in bad1]
         e, L = len(lost), len(survivors1)
         coef, ts = gf16.decode_matrix(k, H1, lost), gf16.exponents(H1)[:e]
         clock.mark("decode matrix")
-        base, p1_base = st._data.addr(g.first), p1.data_ptr()
-        # One pinned host array, one H2D copy: data addresses (0 = lost: an all-zero page),
-        # output addresses, parity addresses, a zero "b" array; coef2 follows in a second copy.
-        n32 = (e * L + 1) // 2
-        n_addr = k + e + 2 * L
-        # torch's caching host allocator: reused once the copies that read a block completed
-        hbuf = torch.empty(n_addr + n32, dtype=torch.int64, pin_memory=True)
-        host = hbuf.numpy()
-        host[:k] = base + np.arange(k, dtype=np.int64) * S
-        host[np.asarray(lost_d, dtype=np.int64)] = 0
-        host[k:k + e] = [base + j * S for j in lost_d] + [p1_base + i * S for i in bad1]
-        host[k + e:k + e + L] = [p1_base + i * S for i in survivors1]
-        host[k + e + L:] = 0
-        dbuf = torch.empty(n_addr + n32, dtype=torch.int64, device=dev)
-        dbuf[:n_addr].copy_(hbuf[:n_addr], non_blocking=True)
+        n_addr = self._addresses(e, survivors1)
+        hbuf, host, dbuf = self.hbuf, self.host, self.dbuf
         pages_t, outs_t = dbuf[:k], dbuf[k:k + e]
         a_t, b_t = dbuf[k + e:k + e + L], dbuf[k + e + L:n_addr]
         clock.mark("addresses")
         if bad1:
-            main.wait_event(staged)        # outputs in p1: the staging copy must be done first
+            main.wait_event(self.staged)   # outputs in p1: the staging copy must be done first
         be.ext.syndrome_mix(pages_t, outs_t, be._window(coef, ts), S, be.ext.VARIANTS[be.variant])
         clock.mark("decode kernel, data pages")
         if L:
@@ -375,27 +395,56 @@ def _repair_group_cuda(st, loss: GroupLoss, be) -> None:
             dbuf[n_addr:].copy_(hbuf[n_addr:], non_blocking=True)
             coef2_t = dbuf[n_addr:].view(torch.int32)[:e * L]
             clock.mark("parity coefficients")
-            main.wait_event(staged)
+            main.wait_event(self.staged)
             be.ext.delta_update(outs_t, a_t, b_t, coef2_t, S)
             clock.mark("parity term (delta kernel)")
-        changed1.update(bad1)
+        self.changed1.update(bad1)
 
-    # 3. tier 1 -> tier 2 (lost tier-2 pages, or tier-1 pages rebuilt by tier 1)
-    if reencode2:
-        main.wait_event(staged)
-        ParityCode(H1, H2, S, backend="cuda").encode(p1, out=p2)
-        changed2.update(range(H2))
-    main.wait_event(staged)                # p1/p2 are freed on the main stream
-    # The host parity is the authoritative copy: changed rows go back, and (as on the staged
-    # path) they are in host memory when this returns; data-page repairs stay queued (callers
-    # synchronize before clearing the marks).
-    if changed1 or changed2:
-        for i in sorted(changed1):
-            p1h[i].copy_(p1[i], non_blocking=True)
-        for i in sorted(changed2):
-            p2h[i].copy_(p2[i], non_blocking=True)
-        main.synchronize()
-    clock.mark("parity back")
+    def _addresses(self, e: int, survivors1: list[int]) -> int:
+        """One pinned host array (`hbuf`, its NumPy view `host`), one H2D copy into `dbuf`: data
+        addresses (0 = lost: an all-zero page), output addresses, parity addresses, a zero "b"
+        array; room for coef2 at the end, which follows in a second copy.  Returns the number
+        of addresses."""
+        import torch
+
+        k, S, L = self.k, self.S, len(survivors1)
+        lost_d, bad1 = self.lost_d, self.bad1
+        base, p1_base = self.st._data.addr(self.g.first), self.p1.data_ptr()
+        n32 = (e * L + 1) // 2
+        n_addr = k + e + 2 * L
+        # torch's caching host allocator: reused once the copies that read a block completed
+        self.hbuf = hbuf = torch.empty(n_addr + n32, dtype=torch.int64, pin_memory=True)
+        self.host = host = hbuf.numpy()
+        host[:k] = base + np.arange(k, dtype=np.int64) * S
+        host[np.asarray(lost_d, dtype=np.int64)] = 0
+        host[k:k + e] = [base + j * S for j in lost_d] + [p1_base + i * S for i in bad1]
+        host[k + e:k + e + L] = [p1_base + i * S for i in survivors1]
+        host[k + e + L:] = 0
+        self.dbuf = dbuf = torch.empty(n_addr + n32, dtype=torch.int64, device=self.dev)
+        dbuf[:n_addr].copy_(hbuf[:n_addr], non_blocking=True)
+        return n_addr
+
+    def tier2_encode(self) -> None:
+        """3. tier 1 -> tier 2 (lost tier-2 pages, or tier-1 pages rebuilt by tier 1)."""
+        from leto_runtime.parity import ParityCode
+
+        self.main.wait_event(self.staged)
+        ParityCode(self.H1, self.H2, self.S, backend="cuda").encode(self.p1, out=self.p2)
+        self.changed2.update(range(self.H2))
+
+    def parity_back(self) -> None:
+        """The host parity is the authoritative copy: changed rows go back, and (as on the
+        staged path) they are in host memory when this returns; data-page repairs stay queued
+        (callers synchronize before clearing the marks)."""
+        main, p1, p2 = self.main, self.p1, self.p2
+        main.wait_event(self.staged)                # p1/p2 are freed on the main stream
+        if self.changed1 or self.changed2:
+            for i in sorted(self.changed1):
+                self.p1h[i].copy_(p1[i], non_blocking=True)
+            for i in sorted(self.changed2):
+                self.p2h[i].copy_(p2[i], non_blocking=True)
+            main.synchronize()
+        self.clock.mark("parity back")
 
 
 def protect(state, *, backend: str = "auto") -> None:

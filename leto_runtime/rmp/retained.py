@@ -251,6 +251,18 @@ class RetainedState:
     def mapped(self) -> bool:
         return self._data is not None and self._data.base is not None
 
+    @property
+    def mapping(self):
+        """The page mapping behind the data (host or CUDA: `HostMapping`, `CudaMapping`), e.g.
+        its `base` address and `mapped` pages; a read-only property (the client maps it)."""
+        return self._data
+
+    @property
+    def parity_mapping(self):
+        """The host page mapping behind the parity pages (None if the state has no groups);
+        read-only, like `mapping`."""
+        return self._parity
+
     def unmap(self, timeout: float = 10.0) -> None:
         """Unmap after every tensor view is gone (waits up to `timeout`, then ViewsAlive)."""
         if not self.mapped:

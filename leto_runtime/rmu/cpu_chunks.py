@@ -34,6 +34,12 @@ class ChunkCalls:
         self._calls: dict[tuple, object] = {}
         self._sig: tuple | None = None
 
+    @property
+    def prepared(self) -> int:
+        """How many chunk calls are prepared now (replayed on their next use; `check()` drops
+        them all when a state's pages moved)."""
+        return len(self._calls)
+
     def _signature(self) -> tuple:
         ss = self.ss
         return tuple(int(st.pages(0, 1).data_ptr()) for st in (*ss.model, ss.undo, ss.qbuf))

@@ -19,7 +19,7 @@
 
 `prepare(...)` strings the steps together for a trainer that has just attached: localize and
 remap, rebuild and read the marker, initialize a state that never was, agree on the resume
-point across ranks, repair, finish the interrupted update.  `leto_runtime.job` calls it; so do
+point across ranks, repair, finish the interrupted update.  `leto_runtime.resume` calls it; so do
 the RMU crash tests, so they exercise the same sequence.
 
 Calling contract: `repair` runs after `RmpClient.localize()` and `remap()` (and after the marker
@@ -165,20 +165,8 @@ def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions
     by_q = {g: a for g, a in ((cg, rec.auth), (pending_writeback(rec, transactions), rec.wb_auth))
             if g is not None}
     lost = [set(st.marks.data) for st in ss.model]
-    # 1. plan: an uncommitted chunk comes back from the undo buffer (pages whose undo copy was
-    #    lost become erasures instead)
-    restore: list[tuple[int, int, int]] = []          # (state, data page, undo page)
-    if cg is not None and rec.gstate == GState.CHUNKS and rec.sub in (1, 2):
-        first, count = ss.chunks(cg)[rec.chunk]
-        base = ss.model[0].groups[cg].first + first
-        for i in range(3):
-            for q in range(count):
-                u = ss.undo_index(i, q, slot=rec.sub - 1)
-                if u in undo_lost:
-                    lost[i].add(base + q)
-                else:
-                    restore.append((i, base + q, u))
-                    lost[i].discard(base + q)
+    # 1. plan: an uncommitted chunk comes back from the undo buffer, then every group's decode
+    restore = _undo_restores(ss, rec, cg, undo_lost, lost)
     plans = []          # (kind, state index / st, GroupLoss, extra)
     bad: list[GroupLoss] = []
     for i, st in enumerate(ss.model):
@@ -233,6 +221,26 @@ def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions
                 client.clear_marks(st.name)
     rep.seconds = time.perf_counter() - t0
     return rep
+
+
+def _undo_restores(ss: StateSet, rec: Record, cg: int | None, undo_lost: set[int],
+                   lost: list[set[int]]) -> list[tuple[int, int, int]]:
+    """(state, data page, undo page) of each page of the uncommitted chunk (the marker says its
+    undo copy is complete: `sub` 1 or 2), to restore from the undo buffer; they leave `lost`.
+    Pages whose undo copy was lost become erasures in `lost` instead."""
+    restore: list[tuple[int, int, int]] = []
+    if cg is not None and rec.gstate == GState.CHUNKS and rec.sub in (1, 2):
+        first, count = ss.chunks(cg)[rec.chunk]
+        base = ss.model[0].groups[cg].first + first
+        for i in range(3):
+            for q in range(count):
+                u = ss.undo_index(i, q, slot=rec.sub - 1)
+                if u in undo_lost:
+                    lost[i].add(base + q)
+                else:
+                    restore.append((i, base + q, u))
+                    lost[i].discard(base + q)
+    return restore
 
 
 def _decode_with_q(ss: StateSet, i: int, loss: GroupLoss, auth: int, updater) -> None:

@@ -39,16 +39,15 @@ forward/backward is still alive in that memory (`lend.LendingError` otherwise). 
 matter only while the marker says UPDATING, so activations written there are harmless to
 recovery.  `lend=False` (or LETO_LEND=0) turns it off.
 
-CUDA fast path (same transactions, same bits): `fused.Fused` updates a chunk's params and moments
-in one kernel that also writes the delta pages old ^ new (into the undo state's delta chunks), and
-`ParityCode.update_delta_many` turns the three states' deltas into Q' = Q ^ delta in one batched
-parity launch.  The next group's host parity is loaded on a side stream while the current
-group's chunks run, into a buffer the current group never touches (`StateSet.q(..., group)`).
+The work is split three ways (same transactions, same bits on every path).  This module orders
+each iteration: the operations, the marker writes that claim them, the injection points.
+`chunk_ops.ChunkOps` is a chunk's data path -- undo copy, AdamW, parity delta: on CUDA the fused
+kernels (`fused.Fused`: params and moments in one kernel that also writes the delta pages
+old ^ new, then `ParityCode.update_delta_many` for the three states' Q' = Q ^ delta in one
+batched launch; or AdamW and the delta in one kernel), on CPU replayed calls.
+`side_stream.SideStream` runs the next group's parity load and the overlapped write-back beside
+the current stream (CUDA).
 `profile = {}` makes every `lap()` synchronize and charge the time to a phase (benchmarks).
-
-CPU path: each chunk's undo copy and parity delta are looked up once per Updater and replayed
-from the pages' addresses (`cpu_chunks.ChunkCalls`; same kernels, same bits): on CPU's small
-chunks the lookups had cost ~4x the arithmetic.
 
 Marker writes on CUDA are stream-ordered (`Marker.write_async`, cudaLaunchHostFunc): each is
 queued right behind the operation it claims and before the one it guards, so the host queues a
@@ -63,11 +62,9 @@ host memory (cuda/marker_kernel.cu: no driver-thread round trip); LETO_RMU_STREA
 queues a host function instead.
 
 With LETO_RMU_UNDO_PIPELINE=1, where the chunk runs as one kernel (AdamW + parity delta from the
-undo copy, `fused`) or on CPU, the undo state's two halves are two undo slots: on CUDA chunk
-j+1's undo copy is queued on its own stream while chunk j's kernel runs, and the marker's `sub`
-= 1 + slot says where the undo copy of the uncommitted chunk is (off by default: measured no
-faster, see `__init__`).  Group 0's parity load (and, with two slots, chunk 0's undo copy)
-starts as soon as lending ends, beside the gradients' encode.
+undo copy, `fused`) or on CPU, the undo state's two halves are two undo slots (chunk_ops.py; off
+by default: measured no faster, see `__init__`).  Group 0's parity load (and, with two slots,
+chunk 0's undo copy) starts as soon as lending ends, beside the gradients' encode.
 
 Calling contract: `Updater(states, cfg)`; per iteration `begin(t)`, then `protect_grads(t)`,
 `synchronize(t, pg)` and `update(t)` in that order (`step(t, pg)` does all three); `close()`
@@ -76,15 +73,15 @@ interrupted update from the marker (the caller has repaired the state first: rec
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
 from leto_runtime.wire import settings
 from leto_runtime.rmu import adamw as A
-from leto_runtime.rmu.cpu_chunks import ChunkCalls
+from leto_runtime.rmu.chunk_ops import ChunkOps
 from leto_runtime.rmu.marker import GState, Marker, Phase, Record
+from leto_runtime.rmu.side_stream import SideStream
 from leto_runtime.rmu.states import StateSet
 
 
@@ -106,11 +103,8 @@ class Updater:
         self._codes: dict[int, ParityCode] = {}
         self._ParityCode = ParityCode
         self.t2 = ParityCode(g.tier1, g.tier2, g.page_bytes, backend=backend) if g.tier2 else None
-        self.flat = [ss.flat(st) for st in ss.model]
         self.gflat = ss.flat(ss.grads)
-        self.E = g.page_bytes // 4                   # fp32 elements per page
         self.cuda = str(ss.device).startswith("cuda")
-        self.scratch = None
         from leto_runtime.rmu import lend as L
         self.lend_on = self.cuda and (L.wanted(ss.device) if lend is None else bool(lend))
         self.lender = None
@@ -126,9 +120,8 @@ class Updater:
         self.profile: dict | None = None
         self._lap_t = 0.0
         # CUDA: the next group's host parity is copied into its load buffer on a side stream
-        # while this group's chunks run (states.StateSet.q); (t, group, event) of that copy.
-        self._side = torch.cuda.Stream(device=ss.device) if self.cuda else None
-        self._prefetched: tuple | None = None
+        # while this group's chunks run (states.StateSet.q), and the overlapped write-back.
+        self.side = SideStream(ss, self.cuda)
         # CUDA: marker writes queued in stream order instead of "fence, then host store".
         # LETO_RMU_STREAM_MARKER: kernel (default: device-side stores), 1 / hostfunc, 0 (fences).
         knobs = settings.get()
@@ -143,8 +136,6 @@ class Updater:
         # the update was no faster (docs/BENCHMARKS.md, "RMU steady-state overhead").
         piped = knobs.rmu_undo_pipeline
         self.slots = 2 if transactions and piped and (self.fused_syndrome or not self.cuda) else 1
-        self._undo_stream = torch.cuda.Stream(device=ss.device) if self.cuda and self.slots == 2 else None
-        self._undone: tuple | None = None        # (t, group, chunk, event) of a queued undo copy
         # Write-back overlap (default; LETO_RMU_WB_OVERLAP=0 turns it off): group g's tier-1
         # write-back and tier-2 refresh are queued on the side stream (on CPU: run in line)
         # while the marker already moves on to group g+1 and names g in `wb`; the next marker
@@ -152,11 +143,11 @@ class Updater:
         # buffer first.  It keeps the write-back's DtoH/HtoD from leaving the GPU idle between
         # groups (docs/BENCHMARKS.md, "RMU steady-state overhead").
         self.wb_overlap = transactions and knobs.rmu_wb_overlap
-        self._wb_done = None                    # CUDA: the event after the queued write-back
-        nc = [len(ss.chunks(g)) for g in range(len(ss.model[0].groups))]
-        self._chunk_base = [sum(nc[:g]) for g in range(len(nc))]
-        # CPU: each chunk's undo copy and parity delta looked up once, then replayed (cpu_chunks.py)
-        self._cpu = None if self.cuda else ChunkCalls(ss)
+        # A chunk's undo copy, AdamW and parity delta (chunk_ops.py); `_chunk` makes them a
+        # transaction.
+        self.chunks = ChunkOps(ss, cfg, gflat=self.gflat, code=self.code, fence=self.fence,
+                               transactions=transactions, fused=self.fused,
+                               one_kernel=self.fused_syndrome, slots=self.slots)
 
     # ---- helpers -------------------------------------------------------------------------
     def lap(self, name: str) -> None:
@@ -225,11 +216,8 @@ class Updater:
         """Side-stream copies into U/Q that no update consumed (one that did not run: a peer
         failed first) and a queued write-back end before anything queued from here on, so U/Q
         are free and the host parity final (a step boundary: `guard.Guard`)."""
-        for pre in (self._undone, self._prefetched):
-            if pre is not None:
-                torch.cuda.current_stream().wait_event(pre[-1])
-        self._undone = self._prefetched = None
-        self._finish_writeback()
+        self.chunks.quiesce()
+        self.side.quiesce()
 
     def begin(self, t: int) -> None:
         self.quiesce()           # activations included: nothing queued from here on races them
@@ -255,8 +243,7 @@ class Updater:
             self.lender.leave(t)
 
     def close(self) -> None:
-        if self._cpu is not None:
-            self._cpu.clear()
+        self.chunks.close()
         if self.lender is not None:
             self.lender.close()
             self.lender = None
@@ -269,8 +256,8 @@ class Updater:
         # U/Q are RMU's again: group 0's parity load and chunk 0's undo copy start now, on
         # their side streams, beside the gradients' encode (nothing reads them before the
         # marker says so, and the update of t-1 left both sources final).
-        self._prefetch(t, 0)
-        self._queue_undo(t, 0, 0)
+        self.side.prefetch(t, 0)
+        self.chunks.queue_undo(t, 0, 0)
         self.inject("grads.protect", step=t)
         for g in range(len(self.ss.grads.groups)):
             self._encode_into_host(self.ss.grads, g)
@@ -344,14 +331,13 @@ class Updater:
         self._run(t, start_group=self.marker.rec.group)
 
     def _run(self, t: int, start_group: int) -> None:
-        if self._cpu is not None:
-            self._cpu.check()
+        self.chunks.check()
         coef = torch.tensor(self.marker.rec.coef, dtype=torch.float32, device=self.gflat.device)
         lr = A.lr_at(self.cfg, t)
         for g in range(start_group, len(self.ss.model[0].groups)):
             self._group(t, g, coef, lr)
         self.inject("rmu.done", step=t)
-        self._finish_writeback()
+        self.side.finish_writeback()
         self._mark(phase=Phase.DONE, group=0, chunk=0, sub=0, auth=0, gstate=GState.LOAD, wb=-1,
                    wb_auth=0)
         self.marker.settle()            # the update is over when the GPU and the marker say so
@@ -364,11 +350,7 @@ class Updater:
             rec = self._mark(group=g, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
         if rec.gstate == GState.LOAD:
             self.inject("rmu.load", step=t, group=g)
-            pre, self._prefetched = self._prefetched, None
-            if pre is not None:
-                # a copy that is not this load's may still write a buffer this one aliases
-                torch.cuda.current_stream().wait_event(pre[2])
-            if pre is None or pre[:2] != (t, g):
+            if not self.side.take_prefetch(t, g):
                 for i, st in enumerate(ss.model):
                     ss.q(i, 0, g).copy_(st.tier1(g), non_blocking=self.streamed)
             self.lap("parity load/write-back")
@@ -381,7 +363,7 @@ class Updater:
             # stops naming it: after this group's first chunk.
             late = self.wb_overlap and m.rec.wb >= 0
             if not late:
-                self._prefetch(t, g + 1)
+                self.side.prefetch(t, g + 1)
             chunks = ss.chunks(g)
             for j in range(rec.chunk, len(chunks)):
                 self._chunk(t, g, j, chunks[j], coef, lr)
@@ -397,7 +379,7 @@ class Updater:
             if self.wb_overlap:
                 # The marker moves on to g+1 naming g's write-back, which runs beside g+1's
                 # work; the previous one must be over before the marker stops naming it.
-                self._finish_writeback()
+                self.side.finish_writeback()
                 rec = self._mark(group=g + 1, chunk=0, sub=0, auth=0, gstate=GState.LOAD, wb=g,
                                  wb_auth=m.rec.auth)
                 self.lap("markers")
@@ -420,32 +402,13 @@ class Updater:
             self._mark(group=g + 1, chunk=0, sub=0, auth=0, gstate=GState.LOAD)
             self.lap("markers")
 
-    def _prefetch(self, t: int, g: int) -> None:
-        """Queue the load of group g's host parity into its buffer on the side stream (CUDA).
-        Safe without marker changes: the buffer is none of group g-1's (states.StateSet.q),
-        nothing writes the host parity of g before g's own write-back, and a trainer that
-        resumes at g's LOAD copies it again itself."""
-        if self._side is None or g >= len(self.ss.model[0].groups):
-            return
-        self._side.wait_stream(torch.cuda.current_stream())     # the buffer's last users
-        with torch.cuda.stream(self._side):
-            for i, st in enumerate(self.ss.model):
-                self.ss.q(i, 0, g).copy_(st.tier1(g), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self._side)
-        self._prefetched = (t, g, ev)
-
     def _writeback(self, t: int, g: int, auth: int, side: bool) -> None:
         """Group g's host tier-1 parity <- its buffer `auth`, then its tier 2 (the marker names
         g in `wb` first).  `side`: on the side stream (CUDA), ordered after everything queued so
-        far; `_finish_writeback` makes the current stream wait for it.  The side stream runs
-        in order, so the next prefetch into g's buffers (group g+2's) follows it."""
+        far; `SideStream.finish_writeback` makes the current stream wait for it.  The side
+        stream runs in order, so the next prefetch into g's buffers (group g+2's) follows it."""
         ss = self.ss
-        stream = self._side if side and self._side is not None else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
+        with self.side.writeback(side) as stream:
             self.inject("rmu.writeback", step=t, group=g)
             for i, st in enumerate(ss.model):
                 st.tier1(g).copy_(ss.q(i, auth, g), non_blocking=self.streamed)
@@ -456,142 +419,46 @@ class Updater:
                 self._tier2_from(st, g, ss.q(i, auth, g))
             if stream is None:
                 self.lap("tier-2 parity")
-            if stream is not None:
-                ev = torch.cuda.Event()
-                ev.record(stream)
-                self._wb_done = ev
 
     def _drop_writeback(self, t: int, g: int) -> None:
         """The previous group's write-back is over (waited for) and the marker says so; then
         group g+1's prefetch may use that group's buffers."""
         self.inject("rmu.writeback.drop", step=t, group=self.marker.rec.wb)
-        self._finish_writeback()
+        self.side.finish_writeback()
         self._mark(wb=-1, wb_auth=0)
-        self._prefetch(t, g + 1)
-
-    def _finish_writeback(self) -> None:
-        """Work queued from here on (a marker write that stops naming the write-back among it)
-        waits for the queued write-back."""
-        if self._wb_done is not None:
-            torch.cuda.current_stream().wait_event(self._wb_done)
-            self._wb_done = None
-
-    def slot(self, g: int, j: int) -> int:
-        """The undo slot of chunk j of group g: alternating over the update's chunks."""
-        return (self._chunk_base[g] + j) % self.slots
-
-    def _copy_undo(self, g: int, j: int) -> None:
-        s = self.slot(g, j)
-        if self._cpu is not None:
-            self._cpu.undo_copy(g, j, s)
-            return
-        first, count = self.ss.chunks(g)[j]
-        p0 = self.ss.model[0].groups[g].first + first
-        for i in range(3):
-            self.ss.undo_pages(i, count, s).copy_(self.ss.model[i].pages(p0, count))
-
-    def _queue_undo(self, t: int, g: int, j: int) -> None:
-        """Queue chunk j of group g's undo copy on the undo stream (CUDA, two slots), after
-        everything queued so far on the current stream: that includes the last reader of its
-        slot (chunk j-2's kernel), not the kernel queued next (chunk j-1's, which reads the
-        other slot).  Safe without a marker change: nothing reads an undo slot before the
-        marker says so (sub = 1 + slot), and that write waits for the copy (`_chunk`)."""
-        if self._undo_stream is None:
-            return
-        if j >= len(self.ss.chunks(g)):
-            g, j = g + 1, 0
-        if g >= len(self.ss.model[0].groups):
-            return
-        self._undo_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._undo_stream):
-            self._copy_undo(g, j)
-            ev = torch.cuda.Event()
-            ev.record(self._undo_stream)
-        self._undone = (t, g, j, ev)
-
-    def _elems(self, g: int, first: int, count: int) -> slice:
-        p0 = self.ss.model[0].groups[g].first + first
-        return slice(p0 * self.E, (p0 + count) * self.E)
+        self.side.prefetch(t, g + 1)
 
     def _chunk(self, t: int, g: int, j: int, chunk: tuple[int, int], coef, lr: float) -> None:
-        ss, m = self.ss, self.marker
+        """Chunk j of group g as a transaction: `ChunkOps`'s steps, each claimed by a marker
+        write once done, each preceded by its injection point."""
+        ops, m = self.chunks, self.marker
         first, count = chunk
-        sl = self._elems(g, first, count)
-        gi = ss.model[0].groups[g]
-        views = [f[sl] for f in self.flat]
-        grad = self.gflat[sl]
-        if self.scratch is None:
-            # RMP memory (lent outside the update) where it is free; with two undo slots it is
-            # not, and only the torch-ops path (CPU) needs one: a plain allocation there
-            self.scratch = (ss.scratch() if self.slots == 1 else None if self.fused_syndrome
-                            else torch.empty(ss.chunk_pages * self.E, dtype=torch.float32,
-                                             device=self.gflat.device))
+        views, grad = ops.operands(g, chunk)
         where = dict(step=t, group=g, chunk=j)
         if self.transactions:
             self.inject("rmu.undo", **where)
-            pre, self._undone = self._undone, None
-            if pre is not None:
-                torch.cuda.current_stream().wait_event(pre[3])     # mine, or one to outwait
-            if pre is None or pre[:3] != (t, g, j):
-                self._copy_undo(g, j)
+            ops.undo(t, g, j)
             self.lap("undo copy")
-            self._mark(chunk=j, sub=1 + self.slot(g, j))
+            self._mark(chunk=j, sub=1 + ops.slot(g, j))
             self.lap("markers")
-            self._queue_undo(t, g, j + 1)       # runs beside this chunk's kernel
+            ops.queue_undo(t, g, j + 1)       # runs beside this chunk's kernel
         auth = m.rec.auth
-        self.inject("rmu.update", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
+        self.inject("rmu.update", garbage=lambda: ops.garbage(g, first, count, 1 - auth), **where)
         if self.fused_syndrome:
-            # One kernel: the chunk's AdamW from its undo copy, and Q' = Q ^ delta for each state.
-            undo = [ss.undo_pages(i, count, self.slot(g, j)) for i in range(3)]
-            self.fused.chunk_syndrome_(views, undo, grad, step=t + 1,
-                                       lr=lr, coef=coef, code=self.code(gi.k), first=first,
-                                       outs=[ss.q(i, 1 - auth, g) for i in range(3)],
-                                       bases=[ss.q(i, auth, g) for i in range(3)])
+            ops.update_with_delta(t, g, j, chunk, views, grad, coef, lr, auth)
             self.lap("adamw + chunk parity delta")
-            self.inject("rmu.delta", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
+            self.inject("rmu.delta", garbage=lambda: ops.garbage(g, first, count, 1 - auth), **where)
             self.inject("rmu.commit", **where)
             self._mark(chunk=j + 1, sub=0, auth=1 - auth)
             self.lap("markers")
             return
-        if self.fused is not None and self.transactions:
-            deltas = [ss.delta_pages(i, count) for i in range(3)]
-            self.fused.step_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, coef=coef,
-                             deltas=deltas)
-        else:
-            deltas = None
-            A.adamw_chunk_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, cfg=self.cfg,
-                           coef=coef, scratch=self.scratch[:grad.numel()])
+        deltas = ops.update(t, chunk, views, grad, coef, lr)
         self.lap("adamw")
         if not self.transactions:
             return          # ablation: no commit, so no chunk progress either
-        self.inject("rmu.delta", garbage=lambda: self._garbage(g, first, count, 1 - auth), **where)
-        idx = range(first, first + count)
-        code = self.code(gi.k)
-        # Q' = Q ^ delta, written straight into the scratch parity buffer (no copy of Q).
-        if deltas is not None:
-            code.update_delta_many([ss.q(i, 1 - auth, g) for i in range(3)], idx, deltas,
-                                   bases=[ss.q(i, auth, g) for i in range(3)])
-        elif self._cpu is None or not self._cpu.parity_delta(g, j, auth, self.slot(g, j), code):
-            for i, st in enumerate(ss.model):
-                code.update(ss.q(i, 1 - auth, g), idx, ss.undo_pages(i, count, self.slot(g, j)),
-                            st.pages(gi.first + first, count), base=ss.q(i, auth, g), scratch=self.scratch)
+        self.inject("rmu.delta", garbage=lambda: ops.garbage(g, first, count, 1 - auth), **where)
+        ops.parity_delta(g, j, chunk, auth, deltas)
         self.inject("rmu.commit", **where)
         self.lap("chunk parity delta")
         self._mark(chunk=j + 1, sub=0, auth=1 - auth)
         self.lap("markers")
-
-    def _garbage(self, g: int, first: int, count: int, scratch_buf: int) -> None:
-        """What a kill inside a kernel leaves: part of the chunk and of the scratch parity
-        overwritten with random bytes (the paper injects this with NVBit)."""
-        ss = self.ss
-        gi = ss.model[0].groups[g]
-        gen = torch.Generator().manual_seed(0xBAD)
-        for i, st in enumerate(ss.model):
-            pages = st.pages(gi.first + first, count)
-            half = max(1, pages.numel() // 2)
-            noise = torch.randint(0, 256, (half,), generator=gen, dtype=torch.uint8)
-            pages.view(-1)[:half].copy_(noise.to(pages.device))
-            q = ss.q(i, scratch_buf, g)
-            qn = torch.randint(0, 256, (q.numel() // 3,), generator=gen, dtype=torch.uint8)
-            q.view(-1)[:qn.numel()].copy_(qn.to(q.device))
-        self.fence()

@@ -31,7 +31,7 @@ from leto_runtime.rmp.client import RmpClient
 c = RmpClient(sys.argv[1])
 st = c.allocate(sys.argv[2], int(sys.argv[3]), dtype="float32", shape=[int(sys.argv[3]) // 4])
 t = st.tensor()
-assert t.is_cuda and t.data_ptr() == st._data.base, (t.device, t.data_ptr())
+assert t.is_cuda and t.data_ptr() == st.mapping.base, (t.device, t.data_ptr())
 g = torch.Generator(device="cuda").manual_seed(int(sys.argv[4]))
 st.tensor(dtype="uint8").copy_(torch.randint(0, 256, (st.nbytes,), dtype=torch.uint8, device="cuda", generator=g))
 torch.cuda.synchronize()
@@ -164,15 +164,17 @@ def test_attach_after_a_host_parity_loss_pins_and_leaves_cuda_clean(slot):
     c2 = RmpClient(slot.socket)
     try:
         st2 = c2.attach("gpu.lostp1")
-        assert st2._parity.pinned and len(st2._parity._runs) == 2, st2._parity._runs
+        pm = st2.parity_mapping
+        assert pm.pinned and len(pm._runs) == 2, pm._runs
         x = torch.ones(4, device="cuda") * 2           # a launch: its check must find no error
         torch.cuda.synchronize()
         assert float(x.sum()) == 8.0
         loc, _ = recover(c2)
         assert loc.marks["gpu.lostp1"].p1 == {0: [3]}
-        assert st2._parity.pinned and st2._parity._runs == [(0, st2._parity.n_pages)]
+        pm = st2.parity_mapping                          # after the repair
+        assert pm.pinned and pm._runs == [(0, pm.n_pages)]
         assert torch.equal(st2.pages(), data) and torch.equal(st2.tier1(0), p1)
-        del st2
+        del st2, pm
     finally:
         c2.close()
         RmpClient(slot.socket).release("gpu.lostp1")

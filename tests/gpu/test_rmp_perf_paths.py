@@ -33,7 +33,7 @@ def slot():
 
 
 def test_native_probe_finds_exactly_the_injected_pages(slot):
-    fn = mapping._native_probe()
+    fn = mapping.native_probe()
     assert fn is not None, "the CUDA extension (native probe) must build on the GPU machine"
     c = RmpClient(slot.socket)
     st = c.allocate("probe.w", 72 * P)                # three groups of 24 pages
@@ -44,17 +44,17 @@ def test_native_probe_finds_exactly_the_injected_pages(slot):
     c.inject_pages(tier="device", group=gids[2], first=23, count=1)
     c2 = RmpClient(slot.socket)
     st = c2.attach("probe.w")
-    m = st._data
+    m = st.mapping
     want = [3, 4, 5, 6, 7, 48 + 23]
     assert m.probe() == want
-    assert m._probe_python() == want
+    assert m.probe_python() == want
     assert c2.localize().marks["probe.w"].data == want
     sub = [71, 0, 3, 3, 50, 72, 7, 4, -1]             # order, duplicates and out-of-range as the reference
-    assert m.probe(sub) == m._probe_python(sub)
+    assert m.probe(sub) == m.probe_python(sub)
     assert [i for i in m.probe(sub) if 0 <= i < 72] == [71, 3, 3, 7, 4]
     assert m.probe([]) == []
     m.unmap_page(10)                                  # a page gone locally is found too
-    assert m.probe() == sorted(want + [10]) == m._probe_python()
+    assert m.probe() == sorted(want + [10]) == m.probe_python()
     assert list(fn(m.base, m.page_bytes, m.n_pages, None, 4)) == sorted(want + [10])   # threads
     c2.close()
     RmpClient(slot.socket).release("probe.w")

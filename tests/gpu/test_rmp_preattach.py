@@ -29,8 +29,9 @@ def slot():
 
 
 @pytest.fixture(autouse=True)
-def python_probe(monkeypatch):
-    monkeypatch.setattr(mapping, "_probe_fn", False)     # no extension build needed here
+def python_probe():
+    with mapping.override_native_probe(False):          # no extension build needed here
+        yield
 
 
 @pytest.mark.parametrize("path, threads, once", [("python", 1, False), ("native", 1, True),
@@ -53,7 +54,7 @@ def test_native_attach_maps_what_the_reference_maps(slot, monkeypatch, path, thr
     if path == "native":
         from leto_runtime.rmp import native_map
         assert native_map.load() is not None
-    assert st._data.mapped == set(range(n)) and st.probe() == []
+    assert st.mapping.mapped == set(range(n)) and st.probe() == []
     t = st.tensor(dtype="int32")
     assert torch.equal(t, ref)
     t[:4].fill_(-1)                                     # writable; visible to the next importer
@@ -108,7 +109,7 @@ def test_pages_remapped_elsewhere_reimported_in_place(slot):
     data, parity = _fill(slot, "gpu.re", 24)
     shadow = RmpClient(slot.socket)
     st = shadow.attach("gpu.re")
-    view, base = st.pages(), st._data.base
+    view, base = st.pages(), st.mapping.base
     a = RmpClient(slot.socket)
     a.inject_pages(tier="device", group=st.groups[0].id, first=8, count=3)
     sa = a.attach("gpu.re")
@@ -117,7 +118,7 @@ def test_pages_remapped_elsewhere_reimported_in_place(slot):
     del sa
     a.close()
     rep = shadow.refresh()
-    assert rep.changed == {"gpu.re": 3} and st._data.base == base
+    assert rep.changed == {"gpu.re": 3} and st.mapping.base == base
     assert torch.equal(view, data) and shadow.localize().failed() == 0
     del view
     shadow.close()

@@ -119,7 +119,7 @@ def _run_updater(monkeypatch, fused: bool, delta_method: str, steps: int = 4, sy
     torch.cuda.synchronize()
     states = [ss.flat(s).clone() for s in ss.model]
     parity = [torch.cat([s.tier1(g).clone() for g in range(len(s.groups))]) for s in ss.model]
-    assert up._prefetched is None            # every prefetched load was consumed
+    assert up.side.prefetched is None        # every prefetched load was consumed
     codes = {gi.k: ParityCode(gi.k, 16, geo.page_bytes, backend="cuda") for gi in ss.model[0].groups}
     fresh = [torch.cat([codes[gi.k].encode(s.group_pages(g)).cpu() for g, gi in enumerate(s.groups)])
              for s in ss.model]

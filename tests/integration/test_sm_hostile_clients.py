@@ -199,7 +199,7 @@ def test_idle_connections_time_out_and_cannot_lock_out_others(idle_slot):
     # 8 kept (the per-process cap), each closed when idle; the others refused at once
     assert codes == ["busy"] * 32 + ["closing"] * 8, codes
     # the trainer's client after an idle close: its next call reconnects
-    wait_for(lambda: hung_up(c._sock), 30, "the idle connection to be closed")
+    wait_for(lambda: hung_up(c.connection), 30, "the idle connection to be closed")
     assert c.list() == [] and c.status()["connections"]["authenticated"] == 1
 
 
@@ -310,7 +310,7 @@ def test_an_idle_client_repeats_any_request_the_server_never_ran(idle_slot):
     """A connection the server closed for idling: the client's next request, idempotent or not
     (allocate, release), goes out on a new connection -- it never ran on the old one."""
     c = RmpClient(idle_slot.socket)
-    wait_for(lambda: hung_up(c._sock), 30, "the idle connection to be closed")
+    wait_for(lambda: hung_up(c.connection), 30, "the idle connection to be closed")
     assert c.allocate("after_idle", 4 * GEOM.page_bytes, tier="host", kind="process").n_pages == 4
-    wait_for(lambda: hung_up(c._sock), 30, "the idle connection to be closed")
+    wait_for(lambda: hung_up(c.connection), 30, "the idle connection to be closed")
     assert c.release("after_idle") == 4

@@ -20,7 +20,7 @@ import yaml
 import leto_run.procs
 from leto_run import errors as E
 from leto_run import job_secret
-from leto_run.agent_events import _SHUTDOWN_SIGNALS
+from leto_run.supervisor import SHUTDOWN_SIGNALS
 from leto_run.cli import load_config
 from leto_run.state_manager import __main__ as sm_main
 from leto_runtime.wire import contract
@@ -59,7 +59,7 @@ def leto_run_codes() -> set[str]:
 
 def signal_codes() -> set[int]:
     """The concrete 128+N: the signals after which leto-run stops the job and exits."""
-    return {128 + int(s) for s in _SHUTDOWN_SIGNALS}
+    return {128 + int(s) for s in SHUTDOWN_SIGNALS}
 
 
 def table() -> dict[str, list[str]]:

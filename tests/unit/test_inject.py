@@ -135,7 +135,7 @@ def test_registry_grows_without_changing_the_spec_shape(monkeypatch):
     """A later kind (e.g. pages) is one registry entry; its extra keys land in params."""
     monkeypatch.setattr(I, "KINDS", {**I.KINDS, "kill": I.KindRule(
         InjectKind.KILL, "test kind with extras", 9,
-        extra_keys={"lane": I.KeyRule(I._nonneg_int, "lane=L"),
+        extra_keys={"lane": I.KeyRule(I.COMMON_KEYS["step"].parse, "lane=L"),   # an int >= 0
                     "tier": I.KeyRule(str, "tier=device|host")},
         required_extra=frozenset({"lane"}))})
     s = parse_inject("kill:rank=0:step=1:tier=device:lane=3")

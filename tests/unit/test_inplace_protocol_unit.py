@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from leto_run.heartbeat import HeartbeatServer
-from leto_run.inplace import HofWatcher
+from leto_run.hof_watch import HofWatcher
 from leto_run.worker_env import WorkerEnvSpec, WorkerIdentity, build_worker_env
 from leto_runtime.wire import contract as C
 from leto_runtime import Context, promotion, runtime

@@ -3,7 +3,7 @@
 hard one; beyond the hard limit the error is typed (`fd_limit`) and names the fix."""
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import sys
 
@@ -35,18 +35,33 @@ else:
     assert "LimitNOFILE=5000" in msg and "page_bytes" in msg
 
 
+# A state manager's side of two keepers (a child of this process, as the keepers require):
+# b's capacity, then 100 fds put into a, then b's capacity and limits again, as b reports them.
+KEEPER_CLIENT = r"""
+import json, os, sys
+from leto_run.state_manager.keeper import KeeperLink
+a, b = KeeperLink(sys.argv[1]), KeeperLink(sys.argv[2])
+b.hello(max_fds=0)
+cap0 = b.capacity
+a.hello(max_fds=0)
+a.commit({pid: os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) for pid in range(1, 101)}, [], {})
+b.hello(max_fds=0)
+print(json.dumps({"cap0": cap0, "cap1": b.capacity, "limits": b.limits}))
+"""
+
+
 def test_keepers_of_one_process_share_the_limit(tmp_path):
     a = FdKeeper(str(tmp_path), 0, log=lambda m: None)
     b = FdKeeper(str(tmp_path), 1, log=lambda m: None)
     try:
-        cap0 = b._capacity()
         held0 = fds_held_by_keepers()
-        with a._lock:
-            for pid in range(1, 101):
-                a._fds[pid] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        r = subprocess.run([sys.executable, "-c", KEEPER_CLIENT, a.path, b.path],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        seen = json.loads(r.stdout)
         assert fds_held_by_keepers() == held0 + 100
-        assert b._capacity() == cap0 - 100          # a's fds count against b's room too
-        lim = b._limits()
+        assert seen["cap1"] == seen["cap0"] - 100      # a's fds count against b's room too
+        lim = seen["limits"]
         assert lim["held_total"] == held0 + 100 and lim["keepers"] >= 2
     finally:
         a.close()

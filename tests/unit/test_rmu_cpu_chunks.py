@@ -82,9 +82,9 @@ def test_chunk_calls_copy_and_patch_like_an_encode_and_replay():
                 for i, st in enumerate(ss.model):
                     assert torch.equal(ss.q(i, auth, g), code.encode(st.pages(gi.first, gi.k))), \
                         (g, rnd, j, i)
-    n = len(cc._calls)
+    n = cc.prepared
     cc.check()                                        # nothing moved: the calls stay
-    assert len(cc._calls) == n > 0
+    assert cc.prepared == n > 0
 
 
 def test_chunk_calls_are_dropped_when_a_state_moves():
@@ -92,11 +92,11 @@ def test_chunk_calls_are_dropped_when_a_state_moves():
     cc = ChunkCalls(ss)
     cc.check()
     cc.undo_copy(0, 0, 0)
-    assert cc._calls
+    assert cc.prepared
     st = ss.model[1]
     st._data = st._data.clone()                       # the state now lives elsewhere
     cc.check()
-    assert not cc._calls
+    assert not cc.prepared
     cc.undo_copy(0, 0, 0)
     assert torch.equal(ss.undo_pages(1, 2, 0), st.pages(0, 2))
 

@@ -32,7 +32,7 @@ def test_updater_on_cpu_uses_the_torch_ops():
     ss = open_states(Layout.of([("w", (5000,))], geo.page_bytes), client=None, geo=geo, device="cpu",
                      chunk_pages=2)
     up = Updater(ss, CFG, backend="cpu")
-    assert up.fused is None and up._side is None      # no fused kernel, no prefetch stream
+    assert up.fused is None and up.side.stream is None  # no fused kernel, no prefetch stream
 
 
 def test_fused_layout_is_read_from_the_env_and_a_bad_name_says_the_fix(monkeypatch):

@@ -43,9 +43,7 @@ def test_wanted_is_cuda_only_and_switchable(monkeypatch):
 
 @pytest.fixture(scope="module")
 def native():
-    if L._cuda_home() is None:
-        pytest.skip("no CUDA toolkit headers to build cuda/lend_alloc.cpp")
-    try:
+    try:        # without the CUDA toolkit headers, lib() raises at once, naming them
         return L.lib()
     except (RuntimeError, OSError) as e:
         pytest.skip(f"lend_alloc does not build/load here: {e}")

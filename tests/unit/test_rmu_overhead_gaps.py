@@ -1,13 +1,13 @@
-"""benchmarks/rmu_overhead.py's device-idle analysis (`--trace` on CUDA): the pure function that
-finds where the device waited and which host CUDA calls overlapped the wait, against gaps and
-overlaps worked out by hand."""
+"""benchmarks/rmu_overhead.py's device-idle analysis (`--trace` on CUDA; benchmarks/trace_gaps.py):
+the pure function that finds where the device waited and which host CUDA calls overlapped the
+wait, against gaps and overlaps worked out by hand."""
 from __future__ import annotations
 
 import importlib.util
 
 from leto_testing import ROOT
 
-_spec = importlib.util.spec_from_file_location("rmu_overhead", ROOT / "benchmarks" / "rmu_overhead.py")
+_spec = importlib.util.spec_from_file_location("trace_gaps", ROOT / "benchmarks" / "trace_gaps.py")
 ro = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ro)
 

@@ -64,7 +64,7 @@ def test_single_node_rendezvous_and_worker_stores_listen_on_loopback_only():
         assert r.master_port in {p for _, p in new}
         assert r.identities[0].global_rank == 0
         # the rendezvous store holds signed values only: a plain client reads no raw port
-        raw = handler._store.inner
+        raw = r.store.underlying_store.inner          # the round's PrefixStore over the AuthStore
         hits = [k for k in raw.list_keys() if k.endswith("leto/worker_store")]
         assert hits and raw.get(hits[0]) != str(r.master_port).encode()
     finally:

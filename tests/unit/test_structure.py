@@ -129,3 +129,38 @@ def test_the_state_manager_imports_only_the_wire_package():
             bad += [f"{path.name}: {n}" for n in names
                     if n.split(".")[0] == "leto_runtime" and not n.startswith("leto_runtime.wire")]
     assert not bad, bad
+
+
+def test_the_policies_and_the_group_never_see_the_agent():
+    """Only the launcher's entry imports the agent; the group, the supervisor and the policies
+    work over the group (docs/ARCHITECTURE.md, "The control loop")."""
+    importers = []
+    for path in sorted((ROOT / "leto_run").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if "leto_run.agent" in names:
+                importers.append(path.relative_to(ROOT).as_posix())
+    assert importers == ["leto_run/cli.py"], importers
+    for name in ("group", "supervisor", "inplace", "restart"):     # no back-pointer either
+        tree = ast.parse((ROOT / "leto_run" / f"{name}.py").read_text())
+        refs = [n for n in ast.walk(tree) if isinstance(n, (ast.Name, ast.Attribute, ast.arg))]
+        assert not [n for n in refs if getattr(n, "id", None) == "agent"
+                    or getattr(n, "attr", None) == "agent"
+                    or getattr(n, "arg", None) == "agent"], name
+
+
+def test_no_module_over_500_lines_and_no_function_over_80():
+    """The size rule of the code base (docs/ARCHITECTURE.md, "Folders and the processes they
+    run in"), for the launcher, the runtime and the benchmarks."""
+    big, long_fns = [], []
+    for folder in ("leto_run", "leto_runtime", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            rel = path.relative_to(ROOT).as_posix()
+            if len(text.splitlines()) > 500:
+                big.append(rel)
+            long_fns += [f"{rel}:{n.name}" for n in ast.walk(ast.parse(text))
+                         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and n.end_lineno - n.lineno + 1 > 80]
+    assert not big and not long_fns, (big, long_fns)

@@ -12,25 +12,25 @@ import os
 import runpy
 import sys
 
-import leto_runtime.job as J
+import leto_runtime.resume as R
 
 what, state, group, step = sys.argv[1].split(":")
 state, group, step = int(state), int(group), int(step)
 sys.argv = [os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples",
                          "gpt_inplace.py")] + sys.argv[2:]
-_boundary = J.Job._boundary
+_boundary = R.boundary
 
 
-def boundary(self, t):
-    if self.guard is not None and self.guard.scrubber is not None:
-        self.guard.scrubber.budget = 1e6          # the whole state at every boundary
-    if t == step and self.ctx.generation == 0 and self.rank == 0:
-        st = self.ss.model[state]
+def boundary(job, t):
+    if job.guard is not None and job.guard.scrubber is not None:
+        job.guard.scrubber.budget = 1e6          # the whole state at every boundary
+    if t == step and job.ctx.generation == 0 and job.rank == 0:
+        st = job.ss.model[state]
         rows = {"p1": lambda: st.tier1(group)[1], "p2": lambda: st.tier2(group)[0],
                 "data": lambda: st.group_pages(group)[3]}[what]()
         rows[1234] ^= 0x04
-    _boundary(self, t)
+    _boundary(job, t)
 
 
-J.Job._boundary = boundary
+R.boundary = boundary      # Job.steps() calls resume.boundary(job, t) before each step
 runpy.run_path(sys.argv[0], run_name="__main__")

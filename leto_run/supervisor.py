@@ -1,11 +1,18 @@
-"""The agent's handlers of what its selector reports (`leto_run.agent`): process exits,
-heartbeat datagrams, signals, hang deadlines and injection timers.
+"""The handlers of what the agent's selector reports: process exits, heartbeat datagrams,
+signals, hang deadlines and injection timers.
 
-A mixin of `Agent`: the handlers read and write the agent's supervision state (slots, failures,
-events, the injection ledger) on its main thread, and decide nothing themselves -- the loop's
-decision (`decisions`) follows each turn.  What they record for the failure policy: the step a
-failed trainer had reported, whether the hang verdict killed it, and the fault last injected
-into each process (`SlotProcess.injected`).
+Role: `Supervisor` turns what it observes into the worker group's supervision state (process
+states, the failures of the generation, the injection ledger, the `resumed` / `caught_up`
+milestones) and decides nothing itself -- the loop's decision (`leto_run.decisions`) follows
+each turn.  What it records for the failure policy: the step a failed trainer had reported,
+whether the hang verdict killed it, and the fault last injected into each process
+(`SlotProcess.injected`).
+
+Calling contract: the agent's main thread only.  The in-place policy, when there is one, is its
+`observer`: it is told of in-place datagrams and of shadow deaths, and asked whether the death
+of an active is collateral to a HOF it recovers (`InplaceObserver`).  One handler per selector
+key: `on_exit` (a pidfd), `on_beats` (the heartbeat socket), `on_signals` (the wakeup fd); once
+per loop turn `check_hangs(now)` and `fire_timers(now)`.
 """
 from __future__ import annotations
 
@@ -13,51 +20,60 @@ import json
 import os
 import signal
 import time
+from typing import Protocol
 
 from leto_run import errors as E
 from leto_run import job_secret
 from leto_run.decisions import blame_hangs, hang_verdict
 from leto_run.failures import failure_from_exit
+from leto_run.group import WorkerGroup
 from leto_run.inject import InjectKind
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_runtime.wire import contract as C
 
-_SHUTDOWN_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+SHUTDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 
 
-class AgentEvents:
-    def _on_exit(self, slot: RankSlot, sp: SlotProcess) -> None:
-        fd = sp.proc.pidfd
-        status = sp.proc.poll_exit()
-        if status is None:
-            return
-        self.sel.unregister(fd)
-        ident = slot.identity
-        if self.sms:
-            # Revoked after the decision (`_flush_revokes`): a dead pid cannot connect, and the
-            # file write has no place between a death and the survivors' SIGTERM.
-            self.pending_revokes.append((ident.local_rank, sp.proc.pid))
-        self.events.emit("exit", sp.generation, rank=ident.global_rank,
-                         local_rank=ident.local_rank, role=sp.role.value, pid=sp.proc.pid,
-                         exitcode=status.exitcode, how=status.describe(), mono=status.mono,
-                         step=sp.step)
-        if sp.done:              # already judged (e.g. a hang we killed)
+class InplaceObserver(Protocol):
+    """What the supervisor tells the in-place policy, and asks it (`leto_run.inplace`)."""
+
+    def on_datagram(self, slot: RankSlot, sp: SlotProcess, beat) -> None: ...
+    def on_shadow_exit(self, slot: RankSlot, sp: SlotProcess, status) -> None: ...
+    def collateral(self, sp: SlotProcess) -> bool: ...
+
+
+class Supervisor:
+    """The handlers of one node's worker group (see the module docstring)."""
+
+    def __init__(self, group: WorkerGroup, *, hb, sig_fd: int, handled: set[int], host: str,
+                 observer: InplaceObserver | None = None):
+        self.group, self.hb, self.sig_fd, self.handled, self.host = group, hb, sig_fd, handled, host
+        self.observer = observer
+        self.cfg, self.events, self.log = group.cfg, group.events, group.log
+        self.status, self.ledger = group.io.status, group.io.ledger
+        self.catch_up: tuple[int, int] | None = None  # (failed generation, the step it reached)
+        self.resumed_gens: set[int] = set()
+        self.resuming: dict[int, set[int]] = {}   # generation -> local ranks that beat a step
+
+    def on_exit(self, slot: RankSlot, sp: SlotProcess) -> None:
+        status = self.group.reap(slot, sp)
+        if status is None or sp.done:       # not exited; or already judged (a hang we killed)
             return
         if sp.role == SlotRole.SHADOW and sp.state != ProcState.STOPPING:
-            self.inplace.on_shadow_exit(slot, sp, status)
-        elif not status.ok and self.inplace and self.inplace.collateral(sp):
-            sp.move(ProcState.STOPPING)      # a survivor of a HOF recovered in place
-            sp.move(ProcState.STOPPED)
+            self.observer.on_shadow_exit(slot, sp, status)
         elif sp.state == ProcState.STOPPING:
             sp.move(ProcState.SUCCEEDED if status.ok else ProcState.STOPPED)
+        elif not status.ok and self.observer and self.observer.collateral(sp):
+            sp.move(ProcState.STOPPING)      # a survivor of a HOF recovered in place
+            sp.move(ProcState.STOPPED)
         elif status.ok:
             sp.move(ProcState.SUCCEEDED)
         else:
             sp.move(ProcState.FAILED)
-            self._record_failure(slot, sp, status.exitcode, status.describe(), status.mono)
+            self.record_failure(slot, sp, status.exitcode, status.describe(), status.mono)
         self.status.changed()
 
-    def _record_failure(self, slot: RankSlot, sp: SlotProcess, exitcode: int, how: str,
+    def record_failure(self, slot: RankSlot, sp: SlotProcess, exitcode: int, how: str,
                         mono: float, note: str | None = None, hang: bool = False) -> None:
         ident = slot.identity
         # The error file is written before exit; give the output pump no say in ordering.
@@ -67,17 +83,17 @@ class AgentEvents:
                                 how=how, error_file=sp.error_file, wall=time.time(),
                                 mono=mono, host=self.host, note=note, step=sp.step,
                                 hang=hang)
-        if not self.failures and sp.step is not None:
+        if not self.group.failures and sp.step is not None:
             self.catch_up = (sp.generation, sp.step)
-        self.failures.append(rec)
+        self.group.failures.append(rec)
         self.events.emit("failure_detected", sp.generation, rank=ident.global_rank,
                          local_rank=ident.local_rank, role=sp.role.value, pid=sp.proc.pid,
                          exitcode=exitcode, how=how, mono=mono,
                          latency_from_spawn=mono - sp.proc.started_mono, step=sp.step)
         self.log(f"rank {ident.global_rank} ({sp.role.value}, pid {sp.proc.pid}) failed: {how}")
 
-    def _on_beats(self) -> None:
-        by_pid = {sp.proc.pid: (slot, sp) for slot in self.slots for sp in slot.all()
+    def on_beats(self) -> None:
+        by_pid = {sp.proc.pid: (slot, sp) for slot in self.group.slots for sp in slot.all()
                   if not sp.done}
         for beat in self.hb.drain(set(by_pid)):
             slot, sp = by_pid[beat.pid]
@@ -86,8 +102,8 @@ class AgentEvents:
                                                sp.generation, beat.detail,
                                                self.cfg.launch.max_nodes > 1)
             if beat.kind in ("inplace", "promoted", "phase", "demoted"):
-                if self.inplace:
-                    self.inplace.on_datagram(slot, sp, beat)
+                if self.observer:
+                    self.observer.on_datagram(slot, sp, beat)
             elif beat.kind == "inject":
                 self._on_inject_beat(slot, sp, beat)
             elif beat.kind == "unfired":
@@ -130,15 +146,14 @@ class AgentEvents:
         self.status.changed()
         if beat.step is None:
             return
-        self.ledger.stepped(slot.rank, sp.attempt, sp.generation - self.attempt_base_gen,
-                            beat.step)
+        self.ledger.stepped(slot.rank, sp.attempt, self.group.relative(sp.generation), beat.step)
         if sp.generation == 0:
             return
         # Training has resumed once every local rank of the generation runs a step again
         # (they meet at the next collective): the slowest rank's recovery is the cost.
         seen = self.resuming.setdefault(sp.generation, set())
         seen.add(slot.rank)
-        if sp.generation not in self.resumed_gens and len(seen) >= len(self.slots):
+        if sp.generation not in self.resumed_gens and len(seen) >= len(self.group.slots):
             self.resumed_gens.add(sp.generation)
             self.events.emit("resumed", sp.generation, rank=slot.rank, role=sp.role.value,
                              step=beat.step, mono=beat.mono)
@@ -150,19 +165,19 @@ class AgentEvents:
                              mono=beat.mono)
             self.catch_up = None
 
-    def _on_signals(self) -> None:
+    def on_signals(self) -> None:
         try:
-            data = os.read(self._sig_r, 512)
+            data = os.read(self.sig_fd, 512)
         except BlockingIOError:
             return
         for signum in data:
             if signum == signal.SIGCHLD:
                 continue
             name = signal.Signals(signum).name
-            self.events.emit("signal", self.generation, signal=name)
+            self.events.emit("signal", self.group.generation, signal=name)
             if signum not in self.handled:
                 continue
-            if signum in _SHUTDOWN_SIGNALS:
+            if signum in SHUTDOWN_SIGNALS:
                 # The stop forwards it (to every process group) after recording descendants.
                 self.log(f"received {name}: forwarding to every worker and stopping the job")
                 raise E.StoppedBySignal(signum)
@@ -170,23 +185,23 @@ class AgentEvents:
             # and would die, and a shadow's copy of the script must not act (e.g. checkpoint
             # state it does not own yet) on a signal meant for the running job.
             self.log(f"received {name}: forwarding to every active worker")
-            for slot in self.slots:
+            for slot in self.group.slots:
                 sp = slot.active
                 if sp is not None and not sp.done:
                     sp.proc.send_group(signum)
 
-    def _check_hangs(self, now: float) -> None:
+    def check_hangs(self, now: float) -> None:
         timeout = self.cfg.recovery.hang_timeout
         silent = {}
-        for slot in self.slots:
+        for slot in self.group.slots:
             for sp in slot.all():
-                if sp.done or (self.inplace and self.inplace.collateral(sp)):
+                if sp.done or (self.observer and self.observer.collateral(sp)):
                     continue
                 hung, why = hang_verdict(now, sp.hang_deadline, sp.last_beat, timeout)
                 if hung:
                     silent[sp.proc.pid] = (slot, sp, why)
         moving = any(s.active is not None and not s.active.done
-                     and s.active.proc.pid not in silent for s in self.slots)
+                     and s.active.proc.pid not in silent for s in self.group.slots)
         blamed, _ = blame_hangs({pid: v[1].in_collective for pid, v in silent.items()},
                                 others_progressing=moving)
         for pid, (slot, sp, why) in silent.items():
@@ -204,22 +219,23 @@ class AgentEvents:
                              pid=sp.proc.pid)
             sp.proc.send_group(signal.SIGKILL)
             sp.move(ProcState.FAILED)
-            self._record_failure(slot, sp, -signal.SIGKILL, f"hang: {why}", now,
+            self.record_failure(slot, sp, -signal.SIGKILL, f"hang: {why}", now,
                                  note=f"hang detected: {why}; Python stacks were dumped "
                                       "to this rank's stderr", hang=True)
             self.status.changed()
 
-    def _fire_timers(self, now: float) -> None:
-        due = [t for t in self.timers if t[0] <= now]
-        self.timers = [t for t in self.timers if t[0] > now]
+    def fire_timers(self, now: float) -> None:
+        g = self.group
+        due = [t for t in g.timers if t[0] <= now]
+        g.timers = [t for t in g.timers if t[0] > now]
         for _, kind, spec in due:
             if kind != "inject":
                 continue
-            slot = next(s for s in self.slots if s.rank == spec.rank)
+            slot = next(s for s in g.slots if s.rank == spec.rank)
             if spec.kind == InjectKind.PAGES:
-                if self.sms:
+                if g.sms:
                     self.ledger.fired(spec.text)
-                    self.sms.fire_pages(slot, spec, self.generation)
+                    g.sms.fire_pages(slot, spec, g.generation)
                 else:
                     self.log(f"cannot inject '{spec.text}': page faults need the memory pool "
                              "(--recovery inplace)")
