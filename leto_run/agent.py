@@ -283,10 +283,11 @@ class Agent:
             nodes_waiting = self._nodes_waiting(now) if multi_node else 0
             self.status.refresh()
             failed = [f.rank for f in g.failures]
-            inplace = self.inplace.recover(g.failures) if self.inplace else None
+            inplace = self.inplace.decide(g.failures) if self.inplace else None
             if inplace and inplace.action == Action.UNRECOVERABLE:
                 return inplace
             if inplace and inplace.action == Action.INPLACE:
+                self.inplace.apply(inplace)
                 g.flush_revokes()
                 continue                           # recovered: the next generation trains
             if inplace and self.inplace.remote is not None and not failed:

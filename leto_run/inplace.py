@@ -12,9 +12,9 @@ parent-death rule requires), and its `Supervisor` tells it what it observes:
   shadows of that generation are killed and all are started again with LETO_SHADOW_EPOCH + 1
   (their process group included the dead one); several nodes cannot do that alone, so there the
   next HOF falls back to a restart;
-- `recover(failures)` once per loop turn: `decisions.decide_inplace` on the local failures of
+- `decide(failures)` once per loop turn: `decisions.decide_inplace` on the local failures of
   the current generation g (or a HOF another node declared in the worker store, seen by
-  `HofWatcher`); for INPLACE it runs the procedure:
+  `HofWatcher`); for INPLACE the agent calls `apply(decision)`, the procedure:
     a. declare: set `hof_key(g)` (first writer wins) with {rank, how, node, mono};
     b. demote every local active of g:
        `replace`: SIGKILL its process group, wait for its pidfd (bounded), record it STOPPED
@@ -236,11 +236,9 @@ class InplaceRecovery:
         return None if self.remote is None else int(self.remote.get("rank", -1))
 
     # ---- the procedure ---------------------------------------------------------------------
-    def recover(self, failures) -> Decision:
-        """Run the HOF procedure when the decision says INPLACE; return the decision."""
-        d = self.decide(failures)
-        if d.action != Action.INPLACE:
-            return d
+    def apply(self, d: Decision) -> None:
+        """Run the HOF procedure for `d`, an INPLACE decision of `decide` this loop turn."""
+        failures = self.g.failures
         g = self.g.generation
         t0 = time.monotonic()
         self.log(f"in-place recovery: {d.reason}")
@@ -254,7 +252,6 @@ class InplaceRecovery:
         self._adopt_demoted(g + 2)
         self._spawn_next_shadows()
         self.events.emit("inplace_done", g + 1, seconds=time.monotonic() - t0)
-        return d
 
     def _declare(self, g: int, failures) -> None:
         self.declared.add(g)
