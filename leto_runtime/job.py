@@ -388,7 +388,8 @@ class Job:
             for p in self.model.parameters():       # the views go even if the module lives on
                 p.grad = None
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        self.opt = self.updater = self.model = None
+        # Every holder of the states' views goes: the guard and its scrubber hold them too.
+        self.opt = self.updater = self.model = self.guard = None
         ss, self.ss = self.ss, None
         out = demotion.release_memory(self.device)
         if ss is not None and ss.client is not None:

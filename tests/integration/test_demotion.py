@@ -42,6 +42,9 @@ def test_survivor_demotes_in_process_and_takes_over_at_the_next_hof(tmp_path, gp
     assert asked["rank"] == done["rank"] == 0 and done["pid"] == first
     assert done["agent_seconds"] < 5.0 and not of(evs, "demote", reason=None, mode="replace",
                                                   rank=0)
+    # It let go of every view of retained memory the runtime made (none waits out the unmap's
+    # timeout on the promotion's critical path).
+    assert "views_alive" not in done, done["views_alive"]
     # The demoted process was not replaced: no fresh shadow of generation 2 for rank 0 ...
     assert not of(evs, "spawn", role="shadow", generation=2, rank=0)
     assert of(evs, "spawn", role="shadow", generation=2, rank=1)
