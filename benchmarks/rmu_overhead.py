@@ -77,7 +77,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import torch  # noqa: E402
 
 from benchmarks.rmu_variants import ALL, BASELINES, RMU_ENV, table, verdicts  # noqa: E402
-from benchmarks.rmu_workload import adamw_cfg, bind, build_model, forward_backward, init_params  # noqa: E402
+from benchmarks.rmu_workload import adamw_cfg, build_model, forward_backward, init_params  # noqa: E402
 from benchmarks.trace_gaps import kernel_trace  # noqa: E402
 
 GiB = 1 << 30
@@ -159,7 +159,7 @@ def _torch_adamw(a, dev):
     P = torch.zeros(layout.nbytes // 4, device=dev)
     G = torch.zeros_like(P)
     init_params(P, layout.numel)
-    bind(model, P, G, layout)
+    layout.bind(model, P, G)
     params = list(model.parameters())
     oc = adamw_cfg(a)
     fused = dev.type == "cuda"
@@ -320,7 +320,7 @@ def _retained_model(a, dev, slot):
     for st in (*ss.model, ss.grads):
         ss.flat(st).zero_()
     init_params(P, layout.numel)
-    bind(model, P, G, layout)
+    layout.bind(model, P, G)
     return cfg, model, layout, ss, G, chunk, alloc_s
 
 

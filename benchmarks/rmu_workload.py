@@ -1,5 +1,5 @@
 """The training workload of benchmarks/rmu_overhead.py (scrub_overhead.py uses it through that
-module): the GPT of examples/gpt.py with its parameters and gradients views of flat buffers,
+module): the GPT of examples/gpt.py (bound to flat buffers by `Layout.bind`),
 its batches, the compute phase of an iteration, and the AdamW settings of every variant.
 
 Calling contract: `a` is rmu_overhead's parsed arguments (model, seq, batch_size, accum, warmup,
@@ -20,16 +20,6 @@ def build_model(a, dev):
     with torch.device("meta"):
         model = GPT(cfg)
     return cfg, model
-
-
-def bind(model, P: torch.Tensor, G: torch.Tensor, layout) -> None:
-    """Parameters and gradients become views of the flat buffers (job.py's _materialize)."""
-    for slot in layout.params:
-        mod_name, _, leaf = slot.name.rpartition(".")
-        mod = model.get_submodule(mod_name) if mod_name else model
-        p = torch.nn.Parameter(P[slot.offset:slot.offset + slot.numel].view(slot.shape))
-        mod._parameters[leaf] = p
-        p.grad = G[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
 
 def init_params(P: torch.Tensor, n: int) -> None:

@@ -59,7 +59,7 @@ def _setup(a, dev):
     for st in (*ss.model, ss.grads):
         ss.flat(st).zero_()
     R.init_params(P, layout.numel)
-    R.bind(model, P, G, layout)
+    layout.bind(model, P, G)
     up = Updater(ss, R.adamw_cfg(a))
     up.encode_all([*ss.model, ss.grads])
     up.marker.write(initialized=1, t=-1, phase=Phase.DONE)
@@ -137,8 +137,9 @@ def main(argv=None) -> int:
     line = (f"scrub {100 * res['scrub_share']:.3f}% of the time (budget {100 * a.budget:.2f}%), "
             f"guarded iterations {res['iteration_ms_on']:.2f} vs {res['iteration_ms_off']:.2f} ms: "
             f"{100 * res['growth_share']:.3f}% over all iterations; loss check "
-            f"{res['check_ms']:.3f} ms; a full pass over {res['state_gib']:.2f} GiB every "
-            f"{res['full_pass_s']:.0f} s")
+            f"{res['check_ms']:.3f} ms; a full pass over {res['state_gib']:.2f} GiB "
+            + (f"every {res['full_pass_s']:.0f} s" if res["full_pass_s"] is not None else
+               "not estimated: no scrub slice ran in the measured iterations (raise --iters)"))
     print(line)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))

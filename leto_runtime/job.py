@@ -258,16 +258,7 @@ class Job:
         chunk = pick_chunk_pages(self.ctx.chunk_pages, geo)
         self.ss = open_states(self.layout, client=client, geo=geo, device=str(self.device),
                               chunk_pages=chunk, attach_only=attach_only)
-        P = self.ss.flat(self.ss.model[0])
-        G = self.ss.flat(self.ss.grads)
-        for slot in self.layout.params:
-            mod_name, _, leaf = slot.name.rpartition(".")
-            mod = self.model.get_submodule(mod_name) if mod_name else self.model
-            old = mod._parameters[leaf]
-            p = torch.nn.Parameter(P[slot.offset:slot.offset + slot.numel].view(slot.shape),
-                                   requires_grad=old.requires_grad)
-            mod._parameters[leaf] = p
-            p.grad = G[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        self.layout.bind(self.model, self.ss.flat(self.ss.model[0]), self.ss.flat(self.ss.grads))
         if self.buffers_fn is not None:
             self.model.to_empty(device=self.device) if any(
                 b.is_meta for b in self.model.buffers()) else None

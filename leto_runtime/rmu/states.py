@@ -79,6 +79,18 @@ class Layout:
     def to_json(self) -> list:
         return [[p.name, list(p.shape), p.offset] for p in self.params]
 
+    def bind(self, model: torch.nn.Module, P: torch.Tensor, G: torch.Tensor) -> None:
+        """`model`'s parameters become views of the flat state `P` at their slots, their
+        gradients views of `G` (each Parameter replaced, `requires_grad` kept)."""
+        for slot in self.params:
+            mod_name, _, leaf = slot.name.rpartition(".")
+            mod = model.get_submodule(mod_name) if mod_name else model
+            old = mod._parameters[leaf]
+            p = torch.nn.Parameter(P[slot.offset:slot.offset + slot.numel].view(slot.shape),
+                                   requires_grad=old.requires_grad)
+            mod._parameters[leaf] = p
+            p.grad = G[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
 
 class LocalState:
     """An in-process stand-in for a RetainedState (plain torchrun: nothing is retained)."""

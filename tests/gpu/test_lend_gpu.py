@@ -41,13 +41,7 @@ def _setup(lend: bool, backend: str = "auto"):
         model = GPT(cfg)
     layout = Layout.of([(n, tuple(p.shape)) for n, p in model.named_parameters()], geo.page_bytes)
     ss = open_states(layout, client=None, geo=geo, device=str(dev), chunk_pages=2)
-    P, G = ss.flat(ss.model[0]), ss.flat(ss.grads)
-    for slot in layout.params:
-        mod_name, _, leaf = slot.name.rpartition(".")
-        mod = model.get_submodule(mod_name) if mod_name else model
-        p = torch.nn.Parameter(P[slot.offset:slot.offset + slot.numel].view(slot.shape))
-        mod._parameters[leaf] = p
-        p.grad = G[slot.offset:slot.offset + slot.numel].view(slot.shape)
+    layout.bind(model, ss.flat(ss.model[0]), ss.flat(ss.grads))
     init_weights(model, 0)
     up = Updater(ss, AdamWConfig(lr=1e-3, clip_grad_norm=1.0, total_steps=100), backend=backend,
                  lend=lend)
