@@ -240,6 +240,9 @@ class OutputPump:
                     self._on_eof(st)
 
     def _on_data(self, st: _Stream, chunk: bytes) -> None:
+        # The console label is the one in force when the chunk was read, taken before the file
+        # sees the chunk: a relabel that follows anything the file shows applies to later reads.
+        prefix = st.prefix
         if st.file and st.prefix_file:
             *flines, st.fpartial = (st.fpartial + chunk).split(b"\n")
             if flines:
@@ -248,7 +251,7 @@ class OutputPump:
             self._to_file(st, chunk)
         if st.out:
             *lines, st.partial = (st.partial + chunk).split(b"\n")
-            self._emit(st.out, st.prefix, lines)
+            self._emit(st.out, prefix, lines)
 
     def _on_eof(self, st: _Stream) -> None:
         if st.out and st.partial:
