@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import hashlib
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -119,6 +120,7 @@ class Job:
         self.ss = None
         self.updater = None
         self.guard: Guard | None = None           # step-boundary loss repair and scrub
+        self._hooks: list = []                    # fault-point hooks on the model
         self.step_t: int | None = None
         self._stepped = True
         self.recovery_info: dict = {}
@@ -271,19 +273,28 @@ class Job:
         self.recovery_info["attach_s"] = time.monotonic() - t0
 
     def _install_hooks(self) -> None:
+        """Fault points in forward and backward.  The hooks hold the job weakly: a tensor's
+        hooks are held from C++, where the garbage collector cannot see a cycle through them,
+        so a strong reference would keep every job (and its states) alive for good."""
+        for h in self._hooks:
+            h.remove()
+        me = weakref.ref(self)
+
         def fwd(mod, args):
-            self.faults.fire("forward", step=self.step_t)
+            job = me()
+            if job is not None:
+                job.faults.fire("forward", step=job.step_t)
 
         fired = {"t": None}
 
         def bwd(param):
-            if fired["t"] != self.step_t:
-                fired["t"] = self.step_t
-                self.faults.fire("backward", step=self.step_t)
+            job = me()
+            if job is not None and fired["t"] != job.step_t:
+                fired["t"] = job.step_t
+                job.faults.fire("backward", step=job.step_t)
 
-        self.model.register_forward_pre_hook(fwd)
-        for p in self.model.parameters():
-            p.register_post_accumulate_grad_hook(bwd)
+        self._hooks = [self.model.register_forward_pre_hook(fwd)]
+        self._hooks += [p.register_post_accumulate_grad_hook(bwd) for p in self.model.parameters()]
 
     def _inject(self, point: str, **where) -> None:
         """The updater's points: injection, and around the global synchronization (a
@@ -375,6 +386,9 @@ class Job:
         hundreds of ms with torch loaded; `release_group()` and the collection follow."""
         if self.updater is not None:
             self.updater.close()      # lending ends: no pool segment is left in RMU's buffers
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         if self.model is not None:
             for p in self.model.parameters():       # the views go even if the module lives on
                 p.grad = None

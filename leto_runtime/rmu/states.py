@@ -239,8 +239,13 @@ def pick_chunk_pages(requested: int, geo: Geometry) -> int:
 
 def open_states(layout: Layout, *, client, geo: Geometry, device: str, chunk_pages: int,
                 attach_only: bool = False) -> StateSet:
-    """Allocate (first trainer) or attach (every later one) the states of `layout`."""
+    """Allocate (first trainer) or attach (every later one) the states of `layout`.
+
+    A chunk never spans protection groups, so it is capped at the largest group the layout
+    has: a small model does not pay for undo buffers sized for a full group (the chunk count
+    per group, which fault injections name, is unchanged)."""
     H1, S = geo.tier1, geo.page_bytes
+    chunk_pages = max(1, min(chunk_pages, geo.data_pages, layout.nbytes // S))
     undo_bytes = 6 * chunk_pages * S          # 3 undo chunks + 3 delta chunks (one is the scratch)
     q_bytes = 3 * QBUFS * H1 * S
     n = layout.nbytes // 4

@@ -69,6 +69,39 @@ def test_plain_job_matches_torch_adamw_bitwise(plain_job):
     assert torch.equal(got, ea)
 
 
+def test_a_finished_job_is_freed_and_its_states_fit_the_model(monkeypatch):
+    """A job nobody references any more is collected with its states (its fault hooks live
+    on the parameters, held from C++, and must not keep it alive), and a small model's
+    states are sized to the model: the undo buffers are capped at the model's pages, not a
+    full protection group's."""
+    import gc
+    import weakref
+    refs = []
+    for _ in range(2):
+        for k in list(os.environ):
+            if k.startswith("LETO_") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+                monkeypatch.delenv(k, raising=False)
+        runtime.current().forget_job()
+        job = J.init(seed=3, device="cpu")
+        with job.meta_init():
+            model = torch.nn.Linear(8, 4)
+        model = job.retain(model)
+        opt = job.adamw(model, lr=1e-2)
+        for _ in job.steps(2):
+            model(torch.ones(2, 8)).sum().backward()
+            opt.step()
+        ss = job.ss
+        pages = ss.model[0].n_pages
+        assert ss.chunk_pages <= pages
+        assert ss.undo.n_pages == 6 * ss.chunk_pages
+        assert [ss.chunks(g) for g in range(len(ss.model[0].groups))] == [[(0, pages)]]
+        refs.append(weakref.ref(job))
+        del job, model, opt, ss
+        runtime.current().forget_job()
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def test_step_must_call_opt_step(plain_job):
     job = plain_job
     with job.meta_init():
