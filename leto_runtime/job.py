@@ -28,8 +28,9 @@ Roles (from the env contract, `leto_runtime.context`):
   reference of an in-place run.
 
 What the script must keep: data and randomness are functions of (seed, step, rank) --
-`steps()` seeds torch's RNG per step; the model has no buffers (or `retain(..., buffers=fn)`
-recomputes them); it does not wrap the model in DDP (`opt.step()` all-reduces the gradients).
+`steps()` seeds torch's RNG per step; buffers are constant (computed in `__init__`, or by
+`retain(..., buffers=fn)`; leto_runtime.modules); no frozen parameters; it does not wrap the
+model in DDP (`opt.step()` all-reduces the gradients).
 
 The pieces around the job: `resume` (initialize or recover the retained state before the first
 step, and the step boundary before each), `optimizer` (`opt.step()`), `trainer_log` (log lines).
@@ -52,7 +53,7 @@ import torch.distributed as dist
 
 from leto_runtime import beats as hb
 from leto_runtime.wire import contract as C
-from leto_runtime import demotion, resume, runtime
+from leto_runtime import demotion, modules, resume, runtime
 from leto_runtime.context import Context
 from leto_runtime.faults import Faults
 from leto_runtime.optimizer import Optimizer
@@ -121,6 +122,7 @@ class Job:
         self.updater = None
         self.guard: Guard | None = None           # step-boundary loss repair and scrub
         self._hooks: list = []                    # fault-point hooks on the model
+        self.buffer_watch: modules.BufferWatch | None = None
         self.step_t: int | None = None
         self._stepped = True
         self.recovery_info: dict = {}
@@ -156,28 +158,11 @@ class Job:
         self.pg = dist.group.WORLD if dist.is_initialized() else None
 
     # ---- model construction ----------------------------------------------------------------
-    @contextlib.contextmanager
     def meta_init(self):
-        """Build the model on the meta device: shapes only, no values, no memory.
-
-        The `torch.nn.init` functions do nothing meanwhile: on meta tensors they would only
-        dispatch through torch's reference implementations (seconds of imports in every
-        trainer and shadow); the values are written later, once, by `retain(init=...)`."""
-        import torch.nn.init as I
-        saved = {n: getattr(I, n) for n in dir(I)
-                 if n.endswith("_") and not n.startswith("_") and callable(getattr(I, n))}
-
-        def skip(tensor, *args, **kwargs):
-            return tensor
-
-        for n in saved:
-            setattr(I, n, skip)
-        try:
-            with torch.device("meta"):
-                yield
-        finally:
-            for n, f in saved.items():
-                setattr(I, n, f)
+        """Build the model with its parameters on the meta device: shapes only, no values, no
+        memory (`retain(init=...)` writes them once, in retained memory).  Buffers computed in
+        `__init__` keep their values; `torch.nn.init` does nothing meanwhile (leto_runtime.modules)."""
+        return modules.meta_params()
 
     def autocast(self):
         """bf16 compute with fp32 master state on GPUs; a no-op on CPU."""
@@ -189,10 +174,13 @@ class Job:
         """Make `model`'s parameters views of retained memory (a shadow: at promotion).
         `init(model, seed)` writes initial values in place (first trainer only; default: each
         submodule's reset_parameters under torch.manual_seed(seed))."""
-        if any(True for _ in model.buffers()) and buffers is None:
-            raise ValueError("the model has buffers, which are not retained: pass "
-                             "retain(model, buffers=fn) where fn(model) recomputes them, or "
-                             "make them plain attributes")
+        left = modules.meta_buffers(model)
+        if left and buffers is None:
+            raise ValueError(f"buffers {', '.join(left[:4])} are on the meta device: pass "
+                             "retain(model, buffers=fn) where fn(model) fills them, or build "
+                             "them in __init__ under job.meta_init() (buffers keep their values)")
+        modules.refuse_frozen(model)
+        modules.refuse_mutating(model)
         self.model, self.init_fn, self.buffers_fn = model, init, buffers
         self.layout = None
         if self.role != "shadow":
@@ -261,10 +249,10 @@ class Job:
         self.ss = open_states(self.layout, client=client, geo=geo, device=str(self.device),
                               chunk_pages=chunk, attach_only=attach_only)
         self.layout.bind(self.model, self.ss.flat(self.ss.model[0]), self.ss.flat(self.ss.grads))
+        modules.materialize_buffers(self.model, self.device)
         if self.buffers_fn is not None:
-            self.model.to_empty(device=self.device) if any(
-                b.is_meta for b in self.model.buffers()) else None
             self.buffers_fn(self.model)
+        self.buffer_watch = modules.BufferWatch(self.model)
         self._install_hooks()
         if self.opt is not None:
             if self.updater is not None:
@@ -309,6 +297,10 @@ class Job:
         """The RMU-backed AdamW over `model`'s retained parameters (`config` or its fields)."""
         if model is not self.model:
             raise ValueError("adamw(model): pass the model returned by job.retain()")
+        if config is not None and not isinstance(config, A.AdamWConfig):
+            raise TypeError(f"adamw(model, config): config must be a leto_runtime.rmu.adamw."
+                            f"AdamWConfig, got {type(config).__name__} (parameter groups are "
+                            "not supported by adamw(); its fields go as keywords: lr=..., ...)")
         cfg = config or A.AdamWConfig(**kw)
         self.opt = Optimizer(self, cfg)
         return self.opt
@@ -337,7 +329,10 @@ class Job:
             self.faults.fire("step", step=t)
             resume.boundary(self, t)
             self.updater.begin(t)
-            self.ss.flat(self.ss.grads).zero_()
+            # -0.0, not 0.0: x + -0.0 is x for every x, so the first gradient accumulated
+            # into the view keeps its bits (a fresh -0.0 stays -0.0), as torch's first backward
+            # does when it creates `.grad`.
+            self.ss.flat(self.ss.grads).fill_(-0.0)
             torch.manual_seed(self.step_seed(t))
             yield t
         if not self._stepped:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from leto_runtime import beats as hb
-from leto_runtime import demotion
+from leto_runtime import demotion, modules
 from leto_runtime.rmu import adamw as A
 from leto_runtime.rmu.guard import Guard
 from leto_runtime.rmu.updater import Updater
@@ -47,6 +47,9 @@ class Optimizer:
         t = j.step_t
         if t is None or j._stepped:
             raise RuntimeError("opt.step() is called once per step of job.steps()")
+        modules.refuse_frozen(j.model)      # frozen after retain(): decay would still move them
+        if j.buffer_watch is not None:
+            j.buffer_watch.check(t)
         G = j.ss.flat(j.ss.grads)[:j.layout.numel]
         j.faults.fire("grads.allreduce", step=t)
         try:

@@ -81,15 +81,22 @@ class Layout:
 
     def bind(self, model: torch.nn.Module, P: torch.Tensor, G: torch.Tensor) -> None:
         """`model`'s parameters become views of the flat state `P` at their slots, their
-        gradients views of `G` (each Parameter replaced, `requires_grad` kept)."""
+        gradients views of `G` (each Parameter replaced, `requires_grad` kept).  A parameter
+        several modules hold (tied weights) has one slot, under its first name, and every
+        holder gets the same new Parameter."""
+        new = {}
         for slot in self.params:
             mod_name, _, leaf = slot.name.rpartition(".")
             mod = model.get_submodule(mod_name) if mod_name else model
             old = mod._parameters[leaf]
             p = torch.nn.Parameter(P[slot.offset:slot.offset + slot.numel].view(slot.shape),
                                    requires_grad=old.requires_grad)
-            mod._parameters[leaf] = p
             p.grad = G[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            new[id(old)] = (old, p)        # the old one stays referenced: its id stays unique
+        for mod in model.modules():
+            for leaf, old in list(mod._parameters.items()):
+                if old is not None and id(old) in new:
+                    mod._parameters[leaf] = new[id(old)][1]
 
 
 class LocalState:

@@ -113,13 +113,6 @@ def test_step_must_call_opt_step(plain_job):
             pass
 
 
-def test_buffers_need_a_recompute_function(plain_job):
-    with plain_job.meta_init():
-        model = torch.nn.BatchNorm1d(4)
-    with pytest.raises(ValueError, match="buffers"):
-        plain_job.retain(model)
-
-
 def _clean_env(monkeypatch):
     for k in list(os.environ):
         if (k.startswith("LETO_") and k != "LETO_EXT_DIR") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
@@ -203,3 +196,4 @@ def test_kernels_prepare_reports_what_it_cannot_build_and_never_raises(monkeypat
     assert set(got) == {"parity_cpu", "parity_cuda", "rmu_cuda", "lend_alloc", "rmp_map"}
     assert kernels.prepare("cuda", retained=False).keys() == {"parity_cpu", "parity_cuda", "rmu_cuda",
                                                                "lend_alloc"}
+
