@@ -46,25 +46,19 @@ import contextlib
 import datetime
 import hashlib
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 
 from leto_runtime import beats as hb
 from leto_runtime.wire import contract as C
-from leto_runtime import demotion, modules, resume, runtime
+from leto_runtime import binding, demotion, modules, resume, runtime
 from leto_runtime.context import Context
 from leto_runtime.faults import Faults
 from leto_runtime.optimizer import Optimizer
 from leto_runtime.rmu import adamw as A
-from leto_runtime.rmu.states import (GRADS, MARKER, MODEL, QBUF, UNDO, Geometry, Layout,
-                                     open_states, pick_chunk_pages)
 from leto_runtime.rmu.guard import Guard
 from leto_runtime.trainer_log import log
-from leto_runtime.wire.geometry import of_pool
-
-DEFAULT_GEOMETRY = Geometry()
 
 
 def init(*, backend: str | None = None, seed: int = 0, device: str | None = None,
@@ -123,6 +117,10 @@ class Job:
         self.guard: Guard | None = None           # step-boundary loss repair and scrub
         self._hooks: list = []                    # fault-point hooks on the model
         self.buffer_watch: modules.BufferWatch | None = None
+        self.param_order = None                   # the optimizer's groups (layout order)
+        self._grads_seen: set[int] = set()        # parameters that got a gradient this step
+        self.init_fn = self.buffers_fn = None
+        self.layout = None
         self.step_t: int | None = None
         self._stepped = True
         self.recovery_info: dict = {}
@@ -179,110 +177,25 @@ class Job:
             raise ValueError(f"buffers {', '.join(left[:4])} are on the meta device: pass "
                              "retain(model, buffers=fn) where fn(model) fills them, or build "
                              "them in __init__ under job.meta_init() (buffers keep their values)")
-        modules.refuse_frozen(model)
         modules.refuse_mutating(model)
+        modules.refuse_dtypes(model)
+        modules.placeholders(model, self.device)
         self.model, self.init_fn, self.buffers_fn = model, init, buffers
         self.layout = None
-        if self.role != "shadow":
-            self._materialize()
-        elif self.inplace:
-            self._preattach()
         return model
 
-    def _preattach(self) -> None:
-        """Shadow: map the retained states now, while waiting (issue: "the retained state mapped
-        but never written"), so that promotion only refreshes what changed since.  Skipped,
-        with attach at promotion, when the active has not created them yet."""
-        from leto_runtime.rmp.client import RmpClient
-        t0 = time.monotonic()
-        client = None
-        try:
-            client = RmpClient(self.ctx.sm_socket, timeout=self.ctx.pg_timeout)
-            have = {s["name"] for s in client.list()}
-            if not {*MODEL, GRADS, MARKER, UNDO, QBUF} <= have:
-                client.close()
-                return
-            self._materialize(client=client, attach_only=True)
-        except Exception as e:
-            log(f"pre-attach skipped ({type(e).__name__}: {e}); attaching at promotion")
-            self.ss = None
-            if client is not None:
-                try:
-                    client.close(unmap=True, timeout=1.0)
-                except Exception:
-                    pass
-            return
-        self.recovery_info["preattach_s"] = time.monotonic() - t0
-
-    def _attach_at_promotion(self) -> dict:
-        """Promoted shadow: bring the pre-attached mappings up to date (one round trip plus the
-        changed pages), or attach now.  Returns the attach phase's fields."""
-        if self.ss is None:
-            self._materialize()
-            return {"preattached": False}
-        t0 = time.monotonic()
-        rep = self.ss.client.refresh()
-        if rep.views_invalid:         # a state was re-created under its name: map afresh
-            old = self.ss.client
-            self._materialize()
-            try:
-                old.close(unmap=True, timeout=1.0)
-            except Exception:
-                pass
-        self.recovery_info["attach_s"] = time.monotonic() - t0
-        return {"preattached": True, "changed_pages": sum(rep.changed.values()),
-                "dropped_pages": sum(rep.dropped.values()), "remapped": bool(rep.views_invalid)}
-
-    def _geometry(self, client) -> Geometry:
-        # the pool's groups, with its device pages (the state manager rounds S up to granules)
-        return DEFAULT_GEOMETRY if client is None else of_pool(client.info)
-
-    def _materialize(self, client=None, attach_only: bool = False) -> None:
-        t0 = time.monotonic()
-        if self.inplace and client is None:
-            from leto_runtime.rmp.client import RmpClient
-            client = RmpClient(self.ctx.sm_socket, timeout=self.ctx.pg_timeout)
-        geo = self._geometry(client)
-        named = [(n, tuple(p.shape)) for n, p in self.model.named_parameters()]
-        self.layout = Layout.of(named, geo.page_bytes)
-        chunk = pick_chunk_pages(self.ctx.chunk_pages, geo)
-        self.ss = open_states(self.layout, client=client, geo=geo, device=str(self.device),
-                              chunk_pages=chunk, attach_only=attach_only)
-        self.layout.bind(self.model, self.ss.flat(self.ss.model[0]), self.ss.flat(self.ss.grads))
-        modules.materialize_buffers(self.model, self.device)
-        if self.buffers_fn is not None:
-            self.buffers_fn(self.model)
-        self.buffer_watch = modules.BufferWatch(self.model)
-        self._install_hooks()
+    def _open_states(self, param_order) -> None:
+        """The optimizer is known: lay the states out by its groups and open them (a shadow:
+        map them now if they exist, else at promotion)."""
+        if self.model is None:
+            raise RuntimeError("call job.retain(model) before making the optimizer")
         if self.opt is not None:
-            if self.updater is not None:
-                self.updater.close()      # its lending pool's regions are the old mappings
-            self.opt._bind()
-        self.recovery_info["attach_s"] = time.monotonic() - t0
-
-    def _install_hooks(self) -> None:
-        """Fault points in forward and backward.  The hooks hold the job weakly: a tensor's
-        hooks are held from C++, where the garbage collector cannot see a cycle through them,
-        so a strong reference would keep every job (and its states) alive for good."""
-        for h in self._hooks:
-            h.remove()
-        me = weakref.ref(self)
-
-        def fwd(mod, args):
-            job = me()
-            if job is not None:
-                job.faults.fire("forward", step=job.step_t)
-
-        fired = {"t": None}
-
-        def bwd(param):
-            job = me()
-            if job is not None and fired["t"] != job.step_t:
-                fired["t"] = job.step_t
-                job.faults.fire("backward", step=job.step_t)
-
-        self._hooks = [self.model.register_forward_pre_hook(fwd)]
-        self._hooks += [p.register_post_accumulate_grad_hook(bwd) for p in self.model.parameters()]
+            raise RuntimeError("the job has an optimizer already: make one per job")
+        self.param_order = param_order
+        if self.role != "shadow":
+            binding.materialize(self)
+        elif self.inplace:
+            binding.preattach(self)
 
     def _inject(self, point: str, **where) -> None:
         """The updater's points: injection, and around the global synchronization (a
@@ -297,20 +210,53 @@ class Job:
         """The RMU-backed AdamW over `model`'s retained parameters (`config` or its fields)."""
         if model is not self.model:
             raise ValueError("adamw(model): pass the model returned by job.retain()")
+        modules.refuse_frozen(model)
         if config is not None and not isinstance(config, A.AdamWConfig):
             raise TypeError(f"adamw(model, config): config must be a leto_runtime.rmu.adamw."
                             f"AdamWConfig, got {type(config).__name__} (parameter groups are "
                             "not supported by adamw(); its fields go as keywords: lr=..., ...)")
         cfg = config or A.AdamWConfig(**kw)
+        self._open_states(None)
         self.opt = Optimizer(self, cfg)
         return self.opt
+
+    def optimizer(self, torch_opt, scheduler=None, clip_grad_norm: float | None = None):
+        """The script's own `torch.optim.AdamW` / `Adam` / `SGD` (any parameter groups) and
+        LR scheduler, made transactional (leto_runtime.adopted; the contract: docs/PORTING.md).
+        `clip_grad_norm`: `clip_grad_norm_` over the optimizer's parameters before each update."""
+        from leto_runtime import adopted
+        from leto_runtime import torch_optim as TO
+        from leto_runtime.wire import settings
+        if self.model is None:
+            raise RuntimeError("call job.retain(model) before job.optimizer(...)")
+        msg = adopted.check_scheduler(scheduler, torch_opt)
+        if msg is not None:
+            raise TO.UnsupportedOptimizer(msg)
+        if clip_grad_norm is not None and not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a number > 0, or None")
+        TO.describe(torch_opt, self.device)             # refusals before anything is opened
+        self._open_states(TO.ordered_params(torch_opt))
+        rmu = self.inplace or settings.get().plain_rmu
+        self.opt = adopted.AdoptedOptimizer(self, torch_opt, scheduler, clip_grad_norm, rmu)
+        return self.opt
+
+    def check_grads(self, t: int, params) -> None:
+        """Every trainable parameter got a gradient in step t: torch skips one that did not,
+        and Leto would update it (one step count for all)."""
+        missing = [p for p in params if id(p) not in self._grads_seen]
+        if missing:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            listed = ", ".join(names.get(id(p), "?") for p in missing[:4])
+            raise ValueError(f"parameters {listed}{' ...' if len(missing) > 4 else ''} got no "
+                             f"gradient in step {t}: every trainable parameter must take part "
+                             "in every step (freeze the unused ones: requires_grad_(False))")
 
     # ---- the step loop ----------------------------------------------------------------------
     def steps(self, total: int):
         """Yield the iterations to run; blocks a shadow until it is promoted, and starts where
         recovery says (see the module docstring)."""
         if self.opt is None:
-            raise RuntimeError("call job.adamw(model, ...) before job.steps()")
+            raise RuntimeError("call job.optimizer(...) or job.adamw(model, ...) before job.steps()")
         if self.role == "shadow":
             from leto_runtime import promotion
             self._prepare_lending()
@@ -318,13 +264,14 @@ class Job:
             self.role = "active"
             demotion.arm(self)
             hb.heartbeat(None)
-            fields = self._attach_at_promotion()
+            fields = binding.attach_at_promotion(self)
             promotion.report_phase("attach", self.recovery_info["attach_s"], **fields)
         start = resume.prepare(self)
         for t in range(start, total):
             if not self._stepped:
                 raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
             self.step_t, self._stepped = t, False
+            self._grads_seen.clear()
             hb.heartbeat(t)
             self.faults.fire("step", step=t)
             resume.boundary(self, t)

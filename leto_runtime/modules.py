@@ -10,7 +10,7 @@ Role: the structural checks and conversions of `Job.meta_init` / `Job.retain`:
   by one (for `retain(buffers=fn)` to fill), real ones move to the job's device; parameters are
   never touched (`Module.to_empty` would give them fresh storage and detach them from
   retained memory).
-* `refuse_frozen(model)` — frozen parameters are refused for now, with the fix.
+* `refuse_frozen(model)`, `refuse_dtypes(model)` — what `job.adamw` / `retain` refuse, with the fix.
 * `refuse_mutating(model)` and `BufferWatch` — buffers are not retained, so a buffer that
   forward changes (BatchNorm's running statistics) would be lost by a recovery: modules known
   to do it are refused at `retain()`, and the watch checks at the first steps of every process
@@ -57,6 +57,23 @@ def meta_params():
             setattr(I, n, f)
 
 
+def placeholders(model: torch.nn.Module, device) -> None:
+    """Meta parameters (or ones on another device) become placeholders on `device`: the
+    same Parameter objects (`torch.utils.swap_tensors`: ties and the script's references
+    hold) over one zero element, until the states are bound.  No memory; any write into one
+    before then fails loudly instead of landing somewhere."""
+    device = torch.device(device)
+    seen = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.is_meta or p.device != device:
+            ph = torch.nn.Parameter(torch.zeros(1, dtype=p.dtype, device=device).expand(p.shape),
+                                    requires_grad=p.requires_grad)
+            torch.utils.swap_tensors(p, ph)
+
+
 def meta_buffers(model: torch.nn.Module) -> list[str]:
     return [n for n, b in model.named_buffers() if b.is_meta]
 
@@ -84,6 +101,16 @@ def refuse_frozen(model: torch.nn.Module) -> None:
                          f"leto_runtime yet: {', '.join(frozen[:4])}"
                          f"{' ...' if len(frozen) > 4 else ''}; keep frozen modules outside "
                          "the model given to retain(), or train them")
+
+
+def refuse_dtypes(model: torch.nn.Module) -> None:
+    """The retained parameters are float32 (fp32 master state; bf16 compute goes through
+    `job.autocast()`)."""
+    bad = [f"{n} ({p.dtype})" for n, p in model.named_parameters() if p.dtype != torch.float32]
+    if bad:
+        raise ValueError(f"parameters {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} are "
+                         "not float32: leto_runtime retains float32 parameters (build the model "
+                         "in float32 and compute in bf16 under job.autocast())")
 
 
 def refuse_mutating(model: torch.nn.Module) -> None:

@@ -42,12 +42,15 @@ from leto_runtime.trainer_log import log
 def prepare(job) -> int:
     """Initialize (first trainer) or recover (every later one); returns the first step."""
     ss, up = job.ss, job.updater
+    restore = getattr(job.opt, "restore", None)       # the adopted torch optimizer's values
     try:
         res, _ = recovery.prepare(ss, up, rank=job.rank,
                                   initialize=functools.partial(initialize, job),
                                   gather=functools.partial(gather, job), fire=job.faults.fire,
                                   phase=functools.partial(phase, job),
-                                  transactions=job.transactions)
+                                  transactions=job.transactions, restore=restore)
+        if restore is not None and res.action == "finish":
+            job.opt.finished(res.t)
     except Exception as e:
         if isinstance(e, (RecoveryError, Unrecoverable)):
             unrecoverable(e)

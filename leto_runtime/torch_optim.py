@@ -226,8 +226,13 @@ def set_group_values(opt, hypers: list[Hyper]) -> None:
             raise ValueError(f"set_group_values: hypers[{i}].kind={h.kind!r} but param_groups[{i}] "
                              f"of {type(opt).__name__} is {kind!r}")
     for group, h in zip(opt.param_groups, hypers):
-        group.update(lr=h.lr, weight_decay=h.weight_decay, maximize=h.maximize)
+        values = dict(lr=h.lr, weight_decay=h.weight_decay, maximize=h.maximize)
         if h.kind == "sgd":
-            group.update(momentum=h.momentum, dampening=h.dampening, nesterov=h.nesterov)
+            values.update(momentum=h.momentum, dampening=h.dampening, nesterov=h.nesterov)
         else:
-            group.update(betas=(h.beta1, h.beta2), eps=h.eps)
+            values.update(betas=(h.beta1, h.beta2), eps=h.eps)
+        # Only what differs is written: an equal value keeps the script's own object (an int
+        # 0 stays an int), so the group reads -- and `state_dict()` saves -- as it did.
+        for k, v in values.items():
+            if k not in group or group[k] != v:
+                group[k] = type(group[k])(v) if k == "betas" and k in group else v

@@ -9,6 +9,7 @@ group.  Pure functions of their arguments: no processes, no I/O, no global state
 
 Calling contract, one iteration of a data-parallel job (`step` is 1-based: iteration t uses t+1):
 
+    adamw.warm_cpu_math()     # on CPU, once per process: the same MKL sqrt as adamw_chunk_'s
     coef = None or adamw.clip_coef(adamw.total_norm_from_sq(sq), max_norm)   # as in adamw.py
     for each parameter group i, with h = hypers[i] (h.n_states state tensors per parameter):
         for each chunk (p, states, g) of that group's flat params, states and grads:
@@ -40,6 +41,7 @@ __all__ = ["Hyper", "KINDS", "adam_chunk_", "sgd_chunk_", "update_chunk_"]
 KINDS = ("adamw", "adam", "sgd")
 _ADAM_FIELDS = ("beta1", "beta2", "eps")
 _SGD_FIELDS = ("momentum", "dampening", "nesterov")
+_F32_STEP_LIMIT = 2**24     # the last integer a float32 step counter reaches by adding 1
 
 
 def _is_int(x) -> bool:
@@ -193,7 +195,8 @@ def adam_chunk_(p: Tensor, m: Tensor, v: Tensor, g: Tensor, *, step: int, h: Hyp
 
     p, m, v, g: 1-D float32 tensors of equal length on one device: parameters, exp_avg,
         exp_avg_sq (updated in place) and gradients (read only, never written).
-    step:   1-based Adam step (bias correction).
+    step:   1-based Adam step (bias correction).  torch keeps one per parameter
+        (state["step"]), counted only on steps where that parameter had a gradient.
     coef:   clip coefficient (0-dim float32 on the chunk's device, adamw.clip_coef) or None.
     scratch: optional 1-D float32 buffer of >= len(p) elements on the same device.  Its first
         len(p) elements hold the working gradient (g * coef, negated for maximize, + wd * p for
@@ -204,7 +207,7 @@ def adam_chunk_(p: Tensor, m: Tensor, v: Tensor, g: Tensor, *, step: int, h: Hyp
         grad   = g * coef; grad = -grad (maximize); grad = grad.add(p, alpha=wd) ("adam")
         p     *= 1 - lr * wd                                ("adamw", wd != 0)
         m.lerp_(grad, 1 - beta1);  v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bc1 = 1 - beta1 ** step;  bc2 = 1 - beta2 ** step   (Python doubles, step a float)
+        bc1 = 1 - beta1 ** s;  bc2 = 1 - beta2 ** s         (doubles, s = float(min(step, 2**24)))
         denom = (sqrt(v) / bc2 ** 0.5).add_(eps);  p.addcdiv_(m, denom, value=-(lr / bc1))
     """
     n = p.numel()
@@ -223,8 +226,9 @@ def adam_chunk_(p: Tensor, m: Tensor, v: Tensor, g: Tensor, *, step: int, h: Hyp
     m.lerp_(grad, 1 - h.beta1)
     v.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
 
-    # torch reads the step back from a float32 tensor (`.item()`): a float, as here.
-    s = float(step)
+    # torch counts steps in a float32 tensor (`step_t += 1`, read back with `.item()`), which
+    # stops at 2**24: 2**24 + 1 rounds back to 2**24.  The same float here, at any step.
+    s = float(min(step, _F32_STEP_LIMIT))
     bias_correction1 = 1 - h.beta1 ** s
     bias_correction2 = 1 - h.beta2 ** s
     step_size = lr / bias_correction1
@@ -293,7 +297,8 @@ def update_chunk_(h: Hyper, p: Tensor, states: tuple, g: Tensor, *, step: int,
                   coef: Tensor | None, scratch: Tensor | None = None) -> None:
     """Update one chunk of a group of kind h.kind: states are (exp_avg, exp_avg_sq) for
     adam/adamw, (momentum_buffer,) for sgd with momentum, () for plain sgd (h.state_names).
-    step is 1-based; for sgd, step 1 is the first step (the momentum buffer is initialized)."""
+    step is 1-based and per parameter, like torch's (a parameter without a gradient is not
+    stepped); for sgd, step 1 is the first step (the momentum buffer is initialized)."""
     if not isinstance(h, Hyper):
         raise ValueError(f"update_chunk_: h must be a Hyper, got {type(h).__name__}")
     states = tuple(states)

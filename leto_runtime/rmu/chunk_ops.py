@@ -44,8 +44,8 @@ class ChunkOps:
     and `one_kernel` its fused kernels (`fused.Fused`, checked on this device)."""
 
     def __init__(self, ss, cfg: "A.AdamWConfig", *, gflat: torch.Tensor, code, fence,
-                 transactions: bool, fused, one_kernel: bool, slots: int):
-        self.ss, self.cfg, self.transactions = ss, cfg, transactions
+                 transactions: bool, fused, one_kernel: bool, slots: int, plan=None):
+        self.ss, self.cfg, self.transactions, self.plan = ss, cfg, transactions, plan
         self.code, self.fence = code, fence
         self.fused, self.one_kernel, self.slots = fused, one_kernel, slots
         self.flat = [ss.flat(st) for st in ss.model]
@@ -149,10 +149,13 @@ class ChunkOps:
                                    outs=[ss.q(i, 1 - auth, g) for i in range(3)],
                                    bases=[ss.q(i, auth, g) for i in range(3)])
 
-    def update(self, t: int, chunk: tuple[int, int], views, grad, coef, lr: float):
+    def update(self, t: int, g: int, chunk: tuple[int, int], views, grad, coef, lr: float | None):
         """AdamW in place on the chunk; returns the delta pages the fused kernel wrote (with
         transactions, on CUDA), else None."""
         count = chunk[1]
+        if self.plan is not None:
+            self._update_groups(t, views, grad, coef, lo=self._elems(g, *chunk).start)
+            return None
         if self.fused is not None and self.transactions:
             deltas = [self.ss.delta_pages(i, count) for i in range(3)]
             self.fused.step_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, coef=coef,
@@ -162,6 +165,15 @@ class ChunkOps:
             A.adamw_chunk_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, cfg=self.cfg,
                            coef=coef, scratch=self.scratch[:grad.numel()])
         return deltas
+
+    def _update_groups(self, t: int, views, grad, coef, lo: int) -> None:
+        """The plan's update: each part of the chunk that lies in a parameter group with that
+        group's values (frozen parameters and padding after the last group are left alone)."""
+        from leto_runtime.rmu.chunk_math import update_chunk_
+        sc = self.scratch
+        for a, b, h in self.plan.pieces(lo, lo + grad.numel()):
+            update_chunk_(h, views[0][a:b], tuple(v[a:b] for v in views[1:1 + h.n_states]),
+                          grad[a:b], step=t + 1, coef=coef, scratch=sc[:b - a])
 
     def parity_delta(self, g: int, j: int, chunk: tuple[int, int], auth: int, deltas) -> None:
         """Q[1-auth] = Q[auth] ^ RS_j(undo ^ new) for each state, from `deltas` (`update`'s) or

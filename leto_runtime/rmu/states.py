@@ -80,23 +80,22 @@ class Layout:
         return [[p.name, list(p.shape), p.offset] for p in self.params]
 
     def bind(self, model: torch.nn.Module, P: torch.Tensor, G: torch.Tensor) -> None:
-        """`model`'s parameters become views of the flat state `P` at their slots, their
-        gradients views of `G` (each Parameter replaced, `requires_grad` kept).  A parameter
-        several modules hold (tied weights) has one slot, under its first name, and every
-        holder gets the same new Parameter."""
-        new = {}
+        """Each of `model`'s parameters gets its slot's view of the flat state `P` as `.data`
+        and, if trainable, its slot's view of `G` as `.grad`; the Parameter objects stay (a
+        torch optimizer or DDP built over them keeps working, ties hold).  A meta parameter,
+        or one on another device, first becomes a placeholder on P's device
+        (`torch.utils.swap_tensors` keeps the object)."""
+        by_name = dict(model.named_parameters())
         for slot in self.params:
-            mod_name, _, leaf = slot.name.rpartition(".")
-            mod = model.get_submodule(mod_name) if mod_name else model
-            old = mod._parameters[leaf]
-            p = torch.nn.Parameter(P[slot.offset:slot.offset + slot.numel].view(slot.shape),
-                                   requires_grad=old.requires_grad)
-            p.grad = G[slot.offset:slot.offset + slot.numel].view(slot.shape)
-            new[id(old)] = (old, p)        # the old one stays referenced: its id stays unique
-        for mod in model.modules():
-            for leaf, old in list(mod._parameters.items()):
-                if old is not None and id(old) in new:
-                    mod._parameters[leaf] = new[id(old)][1]
+            p = by_name[slot.name]
+            view = P[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            if p.is_meta or p.device != view.device:
+                ph = torch.nn.Parameter(torch.zeros(1, dtype=p.dtype, device=view.device)
+                                        .expand(slot.shape), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, ph)
+            p.data = view
+            p.grad = (G[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                      if p.requires_grad else None)
 
 
 class LocalState:

@@ -90,11 +90,16 @@ def _noinject(point: str, **where) -> None:
 
 
 class Updater:
-    def __init__(self, ss: StateSet, cfg: "A.AdamWConfig", *, inject=None, backend: str = "auto",
-                 transactions: bool = True, lend: bool | None = None):
+    def __init__(self, ss: StateSet, cfg: "A.AdamWConfig | None", *, inject=None,
+                 backend: str = "auto", transactions: bool = True, lend: bool | None = None,
+                 plan=None):
         from leto_runtime.parity import ParityCode
 
         self.ss, self.cfg, self.backend, self.transactions = ss, cfg, backend, transactions
+        # `plan` (rmu/plan.py): parameter groups with their own values, on the torch-ops path;
+        # without one, `cfg`'s AdamW over every parameter (the fused kernels where checked).
+        self.plan = plan
+        self.clip = plan.clip if plan is not None else cfg.clip_grad_norm
         self.inject = inject or _noinject
         if torch.device(ss.device).type == "cpu":
             A.warm_cpu_math()       # before the first real update of this process (adamw.py)
@@ -111,7 +116,8 @@ class Updater:
         # CUDA: one fused kernel for AdamW that also writes the chunk's delta pages (fused.py;
         # None when it is off or did not pass its bit-exactness self-check on this device).
         from leto_runtime.rmu.fused import Fused
-        self.fused = Fused.for_device(ss.device, cfg) if self.cuda and transactions else None
+        self.fused = (Fused.for_device(ss.device, cfg) if self.cuda and transactions
+                      and plan is None else None)
         # ... and, where enabled and checked, AdamW and the parity delta in one kernel that reads
         # the undo copy (fused.chunk_syndrome_; off with LETO_RMU_FUSED_SYNDROME=0).
         self.fused_syndrome = self.fused is not None and self.fused.syndrome_ok(ss.device, ss.geo.tier1)
@@ -147,7 +153,7 @@ class Updater:
         # transaction.
         self.chunks = ChunkOps(ss, cfg, gflat=self.gflat, code=self.code, fence=self.fence,
                                transactions=transactions, fused=self.fused,
-                               one_kernel=self.fused_syndrome, slots=self.slots)
+                               one_kernel=self.fused_syndrome, slots=self.slots, plan=plan)
 
     # ---- helpers -------------------------------------------------------------------------
     def lap(self, name: str) -> None:
@@ -271,14 +277,17 @@ class Updater:
         return A.total_norm_from_sq(A.grad_sq_norm(self.param_grads()))
 
     def param_grads(self) -> list[torch.Tensor]:
-        return [self.gflat[p.offset:p.offset + p.numel] for p in self.ss.layout.params]
+        """The gradients the clipping norm is over: every trainable parameter's, in
+        `param_groups` order with a plan (frozen ones have none)."""
+        slots = self.plan.norm_slots if self.plan is not None else self.ss.layout.params
+        return [self.gflat[p.offset:p.offset + p.numel] for p in slots]
 
     def synchronize(self, t: int, pg=None) -> torch.Tensor:
         """The global synchronization: entered only after the gradients are protected, so a
         rank past it proves that every rank's gradients of t are recoverable (docs/RMU.md, "One
         iteration")."""
         self.inject("sync", step=t)
-        if self.cfg.clip_grad_norm is not None:
+        if self.clip is not None:
             norm = self.local_norm().to(torch.float32).reshape(1).clone()
         else:
             norm = torch.zeros(1, dtype=torch.float32, device=self.gflat.device)
@@ -288,8 +297,8 @@ class Updater:
             # (a peer past it may finish the update from this rank's gradient parity).
             self.marker.settle()
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pg)
-        coef = (A.clip_coef(norm[0], self.cfg.clip_grad_norm)
-                if self.cfg.clip_grad_norm is not None else torch.ones((), dtype=torch.float32))
+        coef = (A.clip_coef(norm[0], self.clip)
+                if self.clip is not None else torch.ones((), dtype=torch.float32))
         self.lap("global sync")
         self._mark(t=t, phase=Phase.SYNCED, coef_bits=Record.bits(coef), coef_t=t)
         self.inject("sync.after", step=t)
@@ -333,7 +342,7 @@ class Updater:
     def _run(self, t: int, start_group: int) -> None:
         self.chunks.check()
         coef = torch.tensor(self.marker.rec.coef, dtype=torch.float32, device=self.gflat.device)
-        lr = A.lr_at(self.cfg, t)
+        lr = A.lr_at(self.cfg, t) if self.plan is None else None      # a plan: per group
         for g in range(start_group, len(self.ss.model[0].groups)):
             self._group(t, g, coef, lr)
         self.inject("rmu.done", step=t)
@@ -452,7 +461,7 @@ class Updater:
             self._mark(chunk=j + 1, sub=0, auth=1 - auth)
             self.lap("markers")
             return
-        deltas = ops.update(t, chunk, views, grad, coef, lr)
+        deltas = ops.update(t, g, chunk, views, grad, coef, lr)
         self.lap("adamw")
         if not self.transactions:
             return          # ablation: no commit, so no chunk progress either

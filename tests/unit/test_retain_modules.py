@@ -54,8 +54,7 @@ def _tokens(step):
     return idx[:, :-1], idx[:, 1:]
 
 
-def _train_leto(job, model, ac, steps):
-    opt = job.adamw(model, ac)
+def _train_leto(job, model, opt, steps):
     losses = []
     for step in job.steps(steps):
         _, loss = model(*_tokens(step))
@@ -95,10 +94,14 @@ def test_tied_weights_and_a_constant_buffer_match_torch_adamw_bitwise(plain_job,
     assert model.emb.weight.is_meta and model.mix.bias.requires_grad
     assert model.scale.is_meta == meta_buffer       # a buffer __init__ computes keeps its values
     fill = (lambda m: m.scale.copy_(torch.linspace(0.5, 1.5, 16))) if meta_buffer else None
+    held = list(model.parameters())
     model = job.retain(model, init=_tied_init, buffers=fill)
-    # One retained slot for the tied weight, and both modules hold that one parameter.
+    opt = job.adamw(model, AC)
+    # One retained slot for the tied weight, both modules hold that one parameter, and the
+    # Parameter objects are the script's own (a torch optimizer built on them stays valid).
     assert model.head.weight is model.emb.weight and len(job.layout.params) == 3
-    losses = _train_leto(job, model, AC, 8)
+    assert all(a is b for a, b in zip(model.parameters(), held))
+    losses = _train_leto(job, model, opt, 8)
     ref, ref_losses = _train_torch(AC, 8)
     assert losses == ref_losses and len(set(losses)) == 8     # it trains, as torch does
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
@@ -155,10 +158,10 @@ def test_frozen_parameters_are_refused_with_the_fix(plain_job):
     with plain_job.meta_init():
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     model[0].requires_grad_(False)
-    with pytest.raises(ValueError, match=r"frozen parameters .*0\.weight, 0\.bias.*outside"):
-        plain_job.retain(model)
-    model[0].requires_grad_(True)
     model = plain_job.retain(model)
+    with pytest.raises(ValueError, match=r"frozen parameters .*0\.weight, 0\.bias.*outside"):
+        plain_job.adamw(model, lr=1e-2)
+    model[0].requires_grad_(True)
     opt = plain_job.adamw(model, lr=1e-2, weight_decay=0.5)
     model[1].requires_grad_(False)          # frozen after retain(): refused at the step
     with pytest.raises(ValueError, match="frozen parameters"):
@@ -200,3 +203,11 @@ def test_adamw_takes_a_config_or_keywords_only(plain_job):
     with pytest.raises(TypeError, match=r"config must be a leto_runtime\.rmu\.adamw\.AdamWConfig, "
                                         r"got list \(parameter groups are not supported"):
         plain_job.adamw(model, [{"params": list(model.parameters())}])
+
+
+def test_parameters_that_are_not_float32_are_refused(plain_job):
+    with plain_job.meta_init():
+        model = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"parameters weight \(torch.bfloat16\), bias "
+                                         r"\(torch.bfloat16\) are not float32.*job.autocast\(\)"):
+        plain_job.retain(model)

@@ -1,0 +1,81 @@
+"""An ordinary torch training script ported to in-place recovery (docs/PORTING.md).
+
+    torchrun --nproc-per-node 2 examples/byo_train.py          # stock torch, no fault tolerance
+    leto-run --nproc-per-node 2 examples/byo_train.py          # the same run, recovered in place
+
+The model (examples/byo_model.py) has an output head tied to its embedding, a frozen
+sub-module, a constant buffer, and two parameter groups; the script builds its own
+`torch.optim` optimizer (`--opt adamw|adam|sgd`) and LR scheduler and hands them to
+`job.optimizer` with gradient clipping.  Under torchrun every `job.*` call is stock torch
+(leto_runtime.adopted), which makes it the reference the exactness tests compare a leto-run
+job with.
+
+With `--out DIR` every rank appends `{"step", "gen", "loss", "lrs"}` (floats as float.hex) to
+DIR/loss_<rank>.jsonl after each step, and writes DIR/final_<rank>.json with the sha256 of its
+final `model.state_dict()` and `opt.state_dict()` (torch's format).
+"""
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from byo_model import ByoNet, byo_init, freeze, groups, make_optimizer, tokens  # noqa: E402
+
+import leto_runtime as leto  # noqa: E402
+
+
+def digest(model: torch.nn.Module, opt) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    sd = opt.state_dict()
+    h.update(json.dumps(sd["param_groups"], sort_keys=True, default=str).encode())
+    for i in sorted(sd["state"]):
+        for k, v in sorted(sd["state"][i].items()):
+            h.update(f"{i}.{k}".encode())
+            h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--opt", choices=("adamw", "adam", "sgd"), default="adamw")
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--clip", type=float, default=0.5)
+    p.add_argument("--out", default=None, help="directory for per-step losses and final digests")
+    a = p.parse_args()
+
+    job = leto.init(seed=0, device="cpu")
+    with job.meta_init():
+        model = ByoNet(a.width)
+    model = job.retain(model, init=byo_init)
+    freeze(model)
+    torch_opt, scheduler = make_optimizer(a.opt, groups(model, lr2=2e-3 if a.opt != "sgd" else 0.02))
+    opt = job.optimizer(torch_opt, scheduler, clip_grad_norm=a.clip)
+    log = open(os.path.join(a.out, f"loss_{job.rank}.jsonl"), "a") if a.out else None
+    gen = job.ctx.generation
+    for step in job.steps(a.steps):
+        lrs = [float(g["lr"]).hex() for g in opt.param_groups]    # this step's (resumed) values
+        _, loss = model(*tokens(step, job.rank))
+        if log:
+            log.write(json.dumps({"step": step, "gen": gen, "loss": float(loss.item()).hex(),
+                                  "lrs": lrs}) + "\n")
+            log.flush()
+        loss.backward()
+        opt.step()
+        if job.rank == 0:
+            print(f"step {step:3d}  loss {loss.item():.4f}  lr {opt.lr:.2e}  ({job.role}, "
+                  f"generation {gen}, world {job.world_size})", flush=True)
+    if a.out:
+        with open(os.path.join(a.out, f"final_{job.rank}.json"), "w") as f:
+            json.dump({"digest": digest(model, opt), "gen": gen}, f)
+
+
+if __name__ == "__main__":
+    main()

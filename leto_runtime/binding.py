@@ -1,0 +1,164 @@
+"""Binding a job's model to its states: layout, allocation or attach, views, fault hooks.
+
+Role: what happens between `job.retain(model)` and the first step.  `retain` only checks the
+model and records it; the states are opened when the optimizer is known
+(`job.adamw` / `job.optimizer`), because the layout follows the optimizer's parameter groups:
+each group's parameters are contiguous (one element range, one set of hyper-parameters per
+range), frozen parameters come after every group (retained, protected, never updated).
+
+* `order(model, groups)` — the (name, shape) list of the layout: the groups' parameters in
+  `param_groups` order, then the frozen ones; a trainable parameter in no group is refused.
+* `materialize(job, client, attach_only)` — open (first trainer) or attach the states and bind
+  the model to them: every parameter *object* stays the one the script holds (its torch
+  optimizer and DDP keep working), only its `.data` becomes a view of the retained params and
+  its `.grad` a view of the retained gradients (frozen: no gradient).
+* `preattach(job)` (a waiting shadow) and `attach_at_promotion(job)` (a promoted one).
+* `install_hooks(job)` — the forward / backward fault points.
+
+Calling contract: functions over a `leto_runtime.job.Job` whose `model` is set; the job's
+`opt` (if any) is re-bound after every materialization (`opt._bind()`).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from leto_runtime import modules
+from leto_runtime.rmu.states import (GRADS, MARKER, MODEL, QBUF, UNDO, Geometry, Layout,
+                                     open_states, pick_chunk_pages)
+from leto_runtime.trainer_log import log
+from leto_runtime.wire.geometry import of_pool
+
+DEFAULT_GEOMETRY = Geometry()
+
+
+def order(model: torch.nn.Module, groups: list[list[torch.Tensor]] | None = None):
+    """(name, shape) of every distinct parameter in layout order (see the module doc)."""
+    names = {}
+    for n, p in model.named_parameters():     # one (first) name per tensor: ties once
+        names.setdefault(id(p), (n, p))
+    if groups is None:
+        return [(n, tuple(p.shape)) for n, p in names.values()]
+    out, seen = [], set()
+    for k, params in enumerate(groups):
+        for p in params:
+            if id(p) not in names:
+                raise ValueError(f"param_groups[{k}] holds a tensor of shape {tuple(p.shape)} "
+                                 "that is not a parameter of the retained model: build the "
+                                 "optimizer over the model job.retain() returned")
+            seen.add(id(p))
+            out.append((names[id(p)][0], tuple(p.shape)))
+    for n, p in names.values():
+        if id(p) in seen:
+            continue
+        if p.requires_grad:
+            raise ValueError(f"parameter {n!r} requires grad but is in no param group of the "
+                             "optimizer: add it to a group, or freeze it (requires_grad_(False))")
+        out.append((n, tuple(p.shape)))
+    return out
+
+
+def geometry(client) -> Geometry:
+    # the pool's groups, with its device pages (the state manager rounds S up to granules)
+    return DEFAULT_GEOMETRY if client is None else of_pool(client.info)
+
+
+def materialize(job, client=None, attach_only: bool = False) -> None:
+    t0 = time.monotonic()
+    if job.inplace and client is None:
+        from leto_runtime.rmp.client import RmpClient
+        client = RmpClient(job.ctx.sm_socket, timeout=job.ctx.pg_timeout)
+    geo = geometry(client)
+    job.layout = Layout.of(order(job.model, job.param_order), geo.page_bytes)
+    chunk = pick_chunk_pages(job.ctx.chunk_pages, geo)
+    job.ss = open_states(job.layout, client=client, geo=geo, device=str(job.device),
+                         chunk_pages=chunk, attach_only=attach_only)
+    job.layout.bind(job.model, job.ss.flat(job.ss.model[0]), job.ss.flat(job.ss.grads))
+    modules.materialize_buffers(job.model, job.device)
+    if job.buffers_fn is not None:
+        job.buffers_fn(job.model)
+    job.buffer_watch = modules.BufferWatch(job.model)
+    install_hooks(job)
+    if job.opt is not None:
+        if job.updater is not None:
+            job.updater.close()      # its lending pool's regions are the old mappings
+        job.opt._bind()
+    job.recovery_info["attach_s"] = time.monotonic() - t0
+
+
+def preattach(job) -> None:
+    """Shadow: map the retained states now, while waiting (issue: "the retained state mapped
+    but never written"), so that promotion only refreshes what changed since.  Skipped,
+    with attach at promotion, when the active has not created them yet."""
+    from leto_runtime.rmp.client import RmpClient
+    t0 = time.monotonic()
+    client = None
+    try:
+        client = RmpClient(job.ctx.sm_socket, timeout=job.ctx.pg_timeout)
+        have = {s["name"] for s in client.list()}
+        if not {*MODEL, GRADS, MARKER, UNDO, QBUF} <= have:
+            client.close()
+            return
+        materialize(job, client=client, attach_only=True)
+    except Exception as e:
+        log(f"pre-attach skipped ({type(e).__name__}: {e}); attaching at promotion")
+        job.ss = None
+        if client is not None:
+            try:
+                client.close(unmap=True, timeout=1.0)
+            except Exception:
+                pass
+        return
+    job.recovery_info["preattach_s"] = time.monotonic() - t0
+
+
+def attach_at_promotion(job) -> dict:
+    """Promoted shadow: bring the pre-attached mappings up to date (one round trip plus the
+    changed pages), or attach now.  Returns the attach phase's fields."""
+    if job.ss is None:
+        materialize(job)
+        return {"preattached": False}
+    t0 = time.monotonic()
+    rep = job.ss.client.refresh()
+    if rep.views_invalid:         # a state was re-created under its name: map afresh
+        old = job.ss.client
+        materialize(job)
+        try:
+            old.close(unmap=True, timeout=1.0)
+        except Exception:
+            pass
+    job.recovery_info["attach_s"] = time.monotonic() - t0
+    return {"preattached": True, "changed_pages": sum(rep.changed.values()),
+            "dropped_pages": sum(rep.dropped.values()), "remapped": bool(rep.views_invalid)}
+
+
+def install_hooks(job) -> None:
+    """Fault points in forward and backward (trainable parameters only: a frozen one never
+    gets a gradient).  The hooks hold the job weakly: a tensor's hooks are held from C++,
+    where the garbage collector cannot see a cycle through them, so a strong reference would
+    keep every job (and its states) alive for good."""
+    for h in job._hooks:
+        h.remove()
+    me = weakref.ref(job)
+
+    def fwd(mod, args):
+        j = me()
+        if j is not None:
+            j.faults.fire("forward", step=j.step_t)
+
+    fired = {"t": None}
+
+    def bwd(param):
+        j = me()
+        if j is None:
+            return
+        j._grads_seen.add(id(param))
+        if fired["t"] != j.step_t:
+            fired["t"] = j.step_t
+            j.faults.fire("backward", step=j.step_t)
+
+    job._hooks = [job.model.register_forward_pre_hook(fwd)]
+    job._hooks += [p.register_post_accumulate_grad_hook(bwd) for p in job.model.parameters()
+                   if p.requires_grad]
