@@ -3,6 +3,9 @@
     torchrun --nproc-per-node 2 examples/byo_train.py          # stock torch, no fault tolerance
     leto-run --nproc-per-node 2 examples/byo_train.py          # the same run, recovered in place
 
+With `--ddp` the model is wrapped in DistributedDataParallel, which then averages the
+gradients (bucketed, overlapped with backward) instead of `opt.step()`.
+
 The model (examples/byo_model.py) has an output head tied to its embedding, a frozen
 sub-module, a constant buffer, and two parameter groups; the script builds its own
 `torch.optim` optimizer (`--opt adamw|adam|sgd`) and LR scheduler and hands them to
@@ -48,6 +51,7 @@ def main() -> None:
     p.add_argument("--opt", choices=("adamw", "adam", "sgd"), default="adamw")
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--clip", type=float, default=0.5)
+    p.add_argument("--ddp", action="store_true", help="wrap the model in DistributedDataParallel")
     p.add_argument("--out", default=None, help="directory for per-step losses and final digests")
     a = p.parse_args()
 
@@ -58,11 +62,19 @@ def main() -> None:
     freeze(model)
     torch_opt, scheduler = make_optimizer(a.opt, groups(model, lr2=2e-3 if a.opt != "sgd" else 0.02))
     opt = job.optimizer(torch_opt, scheduler, clip_grad_norm=a.clip)
+    net = model
+    if a.ddp and job.world_size > 1:
+        # Leto initializes every rank alike, so DDP's broadcast from rank 0 is not needed
+        # (and would write into parameters that are not bound to retained memory yet).
+        # find_unused_parameters=True keeps DDP's bucket order fixed (it never rebuilds its
+        # buckets), which a recovered run needs for the same bits on 3+ ranks (PORTING.md).
+        net = torch.nn.parallel.DistributedDataParallel(
+            model, init_sync=False, find_unused_parameters=job.world_size > 2)
     log = open(os.path.join(a.out, f"loss_{job.rank}.jsonl"), "a") if a.out else None
     gen = job.ctx.generation
     for step in job.steps(a.steps):
         lrs = [float(g["lr"]).hex() for g in opt.param_groups]    # this step's (resumed) values
-        _, loss = model(*tokens(step, job.rank))
+        _, loss = net(*tokens(step, job.rank))
         if log:
             log.write(json.dumps({"step": step, "gen": gen, "loss": float(loss.item()).hex(),
                                   "lrs": lrs}) + "\n")

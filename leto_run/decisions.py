@@ -314,7 +314,8 @@ def decide_inplace(mode: str, generation: int, failures: list[Failure], slots: l
     for s in slots:
         if not s.inplace:
             return Decision(Action.FALL_BACK, f"{cause}; rank {s.rank} does not run in place "
-                            "(its trainer did not call leto_runtime.init())", classification=cls)
+                            "(its trainer did not call leto_runtime.init(), or failed before it announced "
+                            "itself: see the trainer's log)", classification=cls)
     if cls is not None and cls.verdict == Verdict.DETERMINISTIC:
         return Decision(Action.FALL_BACK, cls.reason, classification=cls)
     ok, why = inplace_budget(history, budget, now)

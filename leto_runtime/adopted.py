@@ -138,7 +138,7 @@ class AdoptedOptimizer:
     def _sync_grads(self, t: int) -> None:
         j = self.job
         j.faults.fire("grads.allreduce", step=t)
-        if j.pg is None or j.world_size == 1:
+        if j.grads_synced_by_ddp(t) or j.pg is None or j.world_size == 1:
             return
         G = j.ss.flat(j.ss.grads)[:j.layout.numel]
         hb.collective(t)

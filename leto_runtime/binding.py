@@ -8,10 +8,12 @@ range), frozen parameters come after every group (retained, protected, never upd
 
 * `order(model, groups)` — the (name, shape) list of the layout: the groups' parameters in
   `param_groups` order, then the frozen ones; a trainable parameter in no group is refused.
-* `materialize(job, client, attach_only)` — open (first trainer) or attach the states and bind
-  the model to them: every parameter *object* stays the one the script holds (its torch
-  optimizer and DDP keep working), only its `.data` becomes a view of the retained params and
-  its `.grad` a view of the retained gradients (frozen: no gradient).
+* `materialize(job, client, attach_only)` — open (first trainer) or attach the states (and
+  re-bind the views if they were bound).
+* `bind_views(job)` — at `job.steps()`: every parameter *object* stays the one the script
+  holds (its torch optimizer and DDP keep working), only its `.data` becomes a view of the
+  retained params and its `.grad` a view of the retained gradients (frozen: no gradient).
+  Until then the parameters are placeholders (`modules.placeholders`).
 * `preattach(job)` (a waiting shadow) and `attach_at_promotion(job)` (a promoted one).
 * `install_hooks(job)` — the forward / backward fault points.
 
@@ -75,17 +77,26 @@ def materialize(job, client=None, attach_only: bool = False) -> None:
     chunk = pick_chunk_pages(job.ctx.chunk_pages, geo)
     job.ss = open_states(job.layout, client=client, geo=geo, device=str(job.device),
                          chunk_pages=chunk, attach_only=attach_only)
+    if job.bound:
+        bind_views(job)
+    if job.opt is not None:
+        if job.updater is not None:
+            job.updater.close()      # its lending pool's regions are the old mappings
+        job.opt._bind()
+    job.recovery_info["attach_s"] = time.monotonic() - t0
+
+
+def bind_views(job) -> None:
+    """The parameters become views of the states (`job.steps()` does it, after promotion and
+    before recovery: until then they are placeholders, so nothing the script or DDP's
+    constructor does can write into retained state), buffers are filled, hooks installed."""
     job.layout.bind(job.model, job.ss.flat(job.ss.model[0]), job.ss.flat(job.ss.grads))
     modules.materialize_buffers(job.model, job.device)
     if job.buffers_fn is not None:
         job.buffers_fn(job.model)
     job.buffer_watch = modules.BufferWatch(job.model)
     install_hooks(job)
-    if job.opt is not None:
-        if job.updater is not None:
-            job.updater.close()      # its lending pool's regions are the old mappings
-        job.opt._bind()
-    job.recovery_info["attach_s"] = time.monotonic() - t0
+    job.bound = True
 
 
 def preattach(job) -> None:
@@ -141,11 +152,14 @@ def install_hooks(job) -> None:
     keep every job (and its states) alive for good."""
     for h in job._hooks:
         h.remove()
+    from torch.nn.parallel import DistributedDataParallel as DDP
     me = weakref.ref(job)
 
     def fwd(mod, args):
         j = me()
         if j is not None:
+            ddp = DDP._get_active_ddp_module()
+            j.note_forward(ddp if ddp is not None and ddp.module is mod else None)
             j.faults.fire("forward", step=j.step_t)
 
     fired = {"t": None}

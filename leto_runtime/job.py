@@ -29,8 +29,9 @@ Roles (from the env contract, `leto_runtime.context`):
 
 What the script must keep: data and randomness are functions of (seed, step, rank) --
 `steps()` seeds torch's RNG per step; buffers are constant (computed in `__init__`, or by
-`retain(..., buffers=fn)`; leto_runtime.modules); no frozen parameters; it does not wrap the
-model in DDP (`opt.step()` all-reduces the gradients).
+`retain(..., buffers=fn)`; leto_runtime.modules).  A model wrapped in DDP after
+`job.optimizer()` (`init_sync=False`) has its gradients averaged by DDP; otherwise `opt.step()`
+all-reduces them (docs/PORTING.md).
 
 The pieces around the job: `resume` (initialize or recover the retained state before the first
 step, and the step boundary before each), `optimizer` (`opt.step()`), `trainer_log` (log lines).
@@ -118,7 +119,9 @@ class Job:
         self._hooks: list = []                    # fault-point hooks on the model
         self.buffer_watch: modules.BufferWatch | None = None
         self.param_order = None                   # the optimizer's groups (layout order)
+        self.bound = False                        # parameters are views of the states
         self._grads_seen: set[int] = set()        # parameters that got a gradient this step
+        self._ddp_sync: bool | None = None        # DDP's sync of this step (None: no DDP)
         self.init_fn = self.buffers_fn = None
         self.layout = None
         self.step_t: int | None = None
@@ -145,7 +148,9 @@ class Job:
         kw = {}
         if self.backend == "nccl":
             kw["device_id"] = self.device
-        if self.inplace:
+        if dist.is_initialized():
+            self._adopt_pg()
+        elif self.inplace:
             from leto_runtime import promotion
             self.store = promotion.worker_store(ctx)
             prefix = dist.PrefixStore(C.pg_prefix(ctx.generation, ctx.shadow_epoch), self.store)
@@ -154,6 +159,22 @@ class Job:
         elif ctx.world_size > 1 or ctx.master_addr:
             dist.init_process_group(self.backend, timeout=timeout, **kw)
         self.pg = dist.group.WORLD if dist.is_initialized() else None
+
+    def _adopt_pg(self) -> None:
+        """The script made the default process group itself: kept under torchrun (if it is
+        this job's ranks); refused in place, where the group must be the generation's own."""
+        ctx = self.ctx
+        if self.inplace:
+            raise RuntimeError(
+                "the script created the default process group before leto_runtime.init(): "
+                "in place, the group is made by init() (one per generation, over the job's "
+                "authenticated store). Call leto.init() first and create a group only "
+                "`if not dist.is_initialized()`")
+        if (dist.get_rank(), dist.get_world_size()) != (ctx.rank, ctx.world_size):
+            raise RuntimeError(
+                f"the script's process group has rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the environment says rank {ctx.rank} of "
+                f"{ctx.world_size}: make it over the env:// defaults, or let init() make it")
 
     # ---- model construction ----------------------------------------------------------------
     def meta_init(self):
@@ -240,6 +261,23 @@ class Job:
         self.opt = adopted.AdoptedOptimizer(self, torch_opt, scheduler, clip_grad_norm, rmu)
         return self.opt
 
+    def note_forward(self, ddp) -> None:
+        """Forward ran (`ddp`: the DDP wrapping the retained model, or None)."""
+        if ddp is None:
+            return
+        why = modules.ddp_problem(ddp, self.inplace, self.world_size)
+        if why is not None:
+            raise ValueError(why)
+        self._ddp_sync = bool(ddp.require_backward_grad_sync)
+
+    def grads_synced_by_ddp(self, t: int) -> bool:
+        """DDP all-reduced step t's gradients (its last forward was not under `no_sync()`)."""
+        if self._ddp_sync is False:
+            raise RuntimeError(f"step {t}: the model's last forward ran under DDP's no_sync(), "
+                               "so its gradients were never averaged across ranks: run the "
+                               "last micro-batch of a step outside no_sync()")
+        return self._ddp_sync is True
+
     def check_grads(self, t: int, params) -> None:
         """Every trainable parameter got a gradient in step t: torch skips one that did not,
         and Leto would update it (one step count for all)."""
@@ -266,12 +304,14 @@ class Job:
             hb.heartbeat(None)
             fields = binding.attach_at_promotion(self)
             promotion.report_phase("attach", self.recovery_info["attach_s"], **fields)
+        binding.bind_views(self)
         start = resume.prepare(self)
         for t in range(start, total):
             if not self._stepped:
                 raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
             self.step_t, self._stepped = t, False
             self._grads_seen.clear()
+            self._ddp_sync = None
             hb.heartbeat(t)
             self.faults.fire("step", step=t)
             resume.boundary(self, t)

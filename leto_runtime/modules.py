@@ -11,6 +11,7 @@ Role: the structural checks and conversions of `Job.meta_init` / `Job.retain`:
   never touched (`Module.to_empty` would give them fresh storage and detach them from
   retained memory).
 * `refuse_frozen(model)`, `refuse_dtypes(model)` — what `job.adamw` / `retain` refuse, with the fix.
+* `ddp_problem(ddp, inplace, world_size)` — what makes a DDP over the model inexact.
 * `refuse_mutating(model)` and `BufferWatch` — buffers are not retained, so a buffer that
   forward changes (BatchNorm's running statistics) would be lost by a recovery: modules known
   to do it are refused at `retain()`, and the watch checks at the first steps of every process
@@ -147,3 +148,19 @@ class BufferWatch:
                                  "out of the model's buffers)")
         if self.left == 0:
             self.saved = {}
+
+
+def ddp_problem(ddp, inplace: bool, world_size: int) -> str | None:
+    """Why a DistributedDataParallel over the retained model cannot be recovered exactly
+    (None: it can).  Pure: reads the DDP object's settings."""
+    if ddp.gradient_as_bucket_view:
+        return ("DistributedDataParallel(gradient_as_bucket_view=True) makes the gradients "
+                "views of DDP's buckets, not of retained memory: build it with "
+                "gradient_as_bucket_view=False (the default)")
+    if inplace and world_size > 2 and not ddp.find_unused_parameters:
+        return ("DistributedDataParallel rebuilds its gradient buckets after its first "
+                "iteration, and a trainer that recovers starts a new DDP whose first step uses "
+                "the initial buckets: on 3+ ranks the all-reduce then sums in another order "
+                "and the bits differ from the run without failures. Build it with "
+                "find_unused_parameters=True (the buckets are never rebuilt)")
+    return None

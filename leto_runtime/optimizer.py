@@ -53,7 +53,7 @@ class Optimizer:
         G = j.ss.flat(j.ss.grads)[:j.layout.numel]
         j.faults.fire("grads.allreduce", step=t)
         try:
-            if j.pg is not None and j.world_size > 1:
+            if not j.grads_synced_by_ddp(t) and j.pg is not None and j.world_size > 1:
                 hb.collective(t)
                 dist.all_reduce(G)
                 hb.left_collective(t)

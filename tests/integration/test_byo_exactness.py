@@ -9,7 +9,8 @@ Each job takes two HOFs in successive generations, chosen so that recovery goes 
 way the optimizer's values are restored: a step redone whose record was written (killed after
 it) and one whose record was not (killed in backward: the previous step's record and one
 scheduler step), a step finished from its record inside a chunk's update (partly written
-chunk) and right after the global synchronization -- at steps where the scheduler changes lr.
+chunk) and right after the global synchronization -- at steps where the scheduler changes lr;
+and once with the model wrapped in DDP, three ranks.
 """
 from __future__ import annotations
 
@@ -24,16 +25,20 @@ SCRIPT = str(ROOT / "examples" / "byo_train.py")
 STEPS = 9
 GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
             "--chunk-pages", "2")
-CASES = {
+CASES = {      # name: (optimizer, world, DDP, injected HOFs)
     # LambdaLR warms up over steps 0-2
-    "adamw": ("kill:rank=0:step=1:at=backward",
-              "kill:rank=1:step=2:gen=1:at=rmu.update:group=1:chunk=1:garbage=1"),
+    "adamw": ("adamw", 2, False, ("kill:rank=0:step=1:at=backward",
+                                  "kill:rank=1:step=2:gen=1:at=rmu.update:group=1:chunk=1:garbage=1")),
     # StepLR halves lr at step 3 and 6
-    "sgd": ("kill:rank=0:step=3:at=sync.after",
-            "kill:rank=1:step=6:gen=1:at=rmu.commit:group=2:chunk=0"),
+    "sgd": ("sgd", 2, False, ("kill:rank=0:step=3:at=sync.after",
+                              "kill:rank=1:step=6:gen=1:at=rmu.commit:group=2:chunk=0")),
     # CosineAnnealingLR moves every step
-    "adam": ("kill:rank=1:step=4:at=grads.protect",
-             "kill:rank=0:step=5:gen=1:at=rmu.undo:group=0:chunk=1"),
+    "adam": ("adam", 2, False, ("kill:rank=1:step=4:at=grads.protect",
+                                "kill:rank=0:step=5:gen=1:at=rmu.undo:group=0:chunk=1")),
+    # DDP averages the gradients (bucketed, in backward); at world 3 its bits differ from a
+    # flat all-reduce's, so matching torchrun + DDP shows that DDP's were the ones used
+    "adamw-ddp": ("adamw", 3, True, ("kill:rank=2:step=2:at=rmu.update:group=1:chunk=0:garbage=1",
+                                     "kill:rank=0:step=4:gen=1:at=backward")),
 }
 
 
@@ -45,23 +50,29 @@ def _steps(d: Path, rank: int) -> dict[int, set[tuple]]:
     return out
 
 
-@pytest.mark.parametrize("kind", sorted(CASES))
-def test_own_optimizer_and_scheduler_recover_bit_exactly(kind, tmp_path):
-    ref, out = tmp_path / "ref", tmp_path / "leto"
-    ref.mkdir()
-    out.mkdir()
-    args = ("--steps", str(STEPS), "--opt", kind)
-    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, *args, "--out",
-                         str(ref)), base_env(), timeout=300)
+def _reference(tmp_path: Path, name: str, world: int, args: tuple) -> Path:
+    d = tmp_path / name
+    d.mkdir()
+    p = run(torchrun_cmd("--standalone", "--nproc-per-node", str(world), SCRIPT, *args, "--out",
+                         str(d)), base_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    injects = [x for spec in CASES[kind] for x in ("--inject", spec)]
+    return d
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_own_optimizer_and_scheduler_recover_bit_exactly(case, tmp_path):
+    kind, world, ddp, specs = CASES[case]
+    args = ("--steps", str(STEPS), "--opt", kind) + (("--ddp",) if ddp else ())
+    ref, out = _reference(tmp_path, "ref", world, args), tmp_path / "leto"
+    out.mkdir()
+    injects = [x for spec in specs for x in ("--inject", spec)]
     ev = tmp_path / "events.jsonl"
-    p = run(leto_cmd("--standalone", "--nproc-per-node", "2", "--no-status", *GEOMETRY,
+    p = run(leto_cmd("--standalone", "--nproc-per-node", str(world), "--no-status", *GEOMETRY,
                      "--hang-timeout", "60", *injects, "--events", str(ev), SCRIPT, *args,
                      "--out", str(out)), base_env(), timeout=300)
-    why = f"{kind}: {CASES[kind]}\n{p.stderr[-4000:]}"
+    why = f"{case}: {specs}\n{p.stderr[-4000:]}"
     assert p.returncode == 0, why
-    for rank in range(2):
+    for rank in range(world):
         want, got = _steps(ref, rank), _steps(out, rank)
         assert sorted(got) == list(range(STEPS)), f"rank {rank} missed steps; {why}"
         for step, values in got.items():
@@ -71,3 +82,18 @@ def test_own_optimizer_and_scheduler_recover_bit_exactly(kind, tmp_path):
     promoted = {e["generation"] for e in events(ev) if e["event"] == "promote"}
     assert promoted == {1, 2}, f"both failures recovered in place; {why}"
     assert "Recovery report" in p.stderr
+    if ddp:
+        flat = _reference(tmp_path, "flat", world, args[:-1])
+        assert final_digest(flat, 0) != final_digest(ref, 0), "DDP's averaging is not told apart"
+
+
+def test_a_process_group_made_before_init_is_refused_in_place():
+    """In place the group is init()'s (per generation, over the authenticated store): a script
+    that makes its own first is stopped with the fix, and the agent points to the log."""
+    p = run(leto_cmd("--standalone", "--nproc-per-node", "2", "--no-status",
+                     str(ROOT / "tests" / "integration" / "scripts" / "own_pg_first.py")),
+            base_env(), timeout=120)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert ("the script created the default process group before leto_runtime.init()" in p.stderr
+            and "if not dist.is_initialized()" in p.stderr), p.stderr[-3000:]
+    assert "or failed before it announced itself: see the trainer's log" in p.stderr

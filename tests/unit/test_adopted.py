@@ -23,14 +23,14 @@ STEPS = 7
 CLIP = 0.5
 
 
-def _plain_job(monkeypatch, rmu: bool):
+def _plain_job(monkeypatch, rmu: bool, device: str = "cpu"):
     for k in list(os.environ):
         if k.startswith("LETO_") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
             monkeypatch.delenv(k, raising=False)
     if rmu:
         monkeypatch.setenv("LETO_PLAIN_RMU", "1")
     runtime.current().forget_job()
-    return J.init(seed=3, device="cpu")
+    return J.init(seed=3, device=device)
 
 
 @pytest.fixture
@@ -39,10 +39,10 @@ def cleanup():
     runtime.current().forget_job()
 
 
-def _leto(monkeypatch, kind: str, rmu: bool, chunk_pages: int = 0):
+def _leto(monkeypatch, kind: str, rmu: bool, chunk_pages: int = 0, device: str = "cpu"):
     if chunk_pages:
         monkeypatch.setenv("LETO_CHUNK_PAGES", str(chunk_pages))
-    job = _plain_job(monkeypatch, rmu)
+    job = _plain_job(monkeypatch, rmu, device)
     with job.meta_init():
         model = ByoNet()
     model = job.retain(model, init=byo_init)
@@ -51,7 +51,7 @@ def _leto(monkeypatch, kind: str, rmu: bool, chunk_pages: int = 0):
     opt = job.optimizer(topt, sched, clip_grad_norm=CLIP)
     losses, lrs = [], []
     for step in job.steps(STEPS):
-        _, loss = model(*tokens(step))
+        _, loss = model(*(x.to(device) for x in tokens(step)))
         losses.append(loss.item())
         loss.backward()
         opt.step()
@@ -59,16 +59,17 @@ def _leto(monkeypatch, kind: str, rmu: bool, chunk_pages: int = 0):
     return job, model, opt, losses, lrs
 
 
-def _stock(kind: str):
+def _stock(kind: str, device: str = "cpu"):
     ref = ByoNet()
     byo_init(ref, 3)
+    ref.to(device)
     freeze(ref)
     topt, sched = make_optimizer(kind, groups(ref, lr2=2e-3 if kind != "sgd" else 0.02))
     trainable = [p for g in topt.param_groups for p in g["params"]]
     losses, lrs = [], []
     for step in range(STEPS):
         topt.zero_grad()
-        _, loss = ref(*tokens(step))
+        _, loss = ref(*(x.to(device) for x in tokens(step)))
         losses.append(loss.item())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, CLIP, foreach=False)
@@ -85,7 +86,7 @@ def _same_state_dict(a: dict, b: dict) -> None:
         assert a["state"][i].keys() == b["state"][i].keys(), i
         for k, v in a["state"][i].items():
             w = b["state"][i][k]
-            assert v.dtype == w.dtype and torch.equal(v, w), (i, k)
+            assert v.dtype == w.dtype and torch.equal(v.cpu(), w.cpu()), (i, k)
 
 
 @pytest.mark.parametrize("rmu", [False, True], ids=["stock", "rmu"])
