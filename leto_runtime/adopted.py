@@ -159,19 +159,21 @@ class AdoptedOptimizer:
             self.scheduler.step()
 
     # ---- recovery (resume.prepare) ----------------------------------------------------------
-    def restore(self, action: str, t: int) -> None:
-        """Before the update of step t is finished (`finish`) or step t is redone (`redo`):
-        the groups' values and the scheduler as they were at step t."""
-        if action not in ("finish", "redo"):
+    def restore(self, res) -> None:
+        """After the agreement (`rmu.recovery.Resume`), before anything is updated: the
+        groups' values and the scheduler as they were at the step finished (`finish`: its
+        record) or run next (its record if a rank wrote it, else the previous step's record
+        and one scheduler step).  At the job's first step there is no record: the objects are
+        as the script made them (fresh, or loaded from its checkpoint)."""
+        if res.action == "start":
             return
+        t = res.t if res.action == "finish" else res.step
         self.done = t
-        if self.records is None or (t <= 0 and action == "redo"):
+        if self.records is None or t <= self.job.start_step:
             return
-        rec = self.records.read(t)
-        if rec is None and action == "redo":
-            rec, advance = self.records.read(t - 1), True     # died before recording t
-        else:
-            advance = False
+        rec, advance = self.records.read(t), False
+        if rec is None and res.action != "finish":
+            rec, advance = self.records.read(t - 1), True
         if rec is None:
             from leto_runtime.rmu.recovery import RecoveryError
             raise RecoveryError(f"no record of the optimizer's values of step {t} (nor of "

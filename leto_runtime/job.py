@@ -120,6 +120,8 @@ class Job:
         self.buffer_watch: modules.BufferWatch | None = None
         self.param_order = None                   # the optimizer's groups (layout order)
         self.bound = False                        # parameters are views of the states
+        self.loaded: dict | None = None           # load_state_dict's checkpoint
+        self.start_step = 0                       # the first step of this job (steps(start=))
         self._grads_seen: set[int] = set()        # parameters that got a gradient this step
         self._ddp_sync: bool | None = None        # DDP's sync of this step (None: no DDP)
         self.init_fn = self.buffers_fn = None
@@ -290,9 +292,31 @@ class Job:
                              "in every step (freeze the unused ones: requires_grad_(False))")
 
     # ---- the step loop ----------------------------------------------------------------------
-    def steps(self, total: int):
-        """Yield the iterations to run; blocks a shadow until it is promoted, and starts where
-        recovery says (see the module docstring)."""
+    def state_dict(self) -> dict:
+        """The runtime state as CPU copies (model, optimizer in torch's format, scheduler, next
+        step): what `torch.distributed.checkpoint` or `torch.save` store (leto_runtime.checkpoint)."""
+        from leto_runtime import checkpoint
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Start from `sd` (a `state_dict()`, e.g. filled by `dcp.load`) instead of `init`; a
+        trainer that recovers in place ignores it (the retained state is newer)."""
+        from leto_runtime import checkpoint
+        checkpoint.load(self, sd)
+
+    def steps(self, total: int, start: int | None = None):
+        """Yield the iterations to run, from `start` (default: the loaded checkpoint's step,
+        else 0); blocks a shadow until it is promoted, and starts where recovery says (see
+        the module docstring)."""
+        saved = int(self.loaded["step"]) if self.loaded is not None else 0
+        if start is None:
+            start = saved
+        if start != saved:
+            raise ValueError(f"steps(total, start={start}): the optimizer's state is that of "
+                             f"step {saved} ({'the loaded checkpoint' if self.loaded else 'none loaded'}"
+                             "), and its step count (Adam's bias correction, SGD's first "
+                             f"momentum step) follows the step: start at {saved}")
+        self.start_step = start
         if self.opt is None:
             raise RuntimeError("call job.optimizer(...) or job.adamw(model, ...) before job.steps()")
         if self.role == "shadow":

@@ -51,6 +51,9 @@ def prepare(job) -> int:
                                   transactions=job.transactions, restore=restore)
         if restore is not None and res.action == "finish":
             job.opt.finished(res.t)
+        if not ss.created and job.loaded is not None:
+            from leto_runtime import checkpoint
+            checkpoint.ignored(job)
     except Exception as e:
         if isinstance(e, (RecoveryError, Unrecoverable)):
             unrecoverable(e)
@@ -67,7 +70,10 @@ def initialize(job) -> None:
     for st in (*ss.model, ss.grads):
         ss.flat(st).zero_()
     with torch.no_grad():
-        if job.init_fn is not None:
+        if job.loaded is not None:
+            from leto_runtime import checkpoint
+            checkpoint.apply(job)
+        elif job.init_fn is not None:
             job.init_fn(job.model, job.seed)
         else:
             torch.manual_seed(job.seed)
@@ -75,7 +81,7 @@ def initialize(job) -> None:
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
     up.encode_all([*ss.model, ss.grads])
-    up.marker.write(initialized=1, t=-1, phase=Phase.DONE)
+    up.marker.write(initialized=1, t=job.start_step - 1, phase=Phase.DONE)
     if ss.client is not None:
         for st in ss.all:
             if st.marks:

@@ -268,8 +268,8 @@ def prepare(ss: StateSet, up, *, rank: int, initialize, gather=None, fire=_noop,
     initialize(): writes the initial values, encodes parity and marks the marker initialized.
     gather(Progress) -> list[Progress]: every rank's progress (one rank: `[mine]`).
     fire(point, step=...): fault injection at `recovery.*` points.  phase(name, seconds, **f):
-    the recovery report.  restore(action, t): the optimizer's values of step t, before it is
-    finished or redone.  Returns (Resume, RepairReport | None); raises RecoveryError or
+    the recovery report.  restore(Resume): the optimizer's values of the step finished or run
+    next, before it is.  Returns (Resume, RepairReport | None); raises RecoveryError or
     leto_runtime.rmp.Unrecoverable when the state cannot be recovered in place."""
     client = ss.client
     recovering = client is not None and not ss.created
@@ -290,8 +290,8 @@ def prepare(ss: StateSet, up, *, rank: int, initialize, gather=None, fire=_noop,
     mine = Progress.of(rank, rec)
     res = resume_point(gather(mine) if gather else [mine])
     phase("agree", time.monotonic() - t0, resume=res.action, step=res.t, reason=res.reason)
-    if restore is not None:          # the optimizer's values of the step finished or redone
-        restore(res.action, res.t)
+    if restore is not None:          # the optimizer's values of the step finished or run next
+        restore(res)
     rep = None
     if recovering:
         fire("recovery.reconstruct", step=None)

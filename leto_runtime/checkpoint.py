@@ -1,0 +1,97 @@
+"""Checkpoints of the runtime state: `job.state_dict()` / `job.load_state_dict(sd)` and the
+start step of `job.steps(n, start=k)`.
+
+`state_dict()` is a dict of CPU copies, as `torch.distributed.checkpoint` and `torch.save`
+take it: `model` (the model's `state_dict()`), `optimizer` (torch's format for the script's
+optimizer, `AdoptedOptimizer.state_dict()`), `scheduler` (its `state_dict()` or None), `step`
+(the next step to run).  Copies, not views: `dcp.load` writes into the tensors of the
+template it is given, and a view would let a recovering trainer's load overwrite retained
+state.  The format is the same under torchrun and leto-run, so a checkpoint written by either
+resumes under the other.
+
+`load_state_dict(sd)` keeps `sd` as the job's initial state; `apply(job)` writes it where the
+first trainer would run `init(model, seed)` (`resume.initialize`): parameters and buffers,
+the optimizer's moments (into the retained states, or into the torch optimizer under
+torchrun), its groups' values, the scheduler.  A trainer that recovers in place has the
+retained state, newer than any checkpoint: it ignores the load (one log line).
+
+Calling contract: `load_state_dict` before `job.steps()`, after `job.optimizer(...)`; Adam's
+per-parameter `step` must equal the checkpoint's `step` (one step count for all).
+"""
+from __future__ import annotations
+
+import torch
+
+from leto_runtime.trainer_log import log
+
+
+def state_dict(job) -> dict:
+    opt = job.opt
+    if opt is None or not hasattr(opt, "torch_opt"):
+        raise RuntimeError("job.state_dict() needs the optimizer of job.optimizer(...)")
+    model = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()}
+    sched = opt.scheduler.state_dict() if opt.scheduler is not None else None
+    return {"model": model, "optimizer": _complete(opt.state_dict(), opt), "scheduler": sched,
+            "step": int(opt.done)}
+
+
+def _complete(osd: dict, opt) -> dict:
+    """Every optimizer state entry present (zeros where torch has none yet, before the first
+    step): `dcp.load` fills only the entries its template has."""
+    for i, (p, h) in enumerate(zip(opt.trainable, opt._slot_hypers())):
+        entry = osd["state"].setdefault(i, {})
+        if h.kind in ("adam", "adamw"):
+            entry.setdefault("step", torch.tensor(0.0))
+        for n in h.state_names:
+            entry.setdefault(n, torch.zeros(p.shape, dtype=torch.float32))
+        osd["state"][i] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                           for k, v in entry.items()}
+    return osd
+
+
+def load(job, sd: dict) -> None:
+    if job.opt is None or not hasattr(job.opt, "torch_opt"):
+        raise RuntimeError("job.load_state_dict() comes after job.optimizer(...), before "
+                           "job.steps()")
+    missing = {"model", "optimizer", "scheduler", "step"} - set(sd)
+    if missing:
+        raise ValueError(f"not a job.state_dict(): it lacks {sorted(missing)}")
+    k = int(sd["step"])
+    for i, st in sd["optimizer"].get("state", {}).items():
+        if "step" in st and float(st["step"]) != float(k):
+            raise ValueError(f"optimizer state {i} has step {float(st['step'])}, the checkpoint "
+                             f"step {k}: Leto keeps one step count for every parameter")
+    job.loaded = sd
+
+
+def apply(job) -> None:
+    """The first trainer writes the loaded checkpoint (instead of `init`)."""
+    sd, opt = job.loaded, job.opt
+    with torch.no_grad():
+        own = job.model.state_dict()
+        for name, v in sd["model"].items():
+            if name not in own:
+                raise ValueError(f"the checkpoint's model has {name!r}, the model does not")
+            own[name].copy_(v)
+    osd = sd["optimizer"]
+    if opt.rmu:
+        flats = [job.ss.flat(st) for st in job.ss.model[1:]]
+        for i, (slot, h) in enumerate(zip(opt.plan.norm_slots, opt._slot_hypers())):
+            entry = osd["state"].get(i, osd["state"].get(str(i), {}))
+            for k, n in enumerate(h.state_names):
+                if n in entry:
+                    flats[k][slot.offset:slot.offset + slot.numel].copy_(
+                        entry[n].reshape(-1).to(flats[k].device))
+        opt.torch_opt.load_state_dict({"state": {}, "param_groups": osd["param_groups"]})
+    else:           # before the first step torch has no state (SGD's first step copies)
+        opt.torch_opt.load_state_dict(osd if int(sd["step"]) > 0 else
+                                      {"state": {}, "param_groups": osd["param_groups"]})
+    if opt.scheduler is not None and sd["scheduler"] is not None:
+        opt.scheduler.load_state_dict(sd["scheduler"])
+    opt.done = int(sd["step"])
+
+
+def ignored(job) -> None:
+    if job.loaded is not None:
+        log(f"the checkpoint of step {job.loaded['step']} given to load_state_dict() is not "
+            "used: this trainer resumes from the retained state, which is newer")
