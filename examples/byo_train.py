@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -53,9 +54,13 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--ddp", action="store_true", help="wrap the model in DistributedDataParallel")
     p.add_argument("--out", default=None, help="directory for per-step losses and final digests")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per local rank)")
+    p.add_argument("--timing", default=None,
+                   help="file for rank 0's per-step seconds: compute (forward + backward, "
+                        "DDP's all-reduce included) and update (opt.step())")
     a = p.parse_args()
 
-    job = leto.init(seed=0, device="cpu")
+    job = leto.init(seed=0, device=a.device)
     with job.meta_init():
         model = ByoNet(a.width)
     model = job.retain(model, init=byo_init)
@@ -72,18 +77,29 @@ def main() -> None:
             model, init_sync=False, find_unused_parameters=job.world_size > 2)
     log = open(os.path.join(a.out, f"loss_{job.rank}.jsonl"), "a") if a.out else None
     gen = job.ctx.generation
+    times = []
+    sync = torch.cuda.synchronize if job.device.type == "cuda" else (lambda: None)
     for step in job.steps(a.steps):
         lrs = [float(g["lr"]).hex() for g in opt.param_groups]    # this step's (resumed) values
-        _, loss = net(*tokens(step, job.rank))
+        t0 = time.perf_counter()
+        _, loss = net(*(x.to(job.device) for x in tokens(step, job.rank)))
         if log:
             log.write(json.dumps({"step": step, "gen": gen, "loss": float(loss.item()).hex(),
                                   "lrs": lrs}) + "\n")
             log.flush()
         loss.backward()
+        sync()
+        t1 = time.perf_counter()
         opt.step()
+        sync()
+        times.append((t1 - t0, time.perf_counter() - t1, time.monotonic()))
         if job.rank == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}  lr {opt.lr:.2e}  ({job.role}, "
                   f"generation {gen}, world {job.world_size})", flush=True)
+    if a.timing and job.rank == 0:
+        with open(a.timing, "w") as f:
+            json.dump({"compute_s": [c for c, _, _ in times], "update_s": [u for _, u, _ in times],
+                       "at": [m for _, _, m in times]}, f)
     if a.out:
         with open(os.path.join(a.out, f"final_{job.rank}.json"), "w") as f:
             json.dump({"digest": digest(model, opt), "gen": gen}, f)
