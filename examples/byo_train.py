@@ -13,6 +13,9 @@ sub-module, a constant buffer, and two parameter groups; the script builds its o
 (leto_runtime.adopted), which makes it the reference the exactness tests compare a leto-run
 job with.
 
+`--save-at K --ckpt DIR` saves `job.state_dict()` with torch.distributed.checkpoint when step K
+is reached; `--resume --ckpt DIR` starts from it (under either launcher, whichever wrote it).
+
 With `--out DIR` every rank appends `{"step", "gen", "loss", "lrs"}` (floats as float.hex) to
 DIR/loss_<rank>.jsonl after each step, and writes DIR/final_<rank>.json with the sha256 of its
 final `model.state_dict()` and `opt.state_dict()` (torch's format).
@@ -25,6 +28,7 @@ import sys
 import time
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from byo_model import ByoNet, byo_init, freeze, groups, make_optimizer, tokens  # noqa: E402
@@ -54,6 +58,10 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=0.5)
     p.add_argument("--ddp", action="store_true", help="wrap the model in DistributedDataParallel")
     p.add_argument("--out", default=None, help="directory for per-step losses and final digests")
+    p.add_argument("--ckpt", default=None, help="torch.distributed.checkpoint directory")
+    p.add_argument("--save-at", type=int, default=None,
+                   help="save job.state_dict() to --ckpt when this step is reached")
+    p.add_argument("--resume", action="store_true", help="start from the checkpoint in --ckpt")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per local rank)")
     p.add_argument("--timing", default=None,
                    help="file for rank 0's per-step seconds: compute (forward + backward, "
@@ -67,6 +75,10 @@ def main() -> None:
     freeze(model)
     torch_opt, scheduler = make_optimizer(a.opt, groups(model, lr2=2e-3 if a.opt != "sgd" else 0.02))
     opt = job.optimizer(torch_opt, scheduler, clip_grad_norm=a.clip)
+    if a.resume:
+        template = job.state_dict()             # copies: dcp.load fills them in place
+        dcp.load(template, checkpoint_id=a.ckpt)
+        job.load_state_dict(template)           # a trainer that recovers in place ignores it
     net = model
     if a.ddp and job.world_size > 1:
         # Leto initializes every rank alike, so DDP's broadcast from rank 0 is not needed
@@ -80,6 +92,8 @@ def main() -> None:
     times = []
     sync = torch.cuda.synchronize if job.device.type == "cuda" else (lambda: None)
     for step in job.steps(a.steps):
+        if step == a.save_at:
+            dcp.save(job.state_dict(), checkpoint_id=a.ckpt)
         lrs = [float(g["lr"]).hex() for g in opt.param_groups]    # this step's (resumed) values
         t0 = time.perf_counter()
         _, loss = net(*(x.to(job.device) for x in tokens(step, job.rank)))

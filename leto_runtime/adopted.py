@@ -85,7 +85,6 @@ class AdoptedOptimizer:
         self.job, self.torch_opt, self.scheduler = job, torch_opt, scheduler
         self.clip = None if clip_grad_norm is None else float(clip_grad_norm)
         self.rmu = rmu
-        self.param_groups = torch_opt.param_groups      # the script's own list
         self.hypers = TO.describe(torch_opt, job.device)
         self.groups = TO.ordered_params(torch_opt)
         self.trainable = [p for ps in self.groups for p in ps]
@@ -102,6 +101,11 @@ class AdoptedOptimizer:
         j.updater = Updater(j.ss, None, inject=j._inject, backend=j.parity,
                             transactions=j.transactions, plan=self.plan)
         j.guard = Guard(j.ss, j.updater, report=j._report, scrub_budget=j.ctx.scrub_budget)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The torch optimizer's own list (read each time: `load_state_dict` replaces it)."""
+        return self.torch_opt.param_groups
 
     @property
     def lr(self) -> float:

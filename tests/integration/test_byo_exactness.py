@@ -97,3 +97,26 @@ def test_a_process_group_made_before_init_is_refused_in_place():
     assert ("the script created the default process group before leto_runtime.init()" in p.stderr
             and "if not dist.is_initialized()" in p.stderr), p.stderr[-3000:]
     assert "or failed before it announced itself: see the trainer's log" in p.stderr
+
+
+def test_a_torchrun_checkpoint_resumed_under_leto_run_recovers_bit_exactly(tmp_path):
+    """torchrun saves `job.state_dict()` with DCP at step 4 and runs on (the reference);
+    leto-run starts a new job from that checkpoint and takes a HOF inside an update: every
+    step from 4 on and the final state equal the uninterrupted torchrun run, and the promoted
+    trainer, which also loads the checkpoint, ignores it for the retained state."""
+    ckpt = tmp_path / "ckpt"
+    args = ("--steps", str(STEPS), "--opt", "adamw", "--ckpt", str(ckpt))
+    ref = _reference(tmp_path, "ref", 2, (*args, "--save-at", "4"))
+    out = tmp_path / "leto"
+    out.mkdir()
+    p = run(leto_cmd("--standalone", "--nproc-per-node", "2", "--no-status", *GEOMETRY,
+                     "--inject", "kill:rank=1:step=6:at=rmu.update:group=0:chunk=1:garbage=1",
+                     SCRIPT, *args, "--resume", "--out", str(out)), base_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    for rank in range(2):
+        want, got = _steps(ref, rank), _steps(out, rank)
+        assert sorted(got) == list(range(4, STEPS)), p.stderr[-3000:]
+        for step, values in got.items():
+            assert values == want[step], f"rank {rank} step {step}"
+        assert final_digest(ref, rank) == final_digest(out, rank), f"rank {rank}"
+    assert "is not used: this trainer resumes from the retained state" in p.stderr

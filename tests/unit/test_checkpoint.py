@@ -41,7 +41,7 @@ def _train(job, model, opt, total, start=None):
     losses = []
     for step in job.steps(total, start=start):
         _, loss = model(*tokens(step))
-        losses.append(loss.item())
+        losses.append((loss.item(), [g["lr"] for g in opt.param_groups]))   # what the script sees
         loss.backward()
         opt.step()
     return losses
