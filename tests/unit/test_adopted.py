@@ -166,3 +166,22 @@ def test_a_parameter_without_a_gradient_stops_the_step_with_its_name(monkeypatch
         for _ in job.steps(1):
             model(torch.ones(3, 4)).sum().backward()
             opt.step()
+
+
+class TensorFactor:
+    """An lr_lambda object holding a tensor: LambdaLR's state_dict() carries its __dict__."""
+
+    def __init__(self):
+        self.scale = torch.tensor(0.5)
+
+    def __call__(self, step):
+        return float(self.scale)
+
+
+def test_a_scheduler_whose_state_is_not_json_is_refused(monkeypatch, cleanup):
+    job, model = _model(monkeypatch)
+    topt = torch.optim.AdamW(model.parameters(), foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(topt, TensorFactor())
+    with pytest.raises(UnsupportedOptimizer, match=r"the scheduler's state_dict\(\) is not JSON "
+                                                   r".*use lr_lambda functions"):
+        job.optimizer(topt, sched)
