@@ -40,8 +40,9 @@ def freeze(model: ByoNet) -> None:
 
 
 def groups(model: ByoNet, decay: float = 0.1, lr2: float | None = None) -> list[dict]:
-    """Weights decayed; biases and norms not (and, if `lr2`, their own lr)."""
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    """Weights decayed; biases and norms not (and, if `lr2`, their own lr).  The frozen
+    parameters stay in the groups, as `AdamW(model.parameters())` has them: torch skips them."""
+    trainable = list(model.named_parameters())
     dec = [p for n, p in trainable if n.endswith("weight") and "norm" not in n]
     nodec = [p for n, p in trainable if not (n.endswith("weight") and "norm" not in n)]
     second = {"params": nodec, "weight_decay": 0.0}
@@ -67,5 +68,5 @@ def make_optimizer(kind: str, params):
         return opt, torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
     if kind == "sgd":
         opt = torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, foreach=False)
-        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return opt, torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[3, 6], gamma=0.5)
     raise ValueError(kind)

@@ -24,7 +24,9 @@ copies of the retained moments.
 """
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -48,10 +50,14 @@ def check_scheduler(scheduler, torch_opt) -> str | None:
     if scheduler.optimizer is not torch_opt:
         return "the scheduler drives another optimizer than the one given to job.optimizer()"
     try:
-        json.dumps(scheduler.state_dict())
-    except (TypeError, ValueError) as e:
-        return (f"the scheduler's state_dict() is not JSON ({e}): its state is recorded each "
-                "step for recovery; use lr_lambda functions (not objects holding tensors)")
+        sd = scheduler.state_dict()
+        back = pickle.loads(pickle.dumps(sd, protocol=4))
+    except Exception as e:
+        return (f"the scheduler's state_dict() cannot be pickled ({type(e).__name__}: {e}): "
+                "its state is recorded each step for recovery; use lr_lambda functions or "
+                "picklable objects")
+    if back.keys() != sd.keys():
+        return "the scheduler's state_dict() does not survive a pickle round trip"
     return None
 
 
@@ -66,8 +72,7 @@ class StepRecords:
         return f"leto/optim/r{self.rank}/{t % 2}"
 
     def write(self, t: int, hypers, scheduler) -> None:
-        rec = {"t": t, "groups": [h.to_json() for h in hypers],
-               "sched": scheduler.state_dict() if scheduler is not None else None}
+        rec = {"t": t, "groups": [h.to_json() for h in hypers], "sched": _pack(scheduler)}
         self.store.set(self.key(t), json.dumps(rec))
 
     def read(self, t: int) -> dict | None:
@@ -75,7 +80,23 @@ class StepRecords:
         if not self.store.check([key]):
             return None
         rec = json.loads(self.store.get(key))
-        return rec if rec.get("t") == t else None
+        if rec.get("t") != t:
+            return None
+        rec["sched"] = _unpack(rec["sched"])
+        return rec
+
+
+def _pack(scheduler) -> str | None:
+    """The scheduler's state_dict(), pickled: a JSON round trip would turn MultiStepLR's
+    milestone Counter keys into strings (and lr would never decay again).  The store is the
+    job's authenticated one: only holders of the job key write it."""
+    if scheduler is None:
+        return None
+    return base64.b64encode(pickle.dumps(scheduler.state_dict(), protocol=4)).decode()
+
+
+def _unpack(text: str | None):
+    return None if text is None else pickle.loads(base64.b64decode(text))
 
 
 class AdoptedOptimizer:
@@ -86,8 +107,12 @@ class AdoptedOptimizer:
         self.clip = None if clip_grad_norm is None else float(clip_grad_norm)
         self.rmu = rmu
         self.hypers = TO.describe(torch_opt, job.device)
-        self.groups = TO.ordered_params(torch_opt)
+        # torch indexes every parameter of the groups (state_dict); a frozen one in a group is
+        # skipped by torch's step (no grad) and laid out with the frozen ones here
+        self.indexed = [p for ps in TO.ordered_params(torch_opt) for p in ps]
+        self.groups = [[p for p in ps if p.requires_grad] for ps in TO.ordered_params(torch_opt)]
         self.trainable = [p for ps in self.groups for p in ps]
+        self.frozen = [p for p in self.indexed if not p.requires_grad]
         self.plan: Plan | None = None
         self.records = StepRecords(job.store, job.rank) if job.inplace else None
         self.done = 0                                   # updates applied (Adam's `step`)
@@ -122,6 +147,11 @@ class AdoptedOptimizer:
             raise RuntimeError("opt.step() is called once per step of job.steps()")
         if j.buffer_watch is not None:
             j.buffer_watch.check(t)
+        if any(p.requires_grad for p in self.frozen) or not all(p.requires_grad
+                                                                for p in self.trainable):
+            raise ValueError("a parameter was frozen or unfrozen after job.optimizer(): the "
+                             "retained layout keeps the frozen set of the start; freeze "
+                             "before making the optimizer")
         j.check_grads(t, self.trainable)
         self.hypers = TO.describe(self.torch_opt, j.device)   # the scheduler's lr of step t
         try:
@@ -173,10 +203,16 @@ class AdoptedOptimizer:
             return
         t = res.t if res.action == "finish" else res.step
         self.done = t
-        if self.records is None or t <= self.job.start_step:
+        start = self.job.start_step
+        if self.records is None or t < start:
             return
         rec, advance = self.records.read(t), False
         if rec is None and res.action != "finish":
+            if t == start:          # nothing recorded yet: the values the job started with
+                if self.job.loaded is not None:
+                    from leto_runtime import checkpoint
+                    checkpoint.apply_values(self.job)
+                return
             rec, advance = self.records.read(t - 1), True
         if rec is None:
             from leto_runtime.rmu.recovery import RecoveryError
@@ -206,7 +242,7 @@ class AdoptedOptimizer:
         j, state = self.job, {}
         if self.done > 0:
             flats = [j.ss.flat(st) for st in j.ss.model[1:]]
-            for i, (slot, h) in enumerate(zip(self.plan.norm_slots, self._slot_hypers())):
+            for i, slot, h in self.slots():
                 entry = {n: flats[k][slot.offset:slot.offset + slot.numel].view(slot.shape)
                          .detach().cpu().clone() for k, n in enumerate(h.state_names)}
                 if h.kind in ("adam", "adamw"):
@@ -216,7 +252,9 @@ class AdoptedOptimizer:
         sd["state"] = state
         return sd
 
-    def _slot_hypers(self):
-        for ps, h in zip(self.groups, self.hypers):
-            for _ in ps:
-                yield h
+    def slots(self):
+        """(torch's index, layout slot, group values) of every trainable parameter."""
+        index = {id(p): i for i, p in enumerate(self.indexed)}
+        hyper = {id(p): h for ps, h in zip(self.groups, self.hypers) for p in ps}
+        for p, slot in zip(self.trainable, self.plan.norm_slots):
+            yield index[id(p)], slot, hyper[id(p)]

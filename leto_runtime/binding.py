@@ -46,6 +46,8 @@ def order(model: torch.nn.Module, groups: list[list[torch.Tensor]] | None = None
     out, seen = [], set()
     for k, params in enumerate(groups):
         for p in params:
+            if not p.requires_grad:
+                continue            # torch skips it (no gradient): laid out with the frozen
             if id(p) not in names:
                 raise ValueError(f"param_groups[{k}] holds a tensor of shape {tuple(p.shape)} "
                                  "that is not a parameter of the retained model: build the "
@@ -91,6 +93,8 @@ def bind_views(job) -> None:
     before recovery: until then they are placeholders, so nothing the script or DDP's
     constructor does can write into retained state), buffers are filled, hooks installed."""
     job.layout.bind(job.model, job.ss.flat(job.ss.model[0]), job.ss.flat(job.ss.grads))
+    job._grad_views = {id(p): p.grad.data_ptr() for p in job.model.parameters()
+                       if p.grad is not None}
     modules.materialize_buffers(job.model, job.device)
     if job.buffers_fn is not None:
         job.buffers_fn(job.model)

@@ -38,12 +38,12 @@ def state_dict(job) -> dict:
 def _complete(osd: dict, opt) -> dict:
     """Every optimizer state entry present (zeros where torch has none yet, before the first
     step): `dcp.load` fills only the entries its template has."""
-    for i, (p, h) in enumerate(zip(opt.trainable, opt._slot_hypers())):
+    for i, slot, h in opt.slots():
         entry = osd["state"].setdefault(i, {})
         if h.kind in ("adam", "adamw"):
             entry.setdefault("step", torch.tensor(0.0))
         for n in h.state_names:
-            entry.setdefault(n, torch.zeros(p.shape, dtype=torch.float32))
+            entry.setdefault(n, torch.zeros(slot.shape, dtype=torch.float32))
         osd["state"][i] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                            for k, v in entry.items()}
     return osd
@@ -76,19 +76,33 @@ def apply(job) -> None:
     osd = sd["optimizer"]
     if opt.rmu:
         flats = [job.ss.flat(st) for st in job.ss.model[1:]]
-        for i, (slot, h) in enumerate(zip(opt.plan.norm_slots, opt._slot_hypers())):
+        for i, slot, h in opt.slots():
             entry = osd["state"].get(i, osd["state"].get(str(i), {}))
             for k, n in enumerate(h.state_names):
                 if n in entry:
                     flats[k][slot.offset:slot.offset + slot.numel].copy_(
                         entry[n].reshape(-1).to(flats[k].device))
-        opt.torch_opt.load_state_dict({"state": {}, "param_groups": osd["param_groups"]})
+        apply_values(job)
+    elif int(sd["step"]) > 0:
+        opt.torch_opt.load_state_dict(osd)
+        _scheduler(job)
     else:           # before the first step torch has no state (SGD's first step copies)
-        opt.torch_opt.load_state_dict(osd if int(sd["step"]) > 0 else
-                                      {"state": {}, "param_groups": osd["param_groups"]})
+        apply_values(job)
+    opt.done = int(sd["step"])
+
+
+def apply_values(job) -> None:
+    """The checkpoint's group values (lr, betas, ...) and scheduler state, not its tensors:
+    also what a trainer that recovers at the job's first step, before any record, takes."""
+    osd = job.loaded["optimizer"]
+    job.opt.torch_opt.load_state_dict({"state": {}, "param_groups": osd["param_groups"]})
+    _scheduler(job)
+
+
+def _scheduler(job) -> None:
+    sd, opt = job.loaded, job.opt
     if opt.scheduler is not None and sd["scheduler"] is not None:
         opt.scheduler.load_state_dict(sd["scheduler"])
-    opt.done = int(sd["step"])
 
 
 def ignored(job) -> None:

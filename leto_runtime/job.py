@@ -123,6 +123,7 @@ class Job:
         self.loaded: dict | None = None           # load_state_dict's checkpoint
         self.start_step = 0                       # the first step of this job (steps(start=))
         self._grads_seen: set[int] = set()        # parameters that got a gradient this step
+        self._grad_views: dict[int, int] = {}     # id(param) -> data_ptr of its gradient view
         self._ddp_sync: bool | None = None        # DDP's sync of this step (None: no DDP)
         self.init_fn = self.buffers_fn = None
         self.layout = None
@@ -280,9 +281,22 @@ class Job:
                                "last micro-batch of a step outside no_sync()")
         return self._ddp_sync is True
 
+    def check_grad_views(self, t: int, params) -> None:
+        """Every parameter's gradient is still its view of retained memory."""
+        moved = [p for p in params if p.grad is None
+                 or p.grad.data_ptr() != self._grad_views.get(id(p))]
+        if moved:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            raise ValueError(
+                f"the gradient of {names.get(id(moved[0]), '?')} is no longer its view of "
+                f"retained memory in step {t}: model.zero_grad() or the torch optimizer's "
+                "zero_grad() replaced it (job.steps() zeroes the gradients; call nothing, or "
+                "the zero_grad() of the object job.optimizer() returned)")
+
     def check_grads(self, t: int, params) -> None:
         """Every trainable parameter got a gradient in step t: torch skips one that did not,
         and Leto would update it (one step count for all)."""
+        self.check_grad_views(t, params)
         missing = [p for p in params if id(p) not in self._grads_seen]
         if missing:
             names = {id(p): n for n, p in self.model.named_parameters()}

@@ -50,6 +50,7 @@ class Optimizer:
         modules.refuse_frozen(j.model)      # frozen after retain(): decay would still move them
         if j.buffer_watch is not None:
             j.buffer_watch.check(t)
+        j.check_grad_views(t, [p for p in j.model.parameters()])
         G = j.ss.flat(j.ss.grads)[:j.layout.numel]
         j.faults.fire("grads.allreduce", step=t)
         try:

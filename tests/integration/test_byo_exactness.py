@@ -29,7 +29,7 @@ CASES = {      # name: (optimizer, world, DDP, injected HOFs)
     # LambdaLR warms up over steps 0-2
     "adamw": ("adamw", 2, False, ("kill:rank=0:step=1:at=backward",
                                   "kill:rank=1:step=2:gen=1:at=rmu.update:group=1:chunk=1:garbage=1")),
-    # StepLR halves lr at step 3 and 6
+    # MultiStepLR halves lr at steps 3 and 6 (its milestones are a Counter of int keys)
     "sgd": ("sgd", 2, False, ("kill:rank=0:step=3:at=sync.after",
                               "kill:rank=1:step=6:gen=1:at=rmu.commit:group=2:chunk=0")),
     # CosineAnnealingLR moves every step
@@ -101,7 +101,9 @@ def test_a_process_group_made_before_init_is_refused_in_place():
 
 def test_a_torchrun_checkpoint_resumed_under_leto_run_recovers_bit_exactly(tmp_path):
     """torchrun saves `job.state_dict()` with DCP at step 4 and runs on (the reference);
-    leto-run starts a new job from that checkpoint and takes a HOF inside an update: every
+    leto-run starts a new job from that checkpoint and takes a HOF in the backward of its first
+    step (redone before any record of the killed rank: the checkpoint's values) and one inside
+    an update: every
     step from 4 on and the final state equal the uninterrupted torchrun run, and the promoted
     trainer, which also loads the checkpoint, ignores it for the retained state."""
     ckpt = tmp_path / "ckpt"
@@ -110,7 +112,8 @@ def test_a_torchrun_checkpoint_resumed_under_leto_run_recovers_bit_exactly(tmp_p
     out = tmp_path / "leto"
     out.mkdir()
     p = run(leto_cmd("--standalone", "--nproc-per-node", "2", "--no-status", *GEOMETRY,
-                     "--inject", "kill:rank=1:step=6:at=rmu.update:group=0:chunk=1:garbage=1",
+                     "--inject", "kill:rank=0:step=4:at=backward",
+                     "--inject", "kill:rank=1:step=6:gen=1:at=rmu.update:group=0:chunk=1:garbage=1",
                      SCRIPT, *args, "--resume", "--out", str(out)), base_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     for rank in range(2):

@@ -168,20 +168,50 @@ def test_a_parameter_without_a_gradient_stops_the_step_with_its_name(monkeypatch
             opt.step()
 
 
-class TensorFactor:
-    """An lr_lambda object holding a tensor: LambdaLR's state_dict() carries its __dict__."""
+def test_zero_grad_of_the_model_is_refused_with_the_fix(monkeypatch, cleanup):
+    """model.zero_grad() (set_to_none) would leave the retained gradients at zero and the
+    update would use them: stopped instead."""
+    job = _plain_job(monkeypatch, rmu=True)
+    with job.meta_init():
+        model = ByoNet()
+    model = job.retain(model, init=byo_init)
+    opt = job.optimizer(torch.optim.AdamW(model.parameters(), foreach=False))
+    with pytest.raises(ValueError, match=r"is no longer its view of retained memory in step 0: "
+                                         r"model.zero_grad\(\)"):
+        for step in job.steps(2):
+            model.zero_grad()
+            model(*tokens(step))[1].backward()
+            opt.step()
+
+
+def test_freezing_after_the_optimizer_is_refused(monkeypatch, cleanup):
+    job = _plain_job(monkeypatch, rmu=True)
+    with job.meta_init():
+        model = ByoNet()
+    model = job.retain(model, init=byo_init)
+    opt = job.optimizer(torch.optim.AdamW(model.parameters(), foreach=False))
+    model.mix.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"frozen or unfrozen after job.optimizer\(\)"):
+        for step in job.steps(1):
+            model(*tokens(step))[1].backward()
+            opt.step()
+
+
+class Unpicklable:
+    """An lr_lambda object holding a lock: LambdaLR's state_dict() carries its __dict__."""
 
     def __init__(self):
-        self.scale = torch.tensor(0.5)
+        import threading
+        self.lock = threading.Lock()
 
     def __call__(self, step):
-        return float(self.scale)
+        return 1.0
 
 
-def test_a_scheduler_whose_state_is_not_json_is_refused(monkeypatch, cleanup):
+def test_a_scheduler_whose_state_cannot_be_pickled_is_refused(monkeypatch, cleanup):
     job, model = _model(monkeypatch)
     topt = torch.optim.AdamW(model.parameters(), foreach=False)
-    sched = torch.optim.lr_scheduler.LambdaLR(topt, TensorFactor())
-    with pytest.raises(UnsupportedOptimizer, match=r"the scheduler's state_dict\(\) is not JSON "
-                                                   r".*use lr_lambda functions"):
+    sched = torch.optim.lr_scheduler.LambdaLR(topt, Unpicklable())
+    with pytest.raises(UnsupportedOptimizer, match=r"the scheduler's state_dict\(\) cannot be "
+                                                   r"pickled .*picklable objects"):
         job.optimizer(topt, sched)
