@@ -8,9 +8,11 @@ torchrun with stock torch (plain mode's `job.optimizer` is `torch_opt.step()` an
 Each job takes two HOFs in successive generations, chosen so that recovery goes through every
 way the optimizer's values are restored: a step redone whose record was written (killed after
 it) and one whose record was not (killed in backward: the previous step's record and one
-scheduler step), a step finished from its record inside a chunk's update (partly written
-chunk) and right after the global synchronization -- at steps where the scheduler changes lr;
-and once with the model wrapped in DDP, three ranks.
+scheduler step; at a checkpointed job's first step: the checkpoint's values), a step finished
+from its record inside a chunk's update (partly written chunk) and right after the global
+synchronization -- at steps where the scheduler changes lr: SGD + MultiStepLR and Adam +
+CosineAnnealingLR on 2 ranks, AdamW + LambdaLR with the model wrapped in DDP on 3 ranks, and
+AdamW + LambdaLR on 2 ranks resumed from a torchrun checkpoint.
 """
 from __future__ import annotations
 
@@ -26,9 +28,7 @@ STEPS = 9
 GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
             "--chunk-pages", "2")
 CASES = {      # name: (optimizer, world, DDP, injected HOFs)
-    # LambdaLR warms up over steps 0-2
-    "adamw": ("adamw", 2, False, ("kill:rank=0:step=1:at=backward",
-                                  "kill:rank=1:step=2:gen=1:at=rmu.update:group=1:chunk=1:garbage=1")),
+    # (AdamW + LambdaLR without DDP: the checkpoint test below)
     # MultiStepLR halves lr at steps 3 and 6 (its milestones are a Counter of int keys)
     "sgd": ("sgd", 2, False, ("kill:rank=0:step=3:at=sync.after",
                               "kill:rank=1:step=6:gen=1:at=rmu.commit:group=2:chunk=0")),
