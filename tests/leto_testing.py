@@ -136,8 +136,17 @@ def torchrun_cmd(*args: str) -> list[str]:
 
 
 def run(cmd: list[str], env: dict[str, str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
-                          cwd=str(ROOT), **kw)
+    """`cmd` to its end; past `timeout` the failure shows the tail of what it printed (a
+    timeout is a hang to explain, and subprocess's own error shows nothing of it)."""
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+                              cwd=str(ROOT), **kw)
+    except subprocess.TimeoutExpired as e:
+        def tail(b):
+            return (b.decode(errors="replace") if isinstance(b, bytes) else (b or ""))[-4000:]
+        raise AssertionError(f"{' '.join(map(str, cmd))} did not end in {timeout} s\n"
+                             f"--- stdout (tail)\n{tail(e.stdout)}\n--- stderr (tail)\n"
+                             f"{tail(e.stderr)}") from None
 
 
 def events(path: Path) -> list[dict]:
