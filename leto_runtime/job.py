@@ -161,6 +161,11 @@ class Job:
                                     world_size=ctx.world_size, timeout=timeout, **kw)
         elif ctx.world_size > 1 or ctx.master_addr:
             dist.init_process_group(self.backend, timeout=timeout, **kw)
+            # A group still alive when the interpreter exits can abort the process in gloo's
+            # C++ teardown ("terminate called without an active exception"): init() made it,
+            # so it is destroyed at exit if the script did not.
+            import atexit
+            atexit.register(_destroy_group)
         self.pg = dist.group.WORLD if dist.is_initialized() else None
 
     def _adopt_pg(self) -> None:
@@ -447,3 +452,10 @@ class Job:
         n = self.layout.numel
         return {st.name: self.ss.flat(st)[:n].detach().cpu().clone() for st in self.ss.model}
 
+
+def _destroy_group() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:           # already torn down, or aborted: nothing left to release
+        pass
