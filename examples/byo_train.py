@@ -63,6 +63,8 @@ def main() -> None:
                    help="save job.state_dict() to --ckpt when this step is reached")
     p.add_argument("--resume", action="store_true", help="start from the checkpoint in --ckpt")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per local rank)")
+    p.add_argument("--step-time", type=float, default=0.0,
+                   help="extra seconds per step (tests: shadows that wait before a HOF)")
     p.add_argument("--timing", default=None,
                    help="file for rank 0's per-step seconds: compute (forward + backward, "
                         "DDP's all-reduce included) and update (opt.step())")
@@ -107,6 +109,8 @@ def main() -> None:
         opt.step()
         sync()
         times.append((t1 - t0, time.perf_counter() - t1, time.monotonic()))
+        if a.step_time:
+            time.sleep(a.step_time)
         if job.rank == 0:
             print(f"step {step:3d}  loss {loss.item():.4f}  lr {opt.lr:.2e}  ({job.role}, "
                   f"generation {gen}, world {job.world_size})", flush=True)

@@ -14,7 +14,8 @@ failure -- and nothing less reliable (no parsing of stderr) -- decides its kind:
 | lost_state  | exit code `contract.UNRECOVERABLE_EXIT` (retained state gone)     |
 | hang        | the hang verdict (no heartbeat for --hang-timeout) killed it      |
 | signal      | killed by a signal (SIGKILL, SIGSEGV, SIGBUS, ...)                |
-| exception   | non-zero exit, a traceback in its torchelastic error file (@record) |
+| exception   | non-zero exit, a traceback in its torchelastic error file (@record, or the
+|             | runtime's excepthook: leto_runtime.errors)                        |
 | exit        | non-zero exit code and no error file                              |
 
 Its *signature* is what "the same way" compares: the signal's name, the traceback's identity
@@ -24,6 +25,10 @@ last step the failed trainer reported (None: it reported none in its generation)
 
 Verdicts, in this order:
 1. lost_state -> `Verdict.LOST_STATE`: the job ends (exit 4; `decide_inplace`).
+1b. its error file marks a `leto_runtime.errors.ScriptError` (a problem of the script the
+   runtime detected: a tensor kept in lent memory, a replaced gradient, a DDP setting, ...) ->
+   `Verdict.DETERMINISTIC`: every generation would fail the same way one step later, so
+   recovering it would only walk the failure forward.
 2. a failure of a process Leto injected a fault into -> transient: the user asked for a HOF.
 3. the same signature as the last failure the agent recovered (in place or by a restart) and
    (a) at the same point, or (b) its generation completed no step since that recovery ->
@@ -168,6 +173,7 @@ class Failure:
     hang: bool = False               # the agent's hang verdict killed it
     injected: str | None = None      # the fault Leto injected into this process, if any
     progressed: bool = True          # its generation completed a step (on this node) first
+    script_error: bool = False       # its error file marks a leto_runtime.errors.ScriptError
 
     @property
     def kind(self) -> FailureKind:
@@ -237,6 +243,11 @@ def classify_failure(f: Failure, last: PastFailure | None) -> Classification:
         return Classification(Verdict.LOST_STATE, kind, sig,
                               f"rank {f.rank} exited with {UNRECOVERABLE_EXIT}: its retained "
                               "state cannot be recovered in place")
+    if f.script_error:
+        return Classification(Verdict.DETERMINISTIC, kind, sig,
+                              f"rank {f.rank} stopped on an error of the script ({sig}) that "
+                              "every generation would meet again: not a HOF (its message is in "
+                              "the failure summary)")
     if f.injected:
         return Classification(Verdict.TRANSIENT, kind, sig,
                               f"rank {f.rank}: {sig} {_at(f.step)} after the injected fault "

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from leto_runtime.wire.contract import SCRIPT_ERROR_KEY
+
 
 @dataclass(frozen=True)
 class FailureRecord:
@@ -41,6 +43,7 @@ class FailureRecord:
     error: str | None = None   # `error_identity` of the error file; None: no usable error file
     step: int | None = None    # the last step the trainer reported in its generation
     hang: bool = False         # killed by the agent's hang verdict
+    script_error: bool = False  # the error file marks a leto_runtime.errors.ScriptError
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -66,9 +69,10 @@ def error_identity(message) -> str | None:
 
 
 def _read_error_file(local_rank: int, pid: int, exitcode: int,
-                     error_file: str) -> tuple[object, str | None]:
-    """(message for the summary, error identity) through torch's own reader, after checking
-    that it can read the file (torch logs a traceback and re-raises otherwise)."""
+                     error_file: str) -> tuple[object, str | None, bool]:
+    """(message for the summary, error identity, marked a script error) through torch's own
+    reader, after checking that it can read the file (torch logs a traceback and re-raises
+    otherwise)."""
     try:
         if os.path.isfile(error_file):
             with open(error_file, encoding="utf-8") as fp:
@@ -78,13 +82,15 @@ def _read_error_file(local_rank: int, pid: int, exitcode: int,
         pf = ProcessFailure(local_rank=local_rank, pid=pid, exitcode=exitcode,
                             error_file=error_file)
     except Exception as e:                        # cut short by a kill, or not torch's format
-        return (f"error file {error_file} is unreadable ({type(e).__name__}: {e})", None)
+        return (f"error file {error_file} is unreadable ({type(e).__name__}: {e})", None, False)
     msg = pf.message
     ident = error_identity(msg) if os.path.isfile(error_file) else None
+    script = False
     if isinstance(msg, dict):                     # {"message": ..., "extraInfo": {"py_callstack"}}
         extra = msg.get("extraInfo", {}) or {}
+        script = extra.get(SCRIPT_ERROR_KEY) is True
         msg = extra.get("py_callstack") or msg.get("message") or str(msg)
-    return msg, ident
+    return msg, ident, script
 
 
 def failure_from_exit(*, rank: int, local_rank: int, role: str, generation: int, attempt: int,
@@ -93,13 +99,13 @@ def failure_from_exit(*, rank: int, local_rank: int, role: str, generation: int,
                       step: int | None = None, hang: bool = False) -> FailureRecord:
     """`host` defaults to the FQDN; callers on the hot path pass a cached one (a resolver
     lookup can take milliseconds, paid before the surviving ranks are told to stop)."""
-    msg, ident = _read_error_file(local_rank, pid, exitcode, error_file)
+    msg, ident, script = _read_error_file(local_rank, pid, exitcode, error_file)
     if note:
         msg = f"{note}\n{msg}" if msg else note
     return FailureRecord(rank=rank, local_rank=local_rank, role=role, generation=generation,
                          attempt=attempt, host=host or socket.getfqdn(), pid=pid, exitcode=exitcode,
                          how=how, error_file=error_file, message=str(msg), wall=wall, mono=mono,
-                         error=ident, step=step, hang=hang)
+                         error=ident, step=step, hang=hang, script_error=script)
 
 
 def _fmt_one(idx: int, f: FailureRecord) -> str:

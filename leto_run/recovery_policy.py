@@ -41,7 +41,7 @@ class FailurePolicy:
         for f in mine:
             sp = procs.get(f.pid)
             out.append(Failure(rank=f.rank, exitcode=f.exitcode, how=f.how, step=f.step,
-                               error=f.error, hang=f.hang,
+                               error=f.error, hang=f.hang, script_error=f.script_error,
                                injected=sp.injected if sp is not None else None,
                                progressed=progressed))
         return out

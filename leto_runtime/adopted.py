@@ -37,6 +37,7 @@ from leto_runtime import torch_optim as TO
 from leto_runtime.rmu.guard import Guard
 from leto_runtime.rmu.plan import Plan
 from leto_runtime.rmu.updater import Updater
+from leto_runtime.errors import PortingError
 
 
 def check_scheduler(scheduler, torch_opt) -> str | None:
@@ -144,12 +145,12 @@ class AdoptedOptimizer:
         j = self.job
         t = j.step_t
         if t is None or j._stepped:
-            raise RuntimeError("opt.step() is called once per step of job.steps()")
+            raise PortingError("opt.step() is called once per step of job.steps()")
         if j.buffer_watch is not None:
             j.buffer_watch.check(t)
         if any(p.requires_grad for p in self.frozen) or not all(p.requires_grad
                                                                 for p in self.trainable):
-            raise ValueError("a parameter was frozen or unfrozen after job.optimizer(): the "
+            raise PortingError("a parameter was frozen or unfrozen after job.optimizer(): the "
                              "retained layout keeps the frozen set of the start; freeze "
                              "before making the optimizer")
         j.check_grads(t, self.trainable)

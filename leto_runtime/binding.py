@@ -32,6 +32,7 @@ from leto_runtime.rmu.states import (GRADS, MARKER, MODEL, QBUF, UNDO, Geometry,
                                      open_states, pick_chunk_pages)
 from leto_runtime.trainer_log import log
 from leto_runtime.wire.geometry import of_pool
+from leto_runtime.errors import PortingError
 
 DEFAULT_GEOMETRY = Geometry()
 
@@ -49,7 +50,7 @@ def order(model: torch.nn.Module, groups: list[list[torch.Tensor]] | None = None
             if not p.requires_grad:
                 continue            # torch skips it (no gradient): laid out with the frozen
             if id(p) not in names:
-                raise ValueError(f"param_groups[{k}] holds a tensor of shape {tuple(p.shape)} "
+                raise PortingError(f"param_groups[{k}] holds a tensor of shape {tuple(p.shape)} "
                                  "that is not a parameter of the retained model: build the "
                                  "optimizer over the model job.retain() returned")
             seen.add(id(p))
@@ -58,7 +59,7 @@ def order(model: torch.nn.Module, groups: list[list[torch.Tensor]] | None = None
         if id(p) in seen:
             continue
         if p.requires_grad:
-            raise ValueError(f"parameter {n!r} requires grad but is in no param group of the "
+            raise PortingError(f"parameter {n!r} requires grad but is in no param group of the "
                              "optimizer: add it to a group, or freeze it (requires_grad_(False))")
         out.append((n, tuple(p.shape)))
     return out

@@ -23,12 +23,13 @@ from __future__ import annotations
 import torch
 
 from leto_runtime.trainer_log import log
+from leto_runtime.errors import PortingError
 
 
 def state_dict(job) -> dict:
     opt = job.opt
     if opt is None or not hasattr(opt, "torch_opt"):
-        raise RuntimeError("job.state_dict() needs the optimizer of job.optimizer(...)")
+        raise PortingError("job.state_dict() needs the optimizer of job.optimizer(...)")
     model = {k: v.detach().cpu().clone() for k, v in job.model.state_dict().items()}
     sched = opt.scheduler.state_dict() if opt.scheduler is not None else None
     return {"model": model, "optimizer": _complete(opt.state_dict(), opt), "scheduler": sched,
@@ -51,15 +52,15 @@ def _complete(osd: dict, opt) -> dict:
 
 def load(job, sd: dict) -> None:
     if job.opt is None or not hasattr(job.opt, "torch_opt"):
-        raise RuntimeError("job.load_state_dict() comes after job.optimizer(...), before "
+        raise PortingError("job.load_state_dict() comes after job.optimizer(...), before "
                            "job.steps()")
     missing = {"model", "optimizer", "scheduler", "step"} - set(sd)
     if missing:
-        raise ValueError(f"not a job.state_dict(): it lacks {sorted(missing)}")
+        raise PortingError(f"not a job.state_dict(): it lacks {sorted(missing)}")
     k = int(sd["step"])
     for i, st in sd["optimizer"].get("state", {}).items():
         if "step" in st and float(st["step"]) != float(k):
-            raise ValueError(f"optimizer state {i} has step {float(st['step'])}, the checkpoint "
+            raise PortingError(f"optimizer state {i} has step {float(st['step'])}, the checkpoint "
                              f"step {k}: Leto keeps one step count for every parameter")
     job.loaded = sd
 
@@ -71,7 +72,7 @@ def apply(job) -> None:
         own = job.model.state_dict()
         for name, v in sd["model"].items():
             if name not in own:
-                raise ValueError(f"the checkpoint's model has {name!r}, the model does not")
+                raise PortingError(f"the checkpoint's model has {name!r}, the model does not")
             own[name].copy_(v)
     osd = sd["optimizer"]
     if opt.rmu:

@@ -47,6 +47,7 @@ class Context:
     master_addr: str | None = None
     master_port: int | None = None
     job_key: bytes | None = field(default=None, repr=False)   # control values' MAC key
+    error_file: str | None = None   # torchelastic's error file (TORCHELASTIC_ERROR_FILE)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Context":
@@ -77,6 +78,7 @@ class Context:
             shadow_epoch=i(C.LETO_SHADOW_EPOCH),
             pg_timeout=float(env.get(C.LETO_PG_TIMEOUT, 600) or 600),
             chunk_pages=i(C.LETO_CHUNK_PAGES),
+            error_file=env.get(C.TORCHELASTIC_ERROR_FILE) or None,
             demote=env.get(C.LETO_DEMOTE, "replace") if under else "replace",
             scrub_budget=float(env.get(C.LETO_SCRUB_BUDGET, 0.002) or 0) if under else 0.0,
             master_addr=env.get(C.MASTER_ADDR),

@@ -53,13 +53,14 @@ import torch.distributed as dist
 
 from leto_runtime import beats as hb
 from leto_runtime.wire import contract as C
-from leto_runtime import binding, demotion, modules, resume, runtime
+from leto_runtime import binding, demotion, errors, modules, resume, runtime
 from leto_runtime.context import Context
 from leto_runtime.faults import Faults
 from leto_runtime.optimizer import Optimizer
 from leto_runtime.rmu import adamw as A
 from leto_runtime.rmu.guard import Guard
 from leto_runtime.trainer_log import log
+from leto_runtime.errors import PortingError
 
 
 def init(*, backend: str | None = None, seed: int = 0, device: str | None = None,
@@ -74,16 +75,22 @@ def init(*, backend: str | None = None, seed: int = 0, device: str | None = None
 
 
 def _pick_device(ctx: Context, device: str | None) -> torch.device:
-    if device:
-        return torch.device(device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", ctx.local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
+    """`device` as given, except that a bare "cuda" means this local rank's GPU, as the default
+    does (streams, events and the VMM need an index)."""
+    dev = torch.device(device) if device else None
+    if dev is None and torch.cuda.is_available():
+        dev = torch.device("cuda")
+    if dev is None:
+        return torch.device("cpu")
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", ctx.local_rank % max(1, torch.cuda.device_count()))
+    return dev
 
 
 class Job:
     def __init__(self, ctx: Context, *, backend, seed, device, transactions):
         t0 = time.monotonic()
+        errors.install(ctx.error_file)    # before anything can fail: the agent classifies by it
         self.ctx, self.seed, self.transactions = ctx, seed, transactions
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.inplace = bool(ctx.under_leto and ctx.sm_socket and ctx.recovery == "inplace")
@@ -173,13 +180,13 @@ class Job:
         this job's ranks); refused in place, where the group must be the generation's own."""
         ctx = self.ctx
         if self.inplace:
-            raise RuntimeError(
+            raise PortingError(
                 "the script created the default process group before leto_runtime.init(): "
                 "in place, the group is made by init() (one per generation, over the job's "
                 "authenticated store). Call leto.init() first and create a group only "
                 "`if not dist.is_initialized()`")
         if (dist.get_rank(), dist.get_world_size()) != (ctx.rank, ctx.world_size):
-            raise RuntimeError(
+            raise PortingError(
                 f"the script's process group has rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}, but the environment says rank {ctx.rank} of "
                 f"{ctx.world_size}: make it over the env:// defaults, or let init() make it")
@@ -203,7 +210,7 @@ class Job:
         submodule's reset_parameters under torch.manual_seed(seed))."""
         left = modules.meta_buffers(model)
         if left and buffers is None:
-            raise ValueError(f"buffers {', '.join(left[:4])} are on the meta device: pass "
+            raise PortingError(f"buffers {', '.join(left[:4])} are on the meta device: pass "
                              "retain(model, buffers=fn) where fn(model) fills them, or build "
                              "them in __init__ under job.meta_init() (buffers keep their values)")
         modules.refuse_mutating(model)
@@ -217,9 +224,9 @@ class Job:
         """The optimizer is known: lay the states out by its groups and open them (a shadow:
         map them now if they exist, else at promotion)."""
         if self.model is None:
-            raise RuntimeError("call job.retain(model) before making the optimizer")
+            raise PortingError("call job.retain(model) before making the optimizer")
         if self.opt is not None:
-            raise RuntimeError("the job has an optimizer already: make one per job")
+            raise PortingError("the job has an optimizer already: make one per job")
         self.param_order = param_order
         if self.role != "shadow":
             binding.materialize(self)
@@ -238,7 +245,7 @@ class Job:
     def adamw(self, model: torch.nn.Module, config: "A.AdamWConfig | None" = None, **kw) -> "Optimizer":
         """The RMU-backed AdamW over `model`'s retained parameters (`config` or its fields)."""
         if model is not self.model:
-            raise ValueError("adamw(model): pass the model returned by job.retain()")
+            raise PortingError("adamw(model): pass the model returned by job.retain()")
         modules.refuse_frozen(model)
         if config is not None and not isinstance(config, A.AdamWConfig):
             raise TypeError(f"adamw(model, config): config must be a leto_runtime.rmu.adamw."
@@ -257,12 +264,12 @@ class Job:
         from leto_runtime import torch_optim as TO
         from leto_runtime.wire import settings
         if self.model is None:
-            raise RuntimeError("call job.retain(model) before job.optimizer(...)")
+            raise PortingError("call job.retain(model) before job.optimizer(...)")
         msg = adopted.check_scheduler(scheduler, torch_opt)
         if msg is not None:
             raise TO.UnsupportedOptimizer(msg)
         if clip_grad_norm is not None and not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm={clip_grad_norm!r} must be a number > 0, or None")
+            raise PortingError(f"clip_grad_norm={clip_grad_norm!r} must be a number > 0, or None")
         TO.describe(torch_opt, self.device)             # refusals before anything is opened
         self._open_states(TO.ordered_params(torch_opt))
         rmu = self.inplace or settings.get().plain_rmu
@@ -275,13 +282,17 @@ class Job:
             return
         why = modules.ddp_problem(ddp, self.inplace, self.world_size)
         if why is not None:
-            raise ValueError(why)
+            raise PortingError(why)
         self._ddp_sync = bool(ddp.require_backward_grad_sync)
+        if self.updater is not None:
+            # DDP's rebuilt buckets live as long as DDP: they must not land in lent memory.
+            self.updater.hold_lending("DDP has not rebuilt its gradient buckets yet"
+                                      if modules.ddp_rebuild_pending(ddp) else None)
 
     def grads_synced_by_ddp(self, t: int) -> bool:
         """DDP all-reduced step t's gradients (its last forward was not under `no_sync()`)."""
         if self._ddp_sync is False:
-            raise RuntimeError(f"step {t}: the model's last forward ran under DDP's no_sync(), "
+            raise PortingError(f"step {t}: the model's last forward ran under DDP's no_sync(), "
                                "so its gradients were never averaged across ranks: run the "
                                "last micro-batch of a step outside no_sync()")
         return self._ddp_sync is True
@@ -292,7 +303,7 @@ class Job:
                  or p.grad.data_ptr() != self._grad_views.get(id(p))]
         if moved:
             names = {id(p): n for n, p in self.model.named_parameters()}
-            raise ValueError(
+            raise PortingError(
                 f"the gradient of {names.get(id(moved[0]), '?')} is no longer its view of "
                 f"retained memory in step {t}: model.zero_grad() or the torch optimizer's "
                 "zero_grad() replaced it (job.steps() zeroes the gradients; call nothing, or "
@@ -306,7 +317,7 @@ class Job:
         if missing:
             names = {id(p): n for n, p in self.model.named_parameters()}
             listed = ", ".join(names.get(id(p), "?") for p in missing[:4])
-            raise ValueError(f"parameters {listed}{' ...' if len(missing) > 4 else ''} got no "
+            raise PortingError(f"parameters {listed}{' ...' if len(missing) > 4 else ''} got no "
                              f"gradient in step {t}: every trainable parameter must take part "
                              "in every step (freeze the unused ones: requires_grad_(False))")
 
@@ -331,13 +342,13 @@ class Job:
         if start is None:
             start = saved
         if start != saved:
-            raise ValueError(f"steps(total, start={start}): the optimizer's state is that of "
+            raise PortingError(f"steps(total, start={start}): the optimizer's state is that of "
                              f"step {saved} ({'the loaded checkpoint' if self.loaded else 'none loaded'}"
                              "), and its step count (Adam's bias correction, SGD's first "
                              f"momentum step) follows the step: start at {saved}")
         self.start_step = start
         if self.opt is None:
-            raise RuntimeError("call job.optimizer(...) or job.adamw(model, ...) before job.steps()")
+            raise PortingError("call job.optimizer(...) or job.adamw(model, ...) before job.steps()")
         if self.role == "shadow":
             from leto_runtime import promotion
             self._prepare_lending()
@@ -351,7 +362,7 @@ class Job:
         start = resume.prepare(self)
         for t in range(start, total):
             if not self._stepped:
-                raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
+                raise PortingError(f"opt.step() was not called in step {self.step_t}")
             self.step_t, self._stepped = t, False
             self._grads_seen.clear()
             self._ddp_sync = None
@@ -366,7 +377,7 @@ class Job:
             torch.manual_seed(self.step_seed(t))
             yield t
         if not self._stepped:
-            raise RuntimeError(f"opt.step() was not called in step {self.step_t}")
+            raise PortingError(f"opt.step() was not called in step {self.step_t}")
         if self.guard is not None and self.guard.scrubber is not None:
             st = self.guard.scrubber.stats
             self._report("scrub", action="summary", slices=st.slices, bytes=st.bytes,

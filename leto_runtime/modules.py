@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 
+from leto_runtime.errors import PortingError
+
 WATCH_STEPS = 2     # steps of each process at which the buffers are compared
 
 
@@ -98,7 +100,7 @@ def refuse_frozen(model: torch.nn.Module) -> None:
     than what the script says."""
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     if frozen:
-        raise ValueError(f"frozen parameters (requires_grad=False) are not supported by "
+        raise PortingError(f"frozen parameters (requires_grad=False) are not supported by "
                          f"leto_runtime yet: {', '.join(frozen[:4])}"
                          f"{' ...' if len(frozen) > 4 else ''}; keep frozen modules outside "
                          "the model given to retain(), or train them")
@@ -109,7 +111,7 @@ def refuse_dtypes(model: torch.nn.Module) -> None:
     `job.autocast()`)."""
     bad = [f"{n} ({p.dtype})" for n, p in model.named_parameters() if p.dtype != torch.float32]
     if bad:
-        raise ValueError(f"parameters {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} are "
+        raise PortingError(f"parameters {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} are "
                          "not float32: leto_runtime retains float32 parameters (build the model "
                          "in float32 and compute in bf16 under job.autocast())")
 
@@ -120,7 +122,7 @@ def refuse_mutating(model: torch.nn.Module) -> None:
     bad = [n or type(model).__name__ for n, m in model.named_modules()
            if isinstance(m, _NormBase) and m.track_running_stats]
     if bad:
-        raise ValueError(f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: batch-norm "
+        raise PortingError(f"{', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''}: batch-norm "
                          "running statistics are buffers that forward changes, and buffers are "
                          "not retained (a recovery would lose them); build these modules with "
                          "track_running_stats=False, or use LayerNorm/GroupNorm")
@@ -142,12 +144,19 @@ class BufferWatch:
         for n, b in self.model.named_buffers():
             ref = self.saved.get(n)
             if ref is None or ref.shape != b.shape or not torch.equal(ref, b.detach()):
-                raise ValueError(f"buffer {n!r} changed during step {step}: buffers are not "
+                raise PortingError(f"buffer {n!r} changed during step {step}: buffers are not "
                                  "retained, so a recovery would not restore it; only constant "
                                  "buffers are supported (for state that forward updates, keep it "
                                  "out of the model's buffers)")
         if self.left == 0:
             self.saved = {}
+
+
+def ddp_rebuild_pending(ddp) -> bool:
+    """DDP will still rebuild its gradient buckets (in the pre-forward of its second iteration:
+    without find_unused_parameters, or with a static graph), allocating them then.  Pure."""
+    rebuilds = bool(getattr(ddp, "static_graph", False)) or not ddp.find_unused_parameters
+    return rebuilds and not getattr(ddp, "_has_rebuilt_buckets", False)
 
 
 def ddp_problem(ddp, inplace: bool, world_size: int) -> str | None:

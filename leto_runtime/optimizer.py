@@ -19,6 +19,7 @@ from leto_runtime import demotion, modules
 from leto_runtime.rmu import adamw as A
 from leto_runtime.rmu.guard import Guard
 from leto_runtime.rmu.updater import Updater
+from leto_runtime.errors import PortingError
 
 
 class Optimizer:
@@ -46,7 +47,7 @@ class Optimizer:
         j = self.job
         t = j.step_t
         if t is None or j._stepped:
-            raise RuntimeError("opt.step() is called once per step of job.steps()")
+            raise PortingError("opt.step() is called once per step of job.steps()")
         modules.refuse_frozen(j.model)      # frozen after retain(): decay would still move them
         if j.buffer_watch is not None:
             j.buffer_watch.check(t)

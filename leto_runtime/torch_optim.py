@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from leto_runtime.errors import ScriptError
 from leto_runtime.rmu.chunk_math import Hyper
 
 __all__ = ["UnsupportedOptimizer", "SUPPORTED", "describe", "ordered_params", "set_group_values",
@@ -34,7 +35,7 @@ _WHY_NOT = ("Leto updates optimizer state chunk by chunk, which is exact only fo
             "implemented)")
 
 
-class UnsupportedOptimizer(ValueError):
+class UnsupportedOptimizer(ScriptError, ValueError):
     """The optimizer (or one of its options) cannot be taken over; the message says why and how."""
 
 

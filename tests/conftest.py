@@ -4,7 +4,8 @@ Kernels are built once per session, before the first test (`pytest_sessionstart`
 JIT build of the C++ (and, on a GPU machine, CUDA) kernels takes a minute or more, and would
 otherwise happen inside whichever test -- or whichever trainer process of a test -- first
 needs them, counted against that test's timeout (pytest-timeout counts fixture setup too, so
-a session fixture would not help).  The trainers the tests start find the built libraries in
+a session fixture would not help).  Tests marked `alone` run with no other test beside them under
+xdist (`pytest_runtest_protocol`).  The trainers the tests start find the built libraries in
 the same cache directory (`leto_runtime.wire.kernel_cache`: LETO_EXT_DIR, TORCH_EXTENSIONS_DIR or
 ~/.cache/leto/kernels; docs/KERNELS.md), which `leto_testing.base_env` passes on."""
 from __future__ import annotations
@@ -18,6 +19,46 @@ from leto_testing import ROOT, base_env, build_kernels, run, torchrun_cmd
 
 def pytest_sessionstart(session):
     build_kernels(session.config, cuda=None, what="tests/conftest.py")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "alone: timing-sensitive (a measured smoke run, a demo with timeouts); under "
+        "xdist no other test runs beside it")
+    config.addinivalue_line(
+        "markers", "gpu_alone: measures the whole GPU (memory, time); under xdist no other test "
+        "runs beside it")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under xdist (`-n 2` in CI, `-n 8` for tests/gpu) tests run side by side; one marked
+    `alone` or `gpu_alone` must have the machine (the cores, the GPU) to itself.  A
+    readers-writer lock over flock(2) in the run's shared temp folder, held over each test's
+    whole protocol (its setup and teardown, so module fixtures that start runs are inside too):
+    every test holds it shared, an `alone` test exclusively.  The writer first takes a
+    turnstile that readers pass on their way in, so tests that arrive after it wait instead of
+    starving it.  Without xdist tests run one at a time and nothing is locked."""
+    import fcntl
+
+    if not hasattr(item.config, "workerinput"):
+        yield
+        return
+    base = item.config._tmp_path_factory.getbasetemp().parent   # shared by the run's workers
+    alone = any(item.get_closest_marker(m) is not None for m in ("alone", "gpu_alone"))
+    with open(base / "leto-turnstile.lock", "a+") as gate, \
+            open(base / "leto-share.lock", "a+") as share:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        if alone:
+            fcntl.flock(share, fcntl.LOCK_EX)
+        else:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            fcntl.flock(share, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(share, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

@@ -191,14 +191,28 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def step_losses(d: Path, rank: int) -> dict[int, set[str]]:
-    """examples/gpt_inplace.py --out D: every loss a rank logged, per step (float.hex strings;
-    a redone step appears with each value it produced)."""
-    out: dict[int, set[str]] = {}
+def step_losses(d: Path, rank: int) -> dict[int, set]:
+    """examples/gpt_inplace.py or byo_train.py --out D: every loss a rank logged, per step
+    (float.hex strings; a redone step appears with each value it produced), with the step's
+    learning rates where the script logs them (byo_train: `(loss, (lr of each group, ...))`)."""
+    out: dict[int, set] = {}
     for line in (d / f"loss_{rank}.jsonl").read_text().splitlines():
         e = json.loads(line)
-        out.setdefault(e["step"], set()).add(e["loss"])
+        out.setdefault(e["step"], set()).add((e["loss"], tuple(e["lrs"])) if "lrs" in e
+                                             else e["loss"])
     return out
+
+
+def compare_runs(ref: Path, out: Path, world: int, steps, why: str) -> None:
+    """Every step of every rank of `out` (redone ones included) logged the reference's loss (and
+    lrs) bit for bit, no step is missing, and each rank's final state digest is the reference's."""
+    for rank in range(world):
+        want, got = step_losses(ref, rank), step_losses(out, rank)
+        assert sorted(got) == list(steps), f"rank {rank} missed steps; {why}"
+        for step, values in got.items():
+            assert values == want[step], f"rank {rank} step {step}: {values} != {want[step]}; {why}"
+        assert final_digest(ref, rank) == final_digest(out, rank), \
+            f"rank {rank}: final model/optimizer state differs; {why}"
 
 
 def final_digest(d: Path, rank: int) -> str:

@@ -41,7 +41,7 @@ __all__ = ["Hyper", "KINDS", "adam_chunk_", "sgd_chunk_", "update_chunk_"]
 KINDS = ("adamw", "adam", "sgd")
 _ADAM_FIELDS = ("beta1", "beta2", "eps")
 _SGD_FIELDS = ("momentum", "dampening", "nesterov")
-_F32_STEP_LIMIT = 2**24     # the last integer a float32 step counter reaches by adding 1
+F32_STEP_LIMIT = 2**24     # the last integer a float32 step counter reaches by adding 1
 
 
 def _is_int(x) -> bool:
@@ -228,7 +228,7 @@ def adam_chunk_(p: Tensor, m: Tensor, v: Tensor, g: Tensor, *, step: int, h: Hyp
 
     # torch counts steps in a float32 tensor (`step_t += 1`, read back with `.item()`), which
     # stops at 2**24: 2**24 + 1 rounds back to 2**24.  The same float here, at any step.
-    s = float(min(step, _F32_STEP_LIMIT))
+    s = float(min(step, F32_STEP_LIMIT))
     bias_correction1 = 1 - h.beta1 ** s
     bias_correction2 = 1 - h.beta2 ** s
     step_size = lr / bias_correction1

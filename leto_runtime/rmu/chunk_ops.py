@@ -44,8 +44,12 @@ class ChunkOps:
     and `one_kernel` its fused kernels (`fused.Fused`, checked on this device)."""
 
     def __init__(self, ss, cfg: "A.AdamWConfig", *, gflat: torch.Tensor, code, fence,
-                 transactions: bool, fused, one_kernel: bool, slots: int, plan=None):
+                 transactions: bool, fused, one_kernel: bool, slots: int, plan=None,
+                 group_kernel=None):
         self.ss, self.cfg, self.transactions, self.plan = ss, cfg, transactions, plan
+        # With a plan, on CUDA with transactions: `group_kernel(h)` -> the fused AdamW kernel
+        # checked for group values h (fused.for_group), or None (that group takes torch ops).
+        self.group_kernel = group_kernel
         self.code, self.fence = code, fence
         self.fused, self.one_kernel, self.slots = fused, one_kernel, slots
         self.flat = [ss.flat(st) for st in ss.model]
@@ -154,8 +158,8 @@ class ChunkOps:
         transactions, on CUDA), else None."""
         count = chunk[1]
         if self.plan is not None:
-            self._update_groups(t, views, grad, coef, lo=self._elems(g, *chunk).start)
-            return None
+            return self._update_groups(t, views, grad, coef, lo=self._elems(g, *chunk).start,
+                                       count=count)
         if self.fused is not None and self.transactions:
             deltas = [self.ss.delta_pages(i, count) for i in range(3)]
             self.fused.step_(views[0], views[1], views[2], grad, step=t + 1, lr=lr, coef=coef,
@@ -166,14 +170,42 @@ class ChunkOps:
                            coef=coef, scratch=self.scratch[:grad.numel()])
         return deltas
 
-    def _update_groups(self, t: int, views, grad, coef, lo: int) -> None:
+    def _update_groups(self, t: int, views, grad, coef, lo: int, count: int):
         """The plan's update: each part of the chunk that lies in a parameter group with that
-        group's values (frozen parameters and padding after the last group are left alone)."""
+        group's values (frozen parameters and padding after the last group are left alone).
+        Returns the delta pages when every part ran in the fused kernel (CUDA), else None."""
         from leto_runtime.rmu.chunk_math import update_chunk_
+        pieces = list(self.plan.pieces(lo, lo + grad.numel()))
+        kernels = ([self.group_kernel(h) for _, _, h in pieces] if self.group_kernel is not None
+                   else None)
+        if kernels and all(k is not None for k in kernels):
+            return self._fused_groups(t, views, grad, coef, pieces, kernels, count)
         sc = self.scratch
-        for a, b, h in self.plan.pieces(lo, lo + grad.numel()):
+        for a, b, h in pieces:
             update_chunk_(h, views[0][a:b], tuple(v[a:b] for v in views[1:1 + h.n_states]),
                           grad[a:b], step=t + 1, coef=coef, scratch=sc[:b - a])
+        return None
+
+    def _fused_groups(self, t: int, views, grad, coef, pieces, kernels, count: int):
+        """One fused AdamW launch per part, each with its group's values, writing old ^ new into
+        the delta pages; the delta of elements in no group (frozen, padding) is 0, as nothing
+        changes there.  The kernel takes torch's float32 step counter (chunk_math: it stops at
+        2**24)."""
+        from leto_runtime.rmu.chunk_math import F32_STEP_LIMIT
+        deltas = [self.ss.delta_pages(i, count) for i in range(3)]
+        flat = [d.reshape(-1).view(torch.int32) for d in deltas]
+        step, done = min(t + 1, F32_STEP_LIMIT), 0
+        for (a, b, h), k in zip(pieces, kernels):
+            if a > done:
+                for d in flat:
+                    d[done:a].zero_()
+            k.step_(views[0][a:b], views[1][a:b], views[2][a:b], grad[a:b], step=step, lr=h.lr,
+                    coef=coef, deltas=[d[a:b] for d in flat])
+            done = b
+        if done < grad.numel():
+            for d in flat:
+                d[done:].zero_()
+        return deltas
 
     def parity_delta(self, g: int, j: int, chunk: tuple[int, int], auth: int, deltas) -> None:
         """Q[1-auth] = Q[auth] ^ RS_j(undo ^ new) for each state, from `deltas` (`update`'s) or

@@ -23,7 +23,8 @@ never writing the delta pages (docs/RMU.md, "The parity delta update").  It is t
 the device, unless LETO_RMU_FUSED_SYNDROME=0 (it is the faster of the two on the H200:
 docs/BENCHMARKS.md).
 
-Calling contract: `Fused.for_device(device, cfg)` -> a `Fused` or None; then
+Calling contract: `Fused.for_device(device, cfg)` (or `for_group(device, hyper, clip)` for one
+parameter group of a torch optimizer) -> a `Fused` or None; then
 `f.step_(p, m, v, g, step=, lr=, coef=, deltas=)` queues the update on the current stream
 (no synchronization); `f.syndrome_ok(device)` -> bool, then `f.chunk_syndrome_(...)`.
 LETO_RMU_FUSED=0 turns the fast path off; LETO_RMU_FUSED_VARIANT=N checks and uses only
@@ -88,6 +89,18 @@ def load():
                           cuda=True, what="the fused AdamW and marker kernels")
 
     return _ext._cached("rmu_cuda", build)
+
+
+def for_group(device, h, clip: Optional[float]) -> Optional["Fused"]:
+    """The fused kernel for one parameter group of a plan (rmu/plan.py), or None when the group
+    takes torch ops: a kind other than torch's AdamW, `maximize`, eps = 0 (no AdamWConfig), or
+    no kernel passing its self-check on `device`.  The learning rate is passed per launch, so the
+    check and the cache key use a fixed one."""
+    if h.kind != "adamw" or h.maximize or h.eps <= 0:
+        return None
+    cfg = A.AdamWConfig(lr=1e-3, betas=(h.beta1, h.beta2), eps=h.eps,
+                        weight_decay=h.weight_decay, clip_grad_norm=clip)
+    return Fused.for_device(device, cfg)
 
 
 class Fused:

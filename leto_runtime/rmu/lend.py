@@ -62,6 +62,7 @@ from pathlib import Path
 
 import torch
 
+from leto_runtime.errors import ScriptError
 from leto_runtime.wire import settings
 
 ENV = "LETO_LEND"
@@ -73,7 +74,7 @@ _STATS = ("region_bytes", "region_in_use", "region_peak", "overflow_in_use", "ov
           "regions")
 
 
-class LendingError(RuntimeError):
+class LendingError(ScriptError, RuntimeError):
     """A tensor allocated in lent memory during forward/backward is still alive when the
     update starts; RMU would overwrite it."""
 

@@ -96,7 +96,8 @@ class Updater:
         from leto_runtime.parity import ParityCode
 
         self.ss, self.cfg, self.backend, self.transactions = ss, cfg, backend, transactions
-        # `plan` (rmu/plan.py): parameter groups with their own values, on the torch-ops path;
+        # `plan` (rmu/plan.py): parameter groups with their own values, each group of torch's
+        # AdamW in the fused kernel checked for its values (fused.for_group), others torch ops;
         # without one, `cfg`'s AdamW over every parameter (the fused kernels where checked).
         self.plan = plan
         self.clip = plan.clip if plan is not None else cfg.clip_grad_norm
@@ -113,6 +114,7 @@ class Updater:
         from leto_runtime.rmu import lend as L
         self.lend_on = self.cuda and (L.wanted(ss.device) if lend is None else bool(lend))
         self.lender = None
+        self.lend_hold: str | None = None
         # CUDA: one fused kernel for AdamW that also writes the chunk's delta pages (fused.py;
         # None when it is off or did not pass its bit-exactness self-check on this device).
         from leto_runtime.rmu.fused import Fused
@@ -153,7 +155,15 @@ class Updater:
         # transaction.
         self.chunks = ChunkOps(ss, cfg, gflat=self.gflat, code=self.code, fence=self.fence,
                                transactions=transactions, fused=self.fused,
-                               one_kernel=self.fused_syndrome, slots=self.slots, plan=plan)
+                               one_kernel=self.fused_syndrome, slots=self.slots, plan=plan,
+                               group_kernel=self._group_kernel() if plan is not None else None)
+
+    def _group_kernel(self):
+        """With a plan on CUDA with transactions: hyper -> its checked fused kernel or None."""
+        from leto_runtime.rmu import fused as F
+        if not (self.cuda and self.transactions and F.wanted()):
+            return None
+        return lambda h: F.for_group(self.ss.device, h, self.clip)
 
     # ---- helpers -------------------------------------------------------------------------
     def lap(self, name: str) -> None:
@@ -230,9 +240,14 @@ class Updater:
         # The marker says COMPUTE before any activation can land in U/Q (lend.py).
         self.marker.write(t=t, phase=Phase.COMPUTE, group=0, chunk=0, sub=0, auth=0,
                           gstate=GState.LOAD, wb=-1, wb_auth=0)
-        if self.lend_on:
+        if self.lend_on and self.lend_hold is None:
             self.prepare_lending()
             self.lender.enter(t)
+
+    def hold_lending(self, why: str | None) -> None:
+        """Lend nothing from the next `begin` on while `why` holds (None: lend again): a library
+        is about to allocate memory that outlives the iteration (DDP's bucket rebuild)."""
+        self.lend_hold = why
 
     def prepare_lending(self) -> None:
         """Create the lending pool now (its library, its regions, cuBLAS workspaces: ~0.3 s in

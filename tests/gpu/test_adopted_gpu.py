@@ -1,6 +1,7 @@
-"""`job.optimizer` on CUDA (RMU's per-group update with torch ops, `LETO_PLAIN_RMU=1`) against
-stock torch on the same GPU (`foreach=False`), bit for bit: the CPU test's twin
-(tests/unit/test_adopted.py)."""
+"""`job.optimizer` on CUDA against stock torch on the same GPU (`foreach=False`), bit for bit:
+RMU's per-group update in plain mode (`LETO_PLAIN_RMU=1`, the CPU test's twin,
+tests/unit/test_adopted.py: AdamW groups in the fused kernel, Adam and SGD in torch ops), and
+examples/byo_train.py recovered in place under leto-run against torchrun."""
 from __future__ import annotations
 
 import os
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "unit"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from test_adopted import _leto, _same_state_dict, _stock, STEPS, cleanup  # noqa: E402,F401
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -26,3 +28,51 @@ def test_the_script_s_optimizer_matches_stock_torch_on_cuda(monkeypatch, cleanup
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), n
     _same_state_dict(opt.state_dict(), topt.state_dict())
+
+
+def test_adamw_groups_run_in_the_fused_kernel(monkeypatch, cleanup):  # noqa: F811
+    """With parameter groups the update of each AdamW group is the fused kernel checked for its
+    values (not the torch-ops fallback), and the run above's bits are that kernel's."""
+    from leto_runtime.rmu import fused as F
+    job, *_ = _leto(monkeypatch, "adamw", rmu=True, device="cuda")
+    assert job.device.index is not None, "a bare 'cuda' resolves to this rank's GPU"
+    ops = job.updater.chunks
+    assert ops.group_kernel is not None, "no fused kernel for parameter groups on CUDA"
+    kernels = [ops.group_kernel(h) for h in job.updater.plan.hypers]
+    assert all(k is not None for k in kernels), F.why_not
+
+
+# In place under leto-run on the GPU, against torchrun on the same GPU: the script's own AdamW
+# with its groups (fused per group), at world 1 (NCCL) and on two gloo ranks under DDP.
+BYO = ["--steps", "10", "--width", "1024", "--opt", "adamw", "--device", "cuda"]
+BYO_GEOM = ["--data-pages", "2", "--tier1", "2", "--tier2", "1", "--chunk-pages", "1"]
+BYO_CASES = {
+    "nccl-update+garbage": (1, [], ["kill:rank=0:step=3:at=rmu.update:group=1:chunk=1:garbage=1",
+                                    "kill:rank=0:step=6:gen=1:at=backward"]),
+    "gloo2-ddp": (2, ["--ddp"], ["kill:rank=1:step=2:at=rmu.delta:group=0:chunk=1:garbage=1",
+                                 "kill:rank=0:step=5:gen=1:at=sync.after"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BYO_CASES))
+def test_byo_script_recovers_in_place_on_gpu_bit_exactly(case, tmp_path):
+    from leto_testing import (ROOT, base_env, compare_runs, events, leto_cmd, run,
+                              torchrun_cmd)
+    world, extra, injects = BYO_CASES[case]
+    script = str(ROOT / "examples" / "byo_train.py")
+    ref, out = tmp_path / "ref", tmp_path / "leto"
+    ref.mkdir()
+    out.mkdir()
+    p = run(torchrun_cmd("--standalone", "--nproc-per-node", str(world), script, *BYO, *extra,
+                         "--out", str(ref)), base_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = tmp_path / "events.jsonl"
+    args = ["--standalone", "--nproc-per-node", str(world), *BYO_GEOM, "--hang-timeout", "30",
+            "--events", str(ev), "--no-status"]
+    for s in injects:
+        args += ["--inject", s]
+    p = run(leto_cmd(*args, script, *BYO, *extra, "--out", str(out)), base_env(), timeout=600)
+    print(f"\n=== byo {case} ===\n{p.stderr[p.stderr.find('Recovery report'):]}")
+    assert p.returncode == 0, p.stderr[-5000:]
+    compare_runs(ref, out, world, range(10), p.stderr[-3000:])
+    assert {e["generation"] for e in events(ev) if e["event"] == "promote"} == {1, 2}

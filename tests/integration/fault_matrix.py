@@ -2,10 +2,12 @@
 recovery, acceptance "fault matrix").  A pure function of the seed, so any failing schedule is
 reproduced with
 
-    python tests/integration/fault_matrix.py SEED        # prints the leto-run command line
+    python tests/integration/fault_matrix.py SEED [--byo]   # prints the leto-run command line
 
 Each schedule is one `leto-run` job of `examples/gpt_inplace.py` (tiny GPT, gloo on CPU, 2 or 3
-ranks, small pages so the model spans several protection groups) with one or more injected
+ranks, small pages so the model spans several protection groups) -- or, with the same rules
+over its own page count, of `examples/byo_train.py` (`byo_args`; the script's own torch AdamW,
+test_byo_exactness.py) -- with one or more injected
 HOFs.  Categories rotate with the seed so that 50 consecutive seeds cover every cell of the
 matrix several times: kills during forward/backward and the gradient all-reduce, during
 gradient protection, at and right after the global synchronization, at every RMU operation
@@ -56,18 +58,45 @@ FULL_SEEDS = range(50)
 DEFAULT_SEEDS = (1, 2, 3, 10, 12, 14, 15, 16, 17, 18, 20, 25, 47)
 
 
-def _pages_per_state() -> int:
-    """Pages of one fp32 model state of the tiny GPT (as `leto_runtime.rmu.states.Layout`)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-    import torch
-    from gpt import GPT, GPTConfig
-
+def model_pages(model) -> int:
+    """Pages of one fp32 model state of `model` (on the meta device) as
+    `leto_runtime.rmu.states.Layout` lays it out in GEOMETRY's pages."""
     from leto_runtime.rmu.states import Layout
-    with torch.device("meta"):
-        m = GPT(GPTConfig.tiny())
-    lay = Layout.of([(n, tuple(p.shape)) for n, p in m.named_parameters()],
+    lay = Layout.of([(n, tuple(p.shape)) for n, p in model.named_parameters()],
                     GEOMETRY["page_bytes"])
     return lay.nbytes // GEOMETRY["page_bytes"]
+
+
+def _examples() -> None:
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+
+
+def gpt_pages() -> int:
+    """Pages of one model state of examples/gpt_inplace.py's tiny GPT."""
+    _examples()
+    import torch
+    from gpt import GPT, GPTConfig
+    with torch.device("meta"):
+        return model_pages(GPT(GPTConfig.tiny()))
+
+
+BYO_WIDTH = 128        # examples/byo_train.py --width: 37 pages per state, two protection groups
+
+
+def byo_args(ddp: bool) -> list[str]:
+    """examples/byo_train.py's arguments in the matrix: AdamW + LambdaLR with clipping, two
+    parameter groups, DDP or not (tests/integration/test_byo_exactness.py: odd seeds)."""
+    return ["--steps", str(STEPS), "--width", str(BYO_WIDTH), "--opt", "adamw",
+            *(["--ddp"] if ddp else [])]
+
+
+def byo_pages(width: int) -> int:
+    """Pages of one model state of examples/byo_train.py's model at `--width`."""
+    _examples()
+    import torch
+    from byo_model import ByoNet
+    with torch.device("meta"):
+        return model_pages(ByoNet(width))
 
 
 @dataclass
@@ -101,7 +130,7 @@ class Schedule:
 
 def schedule(seed: int, pages_per_state: int | None = None) -> Schedule:
     rng = random.Random(seed)
-    n_pages = pages_per_state or _pages_per_state()
+    n_pages = pages_per_state or gpt_pages()
     D, C = GEOMETRY["data_pages"], GEOMETRY["chunk_pages"]
     n_groups = math.ceil(n_pages / D)
     group_k = [min(D, n_pages - g * D) for g in range(n_groups)]
@@ -233,7 +262,10 @@ def fault_classes(s: Schedule) -> set[str]:
 
 
 if __name__ == "__main__":
-    sch = schedule(int(sys.argv[1]))
+    seed, byo = int(sys.argv[1]), "--byo" in sys.argv[2:]
+    sch = schedule(seed, byo_pages(BYO_WIDTH) if byo else None)
     print(f"# seed {sch.seed}: {sch.category}, world {sch.world}")
-    print("leto-run " + " ".join(sch.leto_args()) +
-          f" examples/gpt_inplace.py --steps {STEPS} --out OUT_DIR " + " ".join(sch.script_args()))
+    script = (["examples/byo_train.py", *byo_args(seed % 2 == 1)] if byo
+              else ["examples/gpt_inplace.py", "--steps", str(STEPS)])
+    print("leto-run " + " ".join(sch.leto_args()) + " " + " ".join(script) +
+          " --out OUT_DIR " + " ".join(sch.script_args()))

@@ -79,6 +79,7 @@ def _harness(*args, timeout=240):
 
 
 @pytest.mark.slow
+@pytest.mark.alone          # it kills at a time into the run: a shared machine moves it
 def test_recovery_harness_smoke(tmp_path):
     """Two calls, one run: the reference and Leto, then `--continue` adds torchrun + DCP (as
     the H200 run must, one device call holding only part of it)."""

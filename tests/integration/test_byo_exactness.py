@@ -5,49 +5,49 @@ torchrun with stock torch (plain mode's `job.optimizer` is `torch_opt.step()` an
 `scheduler.step()`): bit for bit in every loss and every group's lr of every step a rank ran
 (redone steps included), and in each rank's final `model.state_dict()` and `opt.state_dict()`.
 
-Each job takes two HOFs in successive generations, chosen so that recovery goes through every
-way the optimizer's values are restored: a step redone whose record was written (killed after
-it) and one whose record was not (killed in backward: the previous step's record and one
-scheduler step; at a checkpointed job's first step: the checkpoint's values), a step finished
-from its record inside a chunk's update (partly written chunk) and right after the global
-synchronization -- at steps where the scheduler changes lr: SGD + MultiStepLR and Adam +
-CosineAnnealingLR on 2 ranks, AdamW + LambdaLR with the model wrapped in DDP on 3 ranks, and
-AdamW + LambdaLR on 2 ranks resumed from a torchrun checkpoint.
+The seeded fault matrix (tests/integration/fault_matrix.py, the one the tiny GPT runs) over
+AdamW + LambdaLR, the model wrapped in DDP on odd seeds: `BYO_SEEDS` by default, 9 seeds that
+hold every category of the matrix, DDP and no DDP, 3 ranks under DDP, a partially written chunk
+and both demotion modes (`test_the_byo_seeds_cover_the_matrix_s_categories`);
+LETO_FULL_MATRIX=1 runs seeds 0-49.  Reproduce one: `python tests/integration/fault_matrix.py
+SEED --byo`.
+
+Besides, Adam + CosineAnnealingLR and SGD-momentum + MultiStepLR on 2 ranks take two HOFs in
+successive generations, chosen so that recovery goes through every way the optimizer's values
+are restored: a step redone whose record was written (killed after it) and one whose record was
+not (killed in backward: the previous step's record and one scheduler step), a step finished
+from its record inside a chunk's update and right after the global synchronization -- at steps
+where the scheduler changes lr; and AdamW on 2 ranks resumed from a torchrun checkpoint (a HOF
+at the checkpointed job's first step: the checkpoint's values).
 """
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 import pytest
 
-from leto_testing import ROOT, base_env, events, final_digest, leto_cmd, run, torchrun_cmd
+from fault_matrix import BYO_WIDTH, FULL_SEEDS, byo_args, byo_pages, fault_classes, schedule
+from fault_matrix import STEPS as MATRIX_STEPS
+from leto_testing import (ROOT, base_env, compare_runs, events, final_digest, leto_cmd, run,
+                          torchrun_cmd)
+from matrix_run import run_schedule
 
 SCRIPT = str(ROOT / "examples" / "byo_train.py")
 STEPS = 9
 GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
             "--chunk-pages", "2")
-CASES = {      # name: (optimizer, world, DDP, injected HOFs)
-    # (AdamW + LambdaLR without DDP: the checkpoint test below)
+CASES = {      # name: (optimizer, world, injected HOFs)
     # MultiStepLR halves lr at steps 3 and 6 (its milestones are a Counter of int keys)
-    "sgd": ("sgd", 2, False, ("kill:rank=0:step=3:at=sync.after",
-                              "kill:rank=1:step=6:gen=1:at=rmu.commit:group=2:chunk=0")),
+    "sgd": ("sgd", 2, ("kill:rank=0:step=3:at=sync.after",
+                       "kill:rank=1:step=6:gen=1:at=rmu.commit:group=2:chunk=0")),
     # CosineAnnealingLR moves every step
-    "adam": ("adam", 2, False, ("kill:rank=1:step=4:at=grads.protect",
-                                "kill:rank=0:step=5:gen=1:at=rmu.undo:group=0:chunk=1")),
-    # DDP averages the gradients (bucketed, in backward); at world 3 its bits differ from a
-    # flat all-reduce's, so matching torchrun + DDP shows that DDP's were the ones used
-    "adamw-ddp": ("adamw", 3, True, ("kill:rank=2:step=2:at=rmu.update:group=1:chunk=0:garbage=1",
-                                     "kill:rank=0:step=4:gen=1:at=backward")),
+    "adam": ("adam", 2, ("kill:rank=1:step=4:at=grads.protect",
+                         "kill:rank=0:step=5:gen=1:at=rmu.undo:group=0:chunk=1")),
 }
-
-
-def _steps(d: Path, rank: int) -> dict[int, set[tuple]]:
-    out: dict[int, set[tuple]] = {}
-    for line in (d / f"loss_{rank}.jsonl").read_text().splitlines():
-        e = json.loads(line)
-        out.setdefault(e["step"], set()).add((e["loss"], tuple(e["lrs"])))
-    return out
+BYO_SEEDS = (0, 1, 4, 7, 13, 16, 19, 33, 35)
+SEEDS = FULL_SEEDS if os.environ.get("LETO_FULL_MATRIX") == "1" else BYO_SEEDS
+PAGES = byo_pages(BYO_WIDTH)
 
 
 def _reference(tmp_path: Path, name: str, world: int, args: tuple) -> Path:
@@ -59,10 +59,51 @@ def _reference(tmp_path: Path, name: str, world: int, args: tuple) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def byo_reference(tmp_path_factory):
+    """`get(world, ddp)`: a fault-free torchrun run of the matrix's script (once per module)."""
+    cache: dict[tuple, Path] = {}
+
+    def get(world: int, ddp: bool) -> Path:
+        if (world, ddp) not in cache:
+            d = tmp_path_factory.mktemp(f"byo_ref_w{world}_{'ddp' if ddp else 'flat'}")
+            cache[world, ddp] = _reference(d, "ref", world, tuple(byo_args(ddp)))
+        return cache[world, ddp]
+    return get
+
+
+def test_the_byo_seeds_cover_the_matrix_s_categories():
+    """BYO_SEEDS hold every category, DDP at 3 ranks and without DDP, a partially written chunk
+    and both demotion modes of the full matrix (pure functions of the seed: no processes)."""
+    def classes(seed):
+        sch = schedule(seed, PAGES)
+        c = {x for x in fault_classes(sch) if x.startswith(("category:", "demote:", "partially"))}
+        return c | {f"ddp:{seed % 2}", f"world:{sch.world}:ddp:{seed % 2}"}
+    full = set().union(*(classes(s) for s in FULL_SEEDS if schedule(s, PAGES).forge is None))
+    got = set().union(*(classes(s) for s in BYO_SEEDS))
+    assert all(schedule(s, PAGES).forge is None for s in BYO_SEEDS)
+    assert full - got <= {"world:3:ddp:0"}, sorted(full - got)
+    assert {"world:3:ddp:1", "partially written chunk", "ddp:0"} <= got
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_byo_fault_schedule_is_bit_exact(seed, byo_reference, tmp_path):
+    sch = schedule(seed, PAGES)
+    ddp = seed % 2 == 1
+    run_schedule(sch, SCRIPT, [*byo_args(ddp), *sch.script_args()], MATRIX_STEPS,
+                 byo_reference(sch.world, ddp), tmp_path)
+
+
+def test_ddp_s_averaging_is_told_apart_at_three_ranks(byo_reference):
+    """At 3 ranks DDP's bucketed average has other bits than the flat all-reduce, so a matrix
+    run under DDP that matches torchrun + DDP used DDP's gradients."""
+    assert final_digest(byo_reference(3, True), 0) != final_digest(byo_reference(3, False), 0)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_own_optimizer_and_scheduler_recover_bit_exactly(case, tmp_path):
-    kind, world, ddp, specs = CASES[case]
-    args = ("--steps", str(STEPS), "--opt", kind) + (("--ddp",) if ddp else ())
+    kind, world, specs = CASES[case]
+    args = ("--steps", str(STEPS), "--opt", kind)
     ref, out = _reference(tmp_path, "ref", world, args), tmp_path / "leto"
     out.mkdir()
     injects = [x for spec in specs for x in ("--inject", spec)]
@@ -72,19 +113,10 @@ def test_own_optimizer_and_scheduler_recover_bit_exactly(case, tmp_path):
                      "--out", str(out)), base_env(), timeout=300)
     why = f"{case}: {specs}\n{p.stderr[-4000:]}"
     assert p.returncode == 0, why
-    for rank in range(world):
-        want, got = _steps(ref, rank), _steps(out, rank)
-        assert sorted(got) == list(range(STEPS)), f"rank {rank} missed steps; {why}"
-        for step, values in got.items():
-            assert values == want[step], f"rank {rank} step {step}: {values} != {want[step]}; {why}"
-        assert final_digest(ref, rank) == final_digest(out, rank), \
-            f"rank {rank}: final model/optimizer state differs; {why}"
+    compare_runs(ref, out, world, range(STEPS), why)
     promoted = {e["generation"] for e in events(ev) if e["event"] == "promote"}
     assert promoted == {1, 2}, f"both failures recovered in place; {why}"
     assert "Recovery report" in p.stderr
-    if ddp:
-        flat = _reference(tmp_path, "flat", world, args[:-1])
-        assert final_digest(flat, 0) != final_digest(ref, 0), "DDP's averaging is not told apart"
 
 
 def test_a_process_group_made_before_init_is_refused_in_place():
@@ -116,10 +148,5 @@ def test_a_torchrun_checkpoint_resumed_under_leto_run_recovers_bit_exactly(tmp_p
                      "--inject", "kill:rank=1:step=6:gen=1:at=rmu.update:group=0:chunk=1:garbage=1",
                      SCRIPT, *args, "--resume", "--out", str(out)), base_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
-    for rank in range(2):
-        want, got = _steps(ref, rank), _steps(out, rank)
-        assert sorted(got) == list(range(4, STEPS)), p.stderr[-3000:]
-        for step, values in got.items():
-            assert values == want[step], f"rank {rank} step {step}"
-        assert final_digest(ref, rank) == final_digest(out, rank), f"rank {rank}"
+    compare_runs(ref, out, 2, range(4, STEPS), p.stderr[-4000:])
     assert "is not used: this trainer resumes from the retained state" in p.stderr

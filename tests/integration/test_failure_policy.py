@@ -209,3 +209,23 @@ def test_an_rmu_injection_naming_a_group_the_model_lacks_is_reported(tmp_path, o
     assert "can never fire: the model has no protection group 77" in r.stderr
     assert not of(evs, "failure_detected") and not of(evs, "inject")
     assert not of(evs, "spawn", role="shadow")
+
+
+def test_an_error_of_the_script_the_runtime_names_is_never_recovered_in_place(tmp_path):
+    """Item: a ScriptError (here the PortingError of a gradient replaced by zero_grad() in the
+    second step of every process) is marked in the error file by the runtime's excepthook (the
+    script has no @record), and the agent stops at once with exit 1 and the message: before,
+    each promoted trainer failed one step later, and the job walked through a recovery per
+    step."""
+    ev = tmp_path / "ev.jsonl"
+    r = run(leto_cmd("--standalone", "--nproc-per-node", "2", "--no-status", "--max-restarts",
+                     "0", "--events", str(ev), str(SCRIPTS / "script_error.py")),
+            base_env(), timeout=150)
+    assert r.returncode == 1, r.stderr[-4000:]
+    evs = events(ev)
+    assert not of(evs, "promote"), "an error of the script was recovered in place"
+    [d] = [e for e in of(evs, "decision") if e.get("verdict")]
+    assert d["verdict"] == "deterministic" and d["kind"] == "exception", d
+    assert d["signature"].startswith("PortingError at ") and "an error of the script" in d["reason"]
+    assert "is no longer its view of retained memory in step 1" in r.stderr
+    assert_nothing_left(evs)

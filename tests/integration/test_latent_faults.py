@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from fault_matrix import GEOMETRY, STEPS
-from leto_testing import (ROOT, SCRIPTS, base_env, events, final_digest, leto_cmd, run,
-                          step_losses)
+from leto_testing import ROOT, SCRIPTS, base_env, compare_runs, events, leto_cmd, run
 
 SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
 FLIP = str(SCRIPTS / "flip_bits.py")
@@ -44,12 +43,7 @@ def _leto(tmp_path: Path, injects: list[str], script: str = SCRIPT, pre: tuple =
 
 
 def _assert_exact(ref: Path, out: Path, why: str) -> None:
-    for rank in (0, 1):
-        want, got = step_losses(ref, rank), step_losses(out, rank)
-        assert sorted(got) == list(range(STEPS)), f"rank {rank} missed steps; {why}"
-        for step, values in got.items():
-            assert values == want[step], f"rank {rank} step {step}: {values} != {want[step]}; {why}"
-        assert final_digest(ref, rank) == final_digest(out, rank), f"rank {rank}: state differs; {why}"
+    compare_runs(ref, out, 2, range(STEPS), why)
 
 
 def _phases(evs, name):

@@ -14,12 +14,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks" / "launch_overhead.py"
 REPEATS = 4
 BOUND_S = 0.050
 
 
+@pytest.mark.alone          # it measures launch times against a bound
 def test_launch_overhead_quick(tmp_path):
     out = tmp_path / "overhead.json"
     proc = subprocess.run(

@@ -27,6 +27,7 @@ def _leto_run() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone          # the demo's own hang timeout and step pacing
 def test_restart_demo_leaves_only_its_logs(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()

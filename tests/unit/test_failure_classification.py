@@ -15,10 +15,11 @@ from leto_runtime.wire.contract import UNRECOVERABLE_EXIT
 TB = "ValueError at /job/train.py:42 in step_fn"
 
 
-def f(exitcode=1, step=5, error=None, hang=False, injected=None, progressed=True, rank=1):
+def f(exitcode=1, step=5, error=None, hang=False, injected=None, progressed=True, rank=1,
+      script_error=False):
     how = f"Signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
     return Failure(rank, exitcode, how, step=step, error=error, hang=hang, injected=injected,
-                   progressed=progressed)
+                   progressed=progressed, script_error=script_error)
 
 
 def past(failure, generation=0, mono=0.0, inplace=True):
@@ -56,6 +57,14 @@ CASES = [
     (f(-9, step=None, progressed=False, injected="kill:rank=1:step=0:gen=1:at=recovery.finish"),
      past(f(-9, step=None, progressed=False)), Verdict.TRANSIENT, FailureKind.SIGNAL,
      "injected fault"),
+    # an error of the script the runtime marked: never a HOF, first failure or not, injected
+    # fault or not (at a new step each time: a promoted trainer meets it one step later)
+    (f(1, error=TB, script_error=True), None, Verdict.DETERMINISTIC, FailureKind.EXCEPTION,
+     "an error of the script"),
+    (f(1, step=6, error=TB, script_error=True), past(f(1, step=5, error=TB)),
+     Verdict.DETERMINISTIC, FailureKind.EXCEPTION, "every generation would meet again"),
+    (f(1, error=TB, script_error=True, injected="kill:rank=1:step=9"), None,
+     Verdict.DETERMINISTIC, FailureKind.EXCEPTION, "not a HOF"),
     # a HOF another node declared says nothing about the way a local failure fails
     (f(1), past(None), Verdict.TRANSIENT, FailureKind.EXIT, "the first failure"),
 ]
@@ -181,3 +190,26 @@ def test_policy_facts_read_progress_and_injections_from_the_slots(tmp_path):
     assert [h.generation for h in pol.history] == [2] and pol.history[0].kind is None
     pol.record(fact, 3, now=20000.0, inplace=False)
     assert [h.generation for h in pol.history] == [3]             # the last one always stays
+
+
+@pytest.mark.parametrize("exc,marked", [("PortingError('kept a view')", True),
+                                        ("ValueError('a bug')", False)])
+def test_the_runtime_s_excepthook_writes_the_error_file_and_marks_script_errors(
+        tmp_path, exc, marked):
+    """A real trainer process without @record: the runtime's hook writes torch's error-file
+    format (read back by the agent's reader, with the identity of the raising frame) and the
+    script-error mark only for a ScriptError; the traceback still reaches stderr."""
+    import subprocess
+    import sys
+    err = tmp_path / "error.json"
+    code = ("from leto_runtime import errors\nfrom leto_runtime.errors import PortingError\n"
+            f"errors.install(None)\nerrors.install({str(err)!r})\n"
+            f"def step_fn():\n    raise {exc}\nstep_fn()\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stderr.count("Traceback") == 1, p.stderr
+    rec = failure_from_exit(rank=1, local_rank=1, role="active", generation=0, attempt=0,
+                            pid=p.returncode, exitcode=1, how="exit code 1", error_file=str(err),
+                            wall=0.0, mono=0.0, host="h", step=3)
+    assert rec.script_error is marked
+    assert rec.error.startswith(exc.split("(")[0] + " at <string>:") and "step_fn" in rec.error
+    assert [x for x in tmp_path.iterdir()] == [err]          # no temporary file left

@@ -95,6 +95,22 @@ def test_ddp_on_three_ranks_in_place_needs_a_fixed_bucket_order(job1):
     assert modules.ddp_problem(rebuilt, inplace=False, world_size=3) is None  # torchrun
 
 
+def test_lending_is_held_until_ddp_has_rebuilt_its_buckets(job1):
+    """DDP without find_unused_parameters rebuilds (allocates) its buckets in its second
+    forward; memory allocated then lives as long as DDP, so activation lending (CUDA) is held
+    until the rebuild happened: the pure rule over a real DDP that trains."""
+    model, opt = _model(job1)
+    net = DDP(model, init_sync=False)
+    seen = []
+    for _ in job1.steps(3):
+        seen.append(modules.ddp_rebuild_pending(net))
+        net(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    assert seen == [True, True, False]
+    assert not modules.ddp_rebuild_pending(DDP(model, init_sync=False,
+                                               find_unused_parameters=True))
+
+
 def test_writes_into_parameters_before_the_steps_fail_loudly(job1):
     """Until job.steps() binds them, parameters are placeholders: a pretrained
     load_state_dict (or DDP's init_sync broadcast) cannot land anywhere -- values go in

@@ -156,7 +156,7 @@ def test_adam_step_past_2_to_24_matches_torchs_float32_counter(kind, monkeypatch
         assert torch.equal(ours[0], p.detach()) and torch.equal(ours[1], opt.state[p]["exp_avg"])
         assert torch.equal(ours[2], opt.state[p]["exp_avg_sq"])
         with monkeypatch.context() as mp:           # what a plain float(step) would give
-            mp.setattr(cm, "_F32_STEP_LIMIT", 2**62)
+            mp.setattr(cm, "F32_STEP_LIMIT", 2**62)
             adam_chunk_(*unsaturated, g, step=start + k + 1, h=h, coef=None)
         differed |= not torch.equal(unsaturated[0], p.detach())
     assert opt.state[p]["step"].item() == 2**24
