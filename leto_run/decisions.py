@@ -31,7 +31,9 @@ Verdicts, in this order:
    recovering it would only walk the failure forward.
 2. a failure of a process Leto injected a fault into -> transient: the user asked for a HOF.
 3. the same signature as the last failure the agent recovered (in place or by a restart) and
-   (a) at the same point, or (b) its generation completed no step since that recovery ->
+   (a) at the same point, (a') at the next step (a promoted trainer redid the step and met the
+   failure again right after: the script walks it forward one step per recovery), or (b) its
+   generation completed no step since that recovery ->
    `Verdict.DETERMINISTIC`: a failure that repeats where it happened, or that recovery cannot
    get past, is not a HOF.
 4. its generation completed no step, and neither had the generation of the last recovered
@@ -258,6 +260,12 @@ def classify_failure(f: Failure, last: PastFailure | None) -> Classification:
                               f"rank {f.rank} failed again {_at(f.step)} the same way as the "
                               f"failure recovered in generation {last.generation} ({sig}): a "
                               "deterministic failure of the script, not a HOF")
+    if same and f.step is not None and last.step is not None and f.step == last.step + 1:
+        return Classification(Verdict.DETERMINISTIC, kind, sig,
+                              f"rank {f.rank} failed the same way ({sig}) one step after the "
+                              f"failure recovered in generation {last.generation} (step "
+                              f"{last.step}): a failure of the script that each recovery moves "
+                              "one step on, not a HOF")
     if same and not f.progressed:
         return Classification(Verdict.DETERMINISTIC, kind, sig,
                               f"rank {f.rank} failed the same way as the failure recovered in "

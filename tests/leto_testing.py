@@ -203,6 +203,30 @@ def step_losses(d: Path, rank: int) -> dict[int, set]:
     return out
 
 
+_RDZV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+
+
+def plain_env(monkeypatch, **env: str) -> None:
+    """This test process becomes a trainer outside any launcher (plain mode): no LETO_* variable
+    but the kernel cache's (LETO_EXT_DIR: the kernels the session built), no torchrun
+    rendezvous variables, no job left from another test; then `env` on top."""
+    from leto_runtime import runtime
+    for k in list(os.environ):
+        if (k.startswith("LETO_") and k != "LETO_EXT_DIR") or k in _RDZV:
+            monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    runtime.current().forget_job()
+
+
+def plain_job(monkeypatch, *, rmu: bool = False, device: str = "cpu", **env: str):
+    """`leto_runtime.init(seed=3)` in plain mode (`plain_env`); `rmu`: RMU over local memory
+    (LETO_PLAIN_RMU=1) instead of stock torch.  The caller forgets the job afterwards."""
+    import leto_runtime.job as J
+    plain_env(monkeypatch, **({"LETO_PLAIN_RMU": "1"} if rmu else {}), **env)
+    return J.init(seed=3, device=device)
+
+
 def compare_runs(ref: Path, out: Path, world: int, steps, why: str) -> None:
     """Every step of every rank of `out` (redone ones included) logged the reference's loss (and
     lrs) bit for bit, no step is missing, and each rank's final state digest is the reference's."""

@@ -5,7 +5,8 @@ fault-free torchrun run of the same script: the runner of the exactness matrices
 `run_schedule(sch, script, script_args, steps, ref, out)` starts the job (the script gets
 `*script_args --out OUT`), forges a go key where the schedule says, and asserts: exit 0, every
 logged step of every rank (redone ones included) equal to the reference bit for bit, the final
-state digests equal, at least `sch.expect_inplace` in-place recoveries, every survivor asked to
+state digests equal, at least `sch.expect_inplace` in-place recoveries and no more than the
+injected kills and hangs, every survivor asked to
 demote in process did so, and the recovery report printed; a forged schedule instead stops
 with exit 5 having logged only fault-free values.
 """
@@ -101,6 +102,10 @@ def run_schedule(sch, script: str, script_args: list[str], steps: int, ref: Path
     evs = events(ev)
     promoted = {e["generation"] for e in evs if e["event"] == "promote"}
     assert len(promoted) >= sch.expect_inplace, f"no in-place recovery happened; {why}"
+    # ... and no more recoveries than injected failures: a failure of the job itself that each
+    # promoted trainer meets again would still end exact, one recovery per step later
+    failures = sum(1 for x in sch.injects if x.startswith(("kill:", "hang:")))
+    assert len(promoted) <= failures, f"{len(promoted)} recoveries for {failures} faults; {why}"
     if sch.demote == "release":
         _check_demotions(sch, evs, why)
     assert "Recovery report" in stderr

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-import leto_runtime.job as J
 from leto_runtime import runtime
+from leto_testing import plain_job
 from leto_runtime.torch_optim import UnsupportedOptimizer  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -24,13 +24,7 @@ CLIP = 0.5
 
 
 def _plain_job(monkeypatch, rmu: bool, device: str = "cpu"):
-    for k in list(os.environ):
-        if k.startswith("LETO_") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
-            monkeypatch.delenv(k, raising=False)
-    if rmu:
-        monkeypatch.setenv("LETO_PLAIN_RMU", "1")
-    runtime.current().forget_job()
-    return J.init(seed=3, device=device)
+    return plain_job(monkeypatch, rmu=rmu, device=device)
 
 
 @pytest.fixture

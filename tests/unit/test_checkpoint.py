@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import leto_runtime.job as J
 from leto_runtime import runtime
+from leto_testing import plain_job
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from byo_model import ByoNet, byo_init, freeze, groups, make_optimizer, tokens  # noqa: E402
@@ -22,13 +22,7 @@ TOTAL, AT = 8, 3
 
 
 def _job(monkeypatch, rmu: bool):
-    for k in list(os.environ):
-        if k.startswith("LETO_") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
-            monkeypatch.delenv(k, raising=False)
-    if rmu:
-        monkeypatch.setenv("LETO_PLAIN_RMU", "1")
-    runtime.current().forget_job()
-    job = J.init(seed=3, device="cpu")
+    job = plain_job(monkeypatch, rmu=rmu)
     with job.meta_init():
         model = ByoNet()
     model = job.retain(model, init=byo_init)

@@ -32,6 +32,10 @@ CASES = [
     (f(1), None, Verdict.TRANSIENT, FailureKind.EXIT, "the first failure"),
     (f(1), past(f(1)), Verdict.DETERMINISTIC, FailureKind.EXIT, "again at step 5 the same way"),
     (f(1, step=9), past(f(1)), Verdict.TRANSIENT, FailureKind.EXIT, "not a repeat"),
+    # the same way one step later: a promoted trainer redid step 5 and failed right after it
+    (f(1, step=6), past(f(1)), Verdict.DETERMINISTIC, FailureKind.EXIT, "one step after"),
+    (f(-9, step=6), past(f(1)), Verdict.TRANSIENT, FailureKind.SIGNAL, "not a repeat"),
+    (f(1, step=7), past(f(1)), Verdict.TRANSIENT, FailureKind.EXIT, "not a repeat"),
     (f(2), past(f(1)), Verdict.TRANSIENT, FailureKind.EXIT, "not a repeat"),
     (f(1, error=TB), past(f(1, error=TB)), Verdict.DETERMINISTIC, FailureKind.EXCEPTION, TB),
     (f(1, error=TB), past(f(1, error="KeyError at /job/train.py:42 in step_fn")),
@@ -85,7 +89,7 @@ def test_a_deterministic_failure_falls_back_even_with_shadows_ready():
     d = decide_inplace("inplace", 1, [f(1)], ready(2), history=(past(f(1)),))
     assert d.action == Action.FALL_BACK and "not a HOF" in d.reason
     assert d.classification.verdict == Verdict.DETERMINISTIC
-    d = decide_inplace("inplace", 1, [f(1, step=6)], ready(2), history=(past(f(1)),))
+    d = decide_inplace("inplace", 1, [f(1, step=8)], ready(2), history=(past(f(1)),))
     assert d.action == Action.INPLACE and d.classification.verdict == Verdict.TRANSIENT
 
 

@@ -14,16 +14,13 @@ from gpt import GPT, GPTConfig, batch, init_weights  # noqa: E402
 
 import leto_runtime.job as J  # noqa: E402
 from leto_runtime import runtime  # noqa: E402
+from leto_testing import plain_env, plain_job  # noqa: E402
 from leto_runtime.rmu.adamw import AdamWConfig, lr_at  # noqa: E402
 
 
-@pytest.fixture
-def plain_job(monkeypatch):
-    for k in list(os.environ):
-        if k.startswith("LETO_") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
-            monkeypatch.delenv(k, raising=False)
-    runtime.current().forget_job()
-    yield J.init(seed=3, device="cpu")
+@pytest.fixture(name="plain_job")
+def _plain_job(monkeypatch):
+    yield plain_job(monkeypatch)
     runtime.current().forget_job()
 
 
@@ -78,11 +75,7 @@ def test_a_finished_job_is_freed_and_its_states_fit_the_model(monkeypatch):
     import weakref
     refs = []
     for _ in range(2):
-        for k in list(os.environ):
-            if k.startswith("LETO_") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
-                monkeypatch.delenv(k, raising=False)
-        runtime.current().forget_job()
-        job = J.init(seed=3, device="cpu")
+        job = plain_job(monkeypatch)
         with job.meta_init():
             model = torch.nn.Linear(8, 4)
         model = job.retain(model)
@@ -114,9 +107,7 @@ def test_step_must_call_opt_step(plain_job):
 
 
 def _clean_env(monkeypatch):
-    for k in list(os.environ):
-        if (k.startswith("LETO_") and k != "LETO_EXT_DIR") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
-            monkeypatch.delenv(k, raising=False)
+    plain_env(monkeypatch)
 
 
 def _loaded_at_first_heartbeat(monkeypatch, ctx):

@@ -4,9 +4,6 @@ other restrictions' errors are tested next to their code: test_retain_modules.py
 test_adopted.py, test_torch_optim.py, tests/integration/test_byo_exactness.py."""
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,25 +11,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import leto_runtime.job as J
 from leto_runtime import modules, runtime
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from leto_testing import free_port, plain_env
 
 
 @pytest.fixture
 def job1(monkeypatch):
     """A plain job of one rank over a gloo group the script made itself (adopted by init())."""
-    for k in list(os.environ):
-        if k.startswith("LETO_") and k != "LETO_EXT_DIR":
-            monkeypatch.delenv(k, raising=False)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    runtime.current().forget_job()
+    plain_env(monkeypatch, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+              WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo")
     try:
         yield J.init(seed=3, device="cpu")

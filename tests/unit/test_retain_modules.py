@@ -4,23 +4,18 @@ frozen parameters, the sign of a first gradient.  The oracle is the same model b
 trained by stock torch (`torch.optim.AdamW(foreach=False)` + `clip_grad_norm_`)."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-import leto_runtime.job as J
 from leto_runtime import runtime
+from leto_testing import plain_job
 from leto_runtime.rmu.adamw import AdamWConfig, lr_at
 
 
-@pytest.fixture
-def plain_job(monkeypatch):
-    for k in list(os.environ):
-        if k.startswith("LETO_") or k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
-            monkeypatch.delenv(k, raising=False)
-    runtime.current().forget_job()
-    yield J.init(seed=3, device="cpu")
+@pytest.fixture(name="plain_job")
+def _plain_job(monkeypatch):
+    yield plain_job(monkeypatch)
     runtime.current().forget_job()
 
 
