@@ -25,7 +25,7 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setupt
 def test_the_package_list_names_every_package_of_the_tree():
     """pyproject lists its packages (find cannot rename cuda/ to leto_cuda): a new subpackage
     missing from the list would be missing from every wheel."""
-    found = set(setuptools.find_packages(str(ROOT), include=["leto_run*", "leto_runtime*"]))
+    found = set(setuptools.find_packages(str(ROOT), include=["leto_run*", "leto_runtime*", "leto_sim*"]))
     assert set(PYPROJECT["packages"]) == found | {"leto_cuda"}
     assert PYPROJECT["package-dir"] == {"leto_cuda": "cuda"}
     assert "cuda" not in PYPROJECT["packages"]        # would shadow NVIDIA's cuda-python
