@@ -23,7 +23,17 @@ import pytest
 
 from leto_testing import ROOT, base_env, events
 
-PACKAGING = ("pyproject.toml", "README.md", "cuda", "leto_run", "leto_runtime")
+def _packaging() -> tuple[str, ...]:
+    """What a wheel is built from: pyproject, the README, and the folder of every top-level
+    package pyproject lists (through its package-dir), so a new package cannot be left out."""
+    import tomllib
+    st = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tops = {p.split(".")[0] for p in st["packages"]}
+    return ("pyproject.toml", "README.md",
+            *sorted(st.get("package-dir", {}).get(t, t) for t in tops))
+
+
+PACKAGING = _packaging()
 PROBE = """
 import json, sys
 import leto_run, leto_runtime
