@@ -98,9 +98,13 @@ def for_group(device, h, clip: Optional[float]) -> Optional["Fused"]:
     check and the cache key use a fixed one."""
     if h.kind != "adamw" or h.maximize or h.eps <= 0:
         return None
-    cfg = A.AdamWConfig(lr=1e-3, betas=(h.beta1, h.beta2), eps=h.eps,
-                        weight_decay=h.weight_decay, clip_grad_norm=clip)
-    return Fused.for_device(device, cfg)
+    # Asked for every piece of every chunk: the config is built (and validated) once per values.
+    key = ("group", str(device), h.beta1, h.beta2, h.eps, h.weight_decay, clip)
+    if key not in _cache:
+        cfg = A.AdamWConfig(lr=1e-3, betas=(h.beta1, h.beta2), eps=h.eps,
+                            weight_decay=h.weight_decay, clip_grad_norm=clip)
+        _cache[key] = Fused.for_device(device, cfg)
+    return _cache[key]
 
 
 class Fused:
