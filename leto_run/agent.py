@@ -40,6 +40,7 @@ from leto_run import job_secret
 from leto_run.config import JobConfig, signal_number
 from leto_run.decisions import Action, Decision, decide_group
 from leto_run.events import EventLog
+from leto_run.fallback import FallbackPolicy
 from leto_run.failures import format_root_cause
 from leto_run.group import GroupIO, WorkerGroup, WorkerSpec
 from leto_run.guardian import start_guardian
@@ -121,6 +122,8 @@ class Agent:
                     log=self.log, sms=self.sms))
         self.group.pump_once = self._pump_once
         self.restart = RestartPolicy(self.group, cfg.launch.max_restarts)
+        self.fallback = FallbackPolicy(self.group, cfg.checkpoint, self.sms)
+        self._no_fallback = ""              # why the last UNRECOVERABLE could not fall back
         self.inplace = (InplaceRecovery(self.group, recovery=cfg.recovery, node=self.node,
                                         job_key=self.job_key, retained_lost=self.sms.lost)
                         if inplace else None)
@@ -171,13 +174,14 @@ class Agent:
                  f"hang_timeout={self.cfg.recovery.hang_timeout:g}s logs={self.layout.root}")
         try:
             while True:
-                self._start_group()
-                decision = self._supervise()
+                decision = self._start_group() or self._supervise()
                 self.log(f"decision: {decision.action.value}: {decision.reason}")
                 cls = decision.classification
                 self.events.emit("decision", g.generation, action=decision.action.value,
                                  reason=decision.reason, **(cls.fields() if cls else {}))
                 if decision.action == Action.UNRECOVERABLE:
+                    if self._fall_back(decision):
+                        continue
                     return self._unrecoverable(decision.reason)
                 if decision.action == Action.SUCCEED:
                     g.stop("success")
@@ -187,6 +191,8 @@ class Agent:
                     if self.inplace and g.failures:
                         self.inplace.note_restart(g.failures)
                     self.restart.apply(decision)
+                    if not self.inplace:      # restart mode: resume from the newest checkpoint
+                        self.fallback.for_restart()
                     continue
                 g.stop(decision.reason)
                 code = (E.EXIT_RESTARTS_EXHAUSTED if la.max_restarts > 0
@@ -197,11 +203,6 @@ class Agent:
             g.stop(f"leto-run received {signal.Signals(e.signum).name}", first_signal=e.signum)
             self.log(f"stopped by {signal.Signals(e.signum).name}; every worker stopped")
             return self._end(e.exit_code, str(e))
-        except E.Unrecoverable as e:          # raised before a restart could start the group
-            self.log(f"decision: {Action.UNRECOVERABLE.value}: {e}")
-            self.events.emit("decision", g.generation, action=Action.UNRECOVERABLE.value,
-                             reason=str(e))
-            return self._unrecoverable(str(e))
         except (E.RendezvousFailed, E.ControlForged) as e:
             # A forged value may already have let a process write retained memory: no grace
             # period in which a SIGTERM handler could checkpoint that state.
@@ -210,12 +211,27 @@ class Agent:
             self.log(f"error: {e}")
             return self._end(e.exit_code, str(e))
 
+    def _fall_back(self, decision: Decision) -> bool:
+        """UNRECOVERABLE: the checkpoint fallback, if a complete checkpoint can be used."""
+        fb, why = self.fallback.decide(decision.reason)
+        if fb is None:
+            self._no_fallback = why
+            return False
+        steps = [f.step for f in self.group.failures if getattr(f, "step", None) is not None]
+        self.log(f"decision: {fb.action.value}: {why}")
+        self.events.emit("decision", self.group.generation, action=fb.action.value,
+                         reason=fb.reason)
+        self.fallback.apply(fb, max(steps) if steps else None)
+        self.restart.note_fallback()
+        return True
+
     def _unrecoverable(self, reason: str) -> int:
         self.group.stop(reason)
         self._print_root_cause()
-        self.log("error: the retained state cannot be recovered in place; the job ends "
-                 f"(checkpoint fallback is not implemented yet): {reason}")
-        return self._end(E.EXIT_UNRECOVERABLE, reason)
+        why = self._no_fallback
+        self.log("error: the retained state cannot be recovered in place and there is no "
+                 f"checkpoint to fall back to ({why}); the job ends: {reason}")
+        return self._end(E.EXIT_UNRECOVERABLE, f"{reason}; no fallback: {why}")
 
     def _end(self, code: int, reason: str | None = None) -> int:
         """The job ends with `code`: injections that never fired are reported first."""
@@ -229,11 +245,12 @@ class Agent:
                          **({"reason": reason} if reason is not None else {}))
         return code
 
-    def _start_group(self) -> None:
-        """The next restart attempt: a new rendezvous round, then every active spawned."""
+    def _start_group(self) -> Decision | None:
+        """The next restart attempt: a new rendezvous round, then every active spawned.  An
+        UNRECOVERABLE decision instead when the retained state cannot be served any more."""
         lost = self.sms.lost() if self.sms else None
         if lost:          # a restart cannot bring the retained state back
-            raise E.Unrecoverable(f"the group cannot be started again: {lost}")
+            return Decision(Action.UNRECOVERABLE, f"the group cannot be started again: {lost}")
         g, count = self.group, self.restart.count
         gen = g.begin_attempt(f"restart {count}")
         if self.inplace:
@@ -249,6 +266,8 @@ class Agent:
                          master_addr=r.master_addr, master_port=r.master_port,
                          restart_count=count)
         g.start(r, count)
+        self.fallback.started_attempt()
+        return None
 
     def _pump_once(self, timeout: float) -> None:
         """One turn of the selector: wait at most `timeout` s and hand what it reports to

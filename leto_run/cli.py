@@ -35,6 +35,7 @@ _TITLES = {
     "rendezvous": "Rendezvous (YAML section rendezvous:)",
     "logs": "Logs (YAML section logs:)",
     "recovery": "Recovery and failure injection (Leto; YAML recovery: and inject:)",
+    "checkpoint": "Checkpoints and the fallback to them (Leto; YAML checkpoint:)",
     "compat": "Accepted for torchrun compatibility, not supported (non-default values are errors)",
     "other": "Other",
 }

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 
 from leto_run import limits as L
+from leto_run.config_checkpoint import CheckpointConfig
 from leto_run.config_values import (_STD_HELP, normalize_signal, parse_endpoint,  # noqa: F401
                                     parse_nnodes, parse_rdzv_conf, parse_std)
 from leto_run.errors import ConfigError
@@ -403,6 +404,7 @@ class JobConfig:
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     logs: LogsConfig = field(default_factory=LogsConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     inject: tuple[InjectSpec, ...] = ()
     warnings: tuple[str, ...] = ()           # non-fatal notes from the loader, for the startup log
 
@@ -447,7 +449,7 @@ class JobConfig:
                 return [plain(x) for x in v]
             return v
         out: dict = {}
-        for sec in ("launch", "rendezvous", "logs", "recovery"):
+        for sec in ("launch", "rendezvous", "logs", "recovery", "checkpoint"):
             obj = getattr(self, sec)
             out[sec] = {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         out["rendezvous"]["conf"] = dict(self.rendezvous.conf)

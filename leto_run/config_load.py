@@ -31,7 +31,7 @@ from leto_run.inject import GRAMMAR, parse_inject, parse_inject_mapping
 from leto_run.yaml_source import YamlDoc, load_yaml
 
 SECTIONS = {"launch": C.LaunchConfig, "rendezvous": C.RendezvousConfig, "logs": C.LogsConfig,
-            "recovery": C.RecoveryConfig}
+            "recovery": C.RecoveryConfig, "checkpoint": C.CheckpointConfig}
 DERIVED = {"launch.min_nodes": "launch.nnodes", "launch.max_nodes": "launch.nnodes",
            "rendezvous.auto_c10d": "rendezvous.backend"}
 LETO_CONFIG_ENV = "LETO_CONFIG"
@@ -201,6 +201,23 @@ OPTIONS: tuple[Option, ...] = (
           "Share of the step time the background scrub of retained state may take "
           "(0.002: 0.2%; 0 turns it off).", "FRACTION",
           env="LETO_SCRUB_BUDGET", fix="use a number 0..0.5, e.g. 0.002"),
+    # checkpoint (leto_run.config_checkpoint)
+    _leto("checkpoint.dir", ("--checkpoint-dir",), conv_opt_str,
+          "Directory of periodic torch.distributed.checkpoint checkpoints; a failure in-place "
+          "recovery cannot take falls back to the newest complete one (unset: off).", "DIR",
+          env="LETO_CHECKPOINT_DIR"),
+    _leto("checkpoint.every", ("--checkpoint-every",), conv_opt_str,
+          "Checkpoint interval: STEPS, a DURATION (90s, 10m, 2h) or auto (Young's interval "
+          "from --ff-mtbf).", "STEPS|DURATION|auto", env="LETO_CHECKPOINT_EVERY"),
+    _leto("checkpoint.ff_mtbf", ("--ff-mtbf",), conv_opt_str,
+          "Mean time between failures that are not HOFs (for --checkpoint-every auto).",
+          "DURATION", env="LETO_FF_MTBF"),
+    _leto("checkpoint.keep", ("--checkpoint-keep",), conv_int,
+          "Complete checkpoints kept (older ones are removed).", "N",
+          env="LETO_CHECKPOINT_KEEP", fix="use an integer >= 1, e.g. 2"),
+    _leto("checkpoint.max_fallbacks", ("--max-fallbacks",), conv_int,
+          "Checkpoint fallbacks allowed before the job ends (exit 4).", "N",
+          env="LETO_MAX_FALLBACKS", fix="use an integer >= 0, e.g. 3"),
 )
 INJECT_OPTION = _leto("inject", ("--inject",), conv_str,
                       "Inject a failure, e.g. kill:rank=1:after=5s, hang:rank=0:step=20, "
@@ -231,7 +248,7 @@ def _yaml_values(doc: YamlDoc) -> tuple[dict[str, _Raw], list[tuple[Any, str]]]:
             hint = (" (did you mean 'rendezvous'?)" if str(sec).startswith("rdzv")
                     else _did_you_mean(sec, [*SECTIONS, "inject"]) or _unknown_hint("", str(sec)))
             raise ConfigError(str(sec), f"unknown section{hint}",
-                              "sections are launch, rendezvous, logs, recovery, inject", where)
+                              "sections are launch, rendezvous, logs, recovery, checkpoint, inject", where)
         if body is None:
             continue
         if not isinstance(body, dict):

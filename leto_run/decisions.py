@@ -65,7 +65,7 @@ class Action(str, enum.Enum):
     GIVE_UP = "give_up"          # stop the group and end the job with the failure
     INPLACE = "inplace"          # HOF: promote the shadows of the next generation in place
     FALL_BACK = "fall_back"      # no in-place recovery possible: `decide_group` decides
-    UNRECOVERABLE = "unrecoverable"   # retained state lost: end the job (checkpoint fallback later)
+    UNRECOVERABLE = "unrecoverable"   # retained state lost: a checkpoint fallback, else the end
 
 
 class FailureKind(str, enum.Enum):
@@ -323,8 +323,7 @@ def decide_inplace(mode: str, generation: int, failures: list[Failure], slots: l
     if lost is not None:
         return Decision(Action.UNRECOVERABLE,
                         f"rank {lost.rank} exited with {UNRECOVERABLE_EXIT}: its retained state "
-                        "cannot be recovered in place (checkpoint fallback is not implemented "
-                        "yet)", classification=classify_failure(lost, None))
+                        "cannot be recovered in place", classification=classify_failure(lost, None))
     if root is None and remote_hof is None:
         return Decision(Action.CONTINUE, "no failure")
     cause = _cause(failures, remote_hof)

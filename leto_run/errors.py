@@ -6,7 +6,7 @@
 | 1    | a worker failed and no restart was allowed (torchrun's code) |
 | 2    | usage or configuration error: nothing was started |
 | 3    | gave up: the group failed again after `--max-restarts` restarts |
-| 4    | unrecoverable retained state (in-place recovery impossible; checkpoint fallback later) |
+| 4    | unrecoverable retained state (in-place recovery impossible) and no checkpoint to fall back to |
 | 5    | a forged control value, or a role its agent did not grant: the job was stopped |
 | 128+N| `leto-run` itself was stopped by signal N (after stopping every worker) |
 """

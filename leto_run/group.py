@@ -35,6 +35,7 @@ from leto_run.inject import timed_for_generation, trainer_plan
 from leto_run.procs import kill_pids, spawn
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole, console_label
 from leto_run.stopper import stop_processes
+from leto_run.config_checkpoint import worker_env as checkpoint_worker_env
 from leto_run.worker_env import WorkerEnvSpec, build_worker_env, job_token_kv
 from leto_runtime.wire import contract as C
 
@@ -85,6 +86,7 @@ class WorkerGroup:
         self.leftovers: list[tuple[RankSlot, SlotProcess]] = []
         self.worker_pipes: set[int] = set()
         self.started = 0.0
+        self.checkpoint_load: str | None = None   # a fallback's checkpoint (leto_run.fallback)
         # Runs the agent's selector once (at most `timeout` s) and dispatches what it reports.
         self.pump_once: Callable[[float], None] = lambda timeout: None
 
@@ -183,7 +185,8 @@ class WorkerGroup:
             recovery=rc.mode, node=s.node, job_token=s.token, dump_signal=C.DUMP_SIGNAL,
             inject_plan=plan, sm_socket=self.sms.socket(ident.local_rank) if self.sms else None,
             shadow_epoch=epoch, pg_timeout=rc.pg_timeout, chunk_pages=rc.chunk_pages,
-            demote=rc.demote, scrub_budget=rc.scrub_budget, job_key=s.job_key_hex)
+            demote=rc.demote, scrub_budget=rc.scrub_budget, job_key=s.job_key_hex,
+            checkpoint_env=checkpoint_worker_env(cfg.checkpoint, self.checkpoint_load))
 
     def relabel(self, slot: RankSlot, sp: SlotProcess) -> None:
         """`sp` has a new role or generation (promotion, in-process demotion): its console

@@ -3,7 +3,8 @@
 A `JobConfig` is valid on its own (`leto_run.config`); whether its paths and programs work here
 depends on this machine, so it is checked here, by `leto_run.cli` right before the agent: the
 log directory can be created (or is a directory we can write), the event log can be written,
-a temporary directory exists for the run directory, the worker's program can be executed,
+a temporary directory exists for the run directory, the checkpoint directory can be written
+and holds no earlier run's checkpoints, the worker's program can be executed,
 `--nproc-per-node auto|cpu|gpu` resolves, and the tuning knobs in the environment are in their
 domains (`leto_runtime.wire.settings`).  Each problem is a `ConfigError` (exit 2) naming the
 path or option and the fix, raised before the guardian, the state managers or any worker
@@ -25,6 +26,7 @@ from typing import Mapping
 from leto_run.config import JobConfig
 from leto_run.errors import ConfigError
 from leto_run.worker_cmd import resolve_nproc, worker_argv
+from leto_runtime.wire import ckpt_files
 from leto_runtime.wire import settings as S
 
 
@@ -83,6 +85,25 @@ def _check_events(given: str, source: str) -> None:
                           "give a file you can write, e.g. under --log-dir", source) from None
 
 
+def _check_checkpoint_dir(given: str, source: str | None) -> None:
+    """Writable (or creatable), not on a full file system, and holding no checkpoint of an
+    earlier run (rotation would remove it)."""
+    _check_dir("checkpoint.dir", given, source, "--checkpoint-dir")
+    top = _nearest_existing(os.path.abspath(given))
+    st = os.statvfs(top)
+    if st.f_bavail * st.f_frsize == 0:
+        raise ConfigError("checkpoint.dir", f"{given!r} is on a full file system (0 bytes "
+                          "available)", "free space there, or point --checkpoint-dir at "
+                          "another file system", source)
+    old = ckpt_files.scan(os.path.abspath(given))
+    if old:
+        raise ConfigError("checkpoint.dir", f"{given!r} holds checkpoints of an earlier run "
+                          f"({', '.join(os.path.basename(f.path) for f in old[-3:])}), which "
+                          "this job would rotate out", "give a new directory (resume that run "
+                          "with the script's own dcp.load + job.load_state_dict), or remove "
+                          "them", source)
+
+
 def _check_program(cfg: JobConfig, env: Mapping[str, str]) -> None:
     exe = worker_argv(cfg, env)[0]
     key, source = ("launch.training_script", "TRAINING_SCRIPT") if cfg.launch.no_python \
@@ -114,6 +135,8 @@ def preflight(cfg: JobConfig, env: Mapping[str, str], sources: Mapping[str, str]
         raise ConfigError("TMPDIR", f"no usable temporary directory ({e})",
                           "set TMPDIR to a directory you can write", "environment") from None
     _probe("TMPDIR", tmp, os.path.abspath(tmp), "environment")
+    if cfg.checkpoint.dir is not None:
+        _check_checkpoint_dir(cfg.checkpoint.dir, sources.get("checkpoint.dir"))
     _check_program(cfg, env)
     resolve_nproc(cfg.launch.nproc_per_node)
     _check_knobs(env)

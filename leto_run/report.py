@@ -47,6 +47,9 @@ class Recovery:
     fallback: str | None = None     # why in-place recovery was not used (in-place mode)
     exit_code: int | None = None    # the job ended with this failure: its exit code
     end_reason: str | None = None   # ... and the decision that ended it
+    checkpoint_step: int | None = None   # a checkpoint fallback: the step it resumed from
+    checkpoint_why: str | None = None    # ... the classification and the checkpoint chosen
+    load_s: float | None = None     # ... the slowest rank's checkpoint load
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,9 @@ def _restart(index: int, f: dict, inj: dict | None, events: list[dict]) -> Recov
     resumed = after("resumed", gen + 1) if rdzv else None
     caught = after("caught_up", gen + 1) if rdzv else None
     fallback = after("inplace_fallback", gen)
+    ckpt = after("fallback", gen)
+    loads = [e.get("seconds") for e in later if e["event"] == "phase"
+             and e.get("phase") == "checkpoint_load" and e["generation"] == gen + 1]
     end = None if rdzv else after("job_end", gen)
     decision = _first([e for e in later if e["event"] == "decision" and e["generation"] == gen
                        and e.get("action") != "inplace"], lambda e: True)
@@ -186,7 +192,10 @@ def _restart(index: int, f: dict, inj: dict | None, events: list[dict]) -> Recov
                           and resumed.get("step") is not None else None),
         fallback=fallback.get("reason") if fallback else None,
         exit_code=end.get("exit_code") if end else None,
-        end_reason=(decision or end or {}).get("reason") if end else None)
+        end_reason=(decision or end or {}).get("reason") if end else None,
+        checkpoint_step=ckpt.get("step") if ckpt else None,
+        checkpoint_why=ckpt.get("reason") if ckpt else None,
+        load_s=max((x for x in loads if x is not None), default=None))
 
 
 def _ms(x: float | None) -> str:
@@ -256,9 +265,10 @@ def format_report(events: list[dict]) -> str:
            if found and (recs or any(not x.startswith("  scrub,") for x in found)) else [])
     if not recs:
         return "\n".join(mem)
-    if any(isinstance(r, InplaceRecovery) for r in recs):
+    if any(isinstance(r, InplaceRecovery) or r.checkpoint_step is not None for r in recs):
         lines = ["", "Recovery report (in place: shadows promoted; restart: stop all, "
-                 "rendezvous, respawn)"]
+                 "rendezvous, respawn; checkpoint fallback: the same with fresh retained "
+                 "memory, from the newest complete checkpoint)"]
     else:
         lines = ["", "Recovery report (restart mode: stop all, rendezvous, respawn, reload "
                  "checkpoint)"]
@@ -273,6 +283,8 @@ def _restart_lines(r: Recovery) -> list[str]:
             f"{r.how}" + (f" at step {r.failed_step}" if r.failed_step is not None else ""))
     if r.injected:
         head += f"  [injected: {r.injected}]"
+    if r.checkpoint_step is not None:
+        head += f" -> checkpoint fallback to step {r.checkpoint_step}"
     if r.generation_to is None:
         out = [head, f"     detection {_ms(r.detect_s)} | group stopped +{_ms(r.stop_s)} | "
                      + (f"job ended with exit code {r.exit_code}" if r.exit_code is not None
@@ -283,7 +295,9 @@ def _restart_lines(r: Recovery) -> list[str]:
             out.append(f"     no in-place recovery: {r.fallback}")
         return out
     body = (f"     detection {_ms(r.detect_s)} | group stopped +{_ms(r.stop_s)} | rendezvous "
-            f"{_ms(r.rendezvous_s)} | respawned +{_ms(r.spawn_s)} | training resumed "
+            f"{_ms(r.rendezvous_s)} | respawned +{_ms(r.spawn_s)}"
+            + (f" | checkpoint load {_ms(r.load_s)}" if r.checkpoint_step is not None else "")
+            + " | training resumed "
             f"+{_ms(r.resume_s)}"
             + (f" at step {r.resumed_step}" if r.resumed_step is not None else "")
             + (f" | back at step {r.failed_step} +{_ms(r.caught_up_s)}"
@@ -291,6 +305,8 @@ def _restart_lines(r: Recovery) -> list[str]:
             + (f" | recomputed {r.recomputed_steps} step(s)"
                if r.recomputed_steps is not None else ""))
     out = [head, body]
-    if r.fallback:
+    if r.checkpoint_why:
+        out.append(f"     why: {r.checkpoint_why}")
+    elif r.fallback:
         out.append(f"     no in-place recovery: {r.fallback}")
     return out

@@ -32,3 +32,8 @@ class RestartPolicy:
             self.count += 1
         self.group.events.emit("restart", self.group.generation, reason=decision.reason,
                                restart_count=self.count)
+
+    def note_fallback(self) -> None:
+        """A checkpoint fallback starts a new attempt too (TORCHELASTIC_RESTART_COUNT + 1, so an
+        injection of attempt N does not fire again), without using up `--max-restarts`."""
+        self.count += 1

@@ -181,6 +181,14 @@ class StateManagers:
         self.events.emit("inject", generation, rank=slot.rank, spec=spec.text, by="agent",
                          after_s=spec.after_s, **report)
 
+    def reset(self) -> None:
+        """A checkpoint fallback: stop every state manager and drop its memory (the keepers'
+        fds), so the next `ensure` starts fresh, empty pools; what was gone is forgotten."""
+        self.stop()
+        self.procs.clear()
+        self.crashes.clear()
+        self.gone.clear()
+
     def stop(self) -> None:
         """End of the job: stop every state manager (grace, then SIGKILL), close the keepers
         (the memory goes with the last fd)."""

@@ -63,6 +63,7 @@ class WorkerEnvSpec:
     demote: str = "replace"               # replace | release (recovery.demote)
     scrub_budget: float = 0.002           # share of the step time for the scrub (recovery.scrub_budget)
     job_key: str = field(default="", repr=False)   # hex MAC key of the stores' control values
+    checkpoint_env: tuple[tuple[str, str], ...] = ()   # LETO_CHECKPOINT_* (config_checkpoint)
 
 
 def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, str]:
@@ -72,7 +73,8 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
     including an ``OMP_NUM_THREADS`` the launcher set for nproc > 1).
     """
     ident = spec.identity
-    env = dict(base)
+    # the agent's own LETO_CHECKPOINT_* settings are config, not the trainers' contract values
+    env = {k: v for k, v in base.items() if not k.startswith(C.CHECKPOINT_ENV_PREFIX)}
     env.update({
         C.RANK: str(ident.global_rank),
         C.GROUP_RANK: str(ident.group_rank),
@@ -111,6 +113,7 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
         C.LETO_DEMOTE: spec.demote,
         C.LETO_SCRUB_BUDGET: repr(float(spec.scrub_budget)),
     })
+    env.update(spec.checkpoint_env)
     if spec.sm_socket:
         env[C.LETO_SM_SOCKET] = spec.sm_socket
     if spec.job_key:

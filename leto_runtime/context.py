@@ -11,9 +11,13 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from leto_runtime.wire import contract as C
 from leto_runtime.control_auth import key_from_hex
+
+if TYPE_CHECKING:
+    from leto_runtime.ckpt_writer import Settings
 
 
 class ContractError(RuntimeError):
@@ -48,6 +52,8 @@ class Context:
     master_port: int | None = None
     job_key: bytes | None = field(default=None, repr=False)   # control values' MAC key
     error_file: str | None = None   # torchelastic's error file (TORCHELASTIC_ERROR_FILE)
+    checkpoint: "Settings | None" = None     # periodic checkpoints (None: off)
+    checkpoint_load: str | None = None       # a fallback's checkpoint to start from
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Context":
@@ -84,7 +90,20 @@ class Context:
             master_addr=env.get(C.MASTER_ADDR),
             master_port=int(env[C.MASTER_PORT]) if env.get(C.MASTER_PORT) else None,
             job_key=_job_key(env) if under else None,
+            checkpoint=_checkpoint(env) if under else None,
+            checkpoint_load=(env.get(C.LETO_CHECKPOINT_LOAD) or None) if under else None,
         )
+
+
+def _checkpoint(env: Mapping[str, str]) -> "Settings | None":
+    from leto_runtime.ckpt_writer import Settings
+    d = env.get(C.LETO_CHECKPOINT_DIR)
+    if not d:
+        return None
+    return Settings(directory=d, every_steps=int(env.get(C.LETO_CHECKPOINT_EVERY_STEPS, 0) or 0),
+                    every_s=float(env.get(C.LETO_CHECKPOINT_EVERY_S, 0) or 0),
+                    ff_mtbf=float(env.get(C.LETO_CHECKPOINT_FF_MTBF_S, 0) or 0),
+                    keep=int(env.get(C.LETO_CHECKPOINT_KEEP, 2) or 2))
 
 
 def _job_key(env: Mapping[str, str]) -> bytes | None:

@@ -121,6 +121,12 @@ class Faults:
         if point == "rmu.done" and step is not None and self.plan:
             self._expire(step, through=True)
 
+    def fire_in_thread(self, point: str, step: int) -> None:
+        """A fault point of a helper thread (the checkpoint writer): no demotion check, which
+        belongs to the training thread."""
+        if self.plan:
+            self._fire(point, step, None, None, None)
+
     def _fire(self, point: str, step, group, chunk, garbage) -> None:
         hofs = [i for i in self.plan if i.get("kind") != "pages"
                 and self._matches(i, point, step, group, chunk)]
@@ -165,8 +171,8 @@ class Faults:
         the end of step `step`'s update (`through=True`) a step-exact one of `step` too."""
         for inj in list(self.plan):
             at = _get(inj, "at") or "step"
-            if at == "step" or (through and at.startswith("recovery.")):
-                continue
+            if at in ("step", "checkpoint.write") or (through and at.startswith("recovery.")):
+                continue          # (the checkpoint writer's thread reaches its point later)
             s = inj.get("step")
             if not at.startswith("recovery.") and not (s < step or (through and s == step)):
                 continue

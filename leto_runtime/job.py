@@ -338,6 +338,14 @@ class Job:
         """Yield the iterations to run, from `start` (default: the loaded checkpoint's step,
         else 0); blocks a shadow until it is promoted, and starts where recovery says (see
         the module docstring)."""
+        if self.role != "shadow" and self.ctx.checkpoint_load:    # the agent's fallback
+            from leto_runtime import ckpt_writer
+            t0 = time.monotonic()
+            ckpt_writer.load_into(self, self.ctx.checkpoint_load)
+            log(f"fallback: starting from checkpoint {self.ctx.checkpoint_load}")
+            self._report_phase("checkpoint_load", time.monotonic() - t0,
+                               path=self.ctx.checkpoint_load, step=int(self.loaded["step"]))
+            start = None              # the script's own start was for its own checkpoint
         saved = int(self.loaded["step"]) if self.loaded is not None else 0
         if start is None:
             start = saved
@@ -360,6 +368,9 @@ class Job:
             promotion.report_phase("attach", self.recovery_info["attach_s"], **fields)
         binding.bind_views(self)
         start = resume.prepare(self)
+        from leto_runtime.ckpt_writer import Checkpointer
+        ckpt = Checkpointer.from_context(self.ctx, self.rank, self._report_phase,
+                                         self.faults.fire_in_thread)
         for t in range(start, total):
             if not self._stepped:
                 raise PortingError(f"opt.step() was not called in step {self.step_t}")
@@ -369,6 +380,8 @@ class Job:
             hb.heartbeat(t)
             self.faults.fire("step", step=t)
             resume.boundary(self, t)
+            if ckpt is not None:
+                ckpt.maybe_save(self, t)
             self.updater.begin(t)
             # -0.0, not 0.0: x + -0.0 is x for every x, so the first gradient accumulated
             # into the view keeps its bits (a fresh -0.0 stays -0.0), as torch's first backward
@@ -383,6 +396,9 @@ class Job:
             self._report("scrub", action="summary", slices=st.slices, bytes=st.bytes,
                          seconds=st.seconds, passes=st.passes, repaired=st.repaired,
                          boundary_repairs=self.guard.repairs.count)
+        if ckpt is not None:
+            ckpt.maybe_save(self, total)      # the final state, when a checkpoint is due
+            ckpt.close(self.ctx.pg_timeout)
         demotion.finished()
         hb.done()
 
@@ -412,6 +428,11 @@ class Job:
         if self.inplace:
             from leto_runtime import promotion
             promotion.report_phase(kind, float(fields.pop("seconds", 0.0)), **fields)
+
+    def _report_phase(self, kind: str, seconds: float, **fields) -> None:
+        if self.ctx.under_leto:
+            from leto_runtime import promotion
+            promotion.report_phase(kind, seconds, **fields)
 
     # ---- demotion (leto_runtime.demotion) -------------------------------------------------
     def release(self) -> dict:

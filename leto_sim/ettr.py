@@ -8,7 +8,8 @@ T_eval(i) the wall time from the first iteration's start to iteration i's comple
 seeds it reports the mean and a Student-t confidence interval.  :func:`closed_form_ettr` is the
 paper's prediction (Appendix C, Eq. 6): ETTR = (T_iter / T_eff) * (1 - T_rec / MTTF).
 
-Calling contract: :func:`simulate_run` and :func:`closed_form_ettr` are pure;
+Calling contract: :func:`simulate_run`, :func:`time_to_complete` (a fixed iteration count,
+as the recovery harness runs; used by validate.py) and :func:`closed_form_ettr` are pure;
 :func:`simulate` runs a whole config (optionally overriding MTTF, HOF ratio and seed count)
 and returns a :class:`SimResult`.  Same config and seeds, same numbers.
 
@@ -95,8 +96,8 @@ def simulate_run(m: SystemModel, schedule: Schedule, hof: np.ndarray) -> RunResu
             n = _completed_by(m, done, start, tf)
             if n > done:
                 last_k, last_t = n, start + m.elapsed(n) - m.elapsed(done)
-                # checkpoint k is usable once iteration k + 1 has completed
-                ckpt = max(ckpt, m.interval * ((n - 1) // m.interval))
+                # checkpoint k is usable once iteration k + commit_lag has completed
+                ckpt = max(ckpt, m.usable_checkpoint(n))
                 done = n
         down, rolls_back = m.cost(bool(is_hof))
         if rolls_back:
@@ -106,6 +107,27 @@ def simulate_run(m: SystemModel, schedule: Schedule, hof: np.ndarray) -> RunResu
     if n > done:
         last_k, last_t = n, start + m.elapsed(n) - m.elapsed(done)
     return RunResult(last_k, last_t, last_k * m.t_iter, len(schedule), hofs)
+
+
+def time_to_complete(m: SystemModel, times, hof, iterations: int) -> float:
+    """Wall time at which iteration `iterations` completes under the failures at `times`
+    (seconds from the first iteration's start; `hof` their class mask), by the same timeline
+    rules as :func:`simulate_run`.  This is how the recovery harness runs a system: a fixed
+    iteration count, not a horizon; failures after the last completion do not count."""
+    start, done, ckpt = 0.0, 0, 0
+    for tf, is_hof in zip(list(times), list(hof)):
+        if tf > start:
+            n = _completed_by(m, done, start, tf)
+            if n >= iterations:
+                break
+            if n > done:
+                ckpt = max(ckpt, m.usable_checkpoint(n))
+                done = n
+        down, rolls_back = m.cost(bool(is_hof))
+        if rolls_back:
+            done = ckpt
+        start = tf + down
+    return start + m.elapsed(iterations) - m.elapsed(done)
 
 
 def closed_form_ettr(m: SystemModel, mttf: float, hof_ratio: float) -> float:

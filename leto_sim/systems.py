@@ -16,6 +16,8 @@ Every method is pure.  Assumptions (also in docs/SIM.md):
   at that iteration's step), so a failure loses 1..I completed iterations plus the elapsed
   part of the one in flight: L = I/2 + 1 in expectation (the paper's Eq. 7).  We apply the same
   rule to asynchronous DCP checkpoints of checkpoint-restart (assumed: the paper gives none).
+  ``commit_lag`` holds the rule (1); the measured synchronous DCP saves of validate.py use 0
+  (usable when the save returns), so L = I/2 there.
 * Gemini+ and checkpoint-restart recover every failure the same way (a HOF costs what an FF
   does): detection + init + load, then recompute since the last usable checkpoint.
 * Leto recovers a HOF in place: detection + promotion of the shadow + reconstruction of lost
@@ -45,6 +47,10 @@ class SystemModel:
     hof_downtime: float       # failure -> training resumes, for a HOF
     ff_downtime: float        # same for an FF
     hof_rolls_back: bool      # does a HOF roll back to the last usable checkpoint?
+    # Iterations after a commit before its checkpoint is usable: 1 for in-memory (Gemini) and
+    # asynchronous saves (the transfer finishes at the next iteration's step), 0 for a
+    # synchronous save (usable when the call returns; only the measured profiles have one).
+    commit_lag: int = 1
 
     def cost(self, is_hof: bool) -> tuple[float, bool]:
         """(downtime, rolls_back) of one failure: the pure per-failure recovery cost."""
@@ -60,6 +66,11 @@ class SystemModel:
         """Wall time of iterations 1..n run back to back (closed form of the sum of duration)."""
         return n * self.base + (n // self.interval) * self.stall
 
+    def usable_checkpoint(self, completed: int) -> int:
+        """The newest checkpoint usable once `completed` iterations have completed (0: the
+        initial state): checkpoint k is usable once iteration k + commit_lag has completed."""
+        return max(0, self.interval * ((completed - self.commit_lag) // self.interval))
+
     @property
     def t_eff(self) -> float:
         """Mean steady-state iteration time: T_eff = base + stall / I (Eqs. 7, 8)."""
@@ -67,9 +78,11 @@ class SystemModel:
 
     def oracle_terms(self, hof_ratio: float) -> tuple[float, float]:
         """(T_eff, mean T_rec per failure) of the paper's Eq. 6, mixing the classes by h:
-        T_rec = downtime + L * T_eff with L = 1/2 in place and I/2 + 1 after a rollback."""
+        T_rec = downtime + L * T_eff with L = 1/2 in place and I/2 + 1 after a rollback (the
+        paper's Eq. 7; I/2 for a synchronous save, commit_lag 0)."""
         eff = self.t_eff
-        roll = self.interval / 2.0 + 1.0
+        # completed iterations lost: lag..I+lag-1, (I-1)/2 + lag on average; + 1/2 in flight
+        roll = self.interval / 2.0 + self.commit_lag
         hof = self.hof_downtime + (roll if self.hof_rolls_back else 0.5) * eff
         ff = self.ff_downtime + roll * eff
         return eff, hof_ratio * hof + (1.0 - hof_ratio) * ff

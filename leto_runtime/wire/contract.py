@@ -62,6 +62,13 @@ LETO_CHUNK_PAGES = "LETO_CHUNK_PAGES"             # RMU transaction size in page
 LETO_DEMOTE = "LETO_DEMOTE"                       # replace | release: what a surviving active of a HOF does
 LETO_JOB_KEY = "LETO_JOB_KEY"                     # hex, 32 bytes: MAC key of the control values in the job's stores (leto_runtime.control_auth)
 LETO_SCRUB_BUDGET = "LETO_SCRUB_BUDGET"           # share of the step time the background scrub may take (0: off)
+LETO_CHECKPOINT_DIR = "LETO_CHECKPOINT_DIR"       # --checkpoint-dir: where rank 0 writes periodic checkpoints (unset: off)
+LETO_CHECKPOINT_EVERY_STEPS = "LETO_CHECKPOINT_EVERY_STEPS"   # checkpoint at multiples of this step (0: not by steps)
+LETO_CHECKPOINT_EVERY_S = "LETO_CHECKPOINT_EVERY_S"   # seconds between checkpoints (0: not by time)
+LETO_CHECKPOINT_FF_MTBF_S = "LETO_CHECKPOINT_FF_MTBF_S"   # seconds between non-HOF failures: Young's interval (0: not used)
+LETO_CHECKPOINT_KEEP = "LETO_CHECKPOINT_KEEP"     # complete checkpoints kept
+LETO_CHECKPOINT_LOAD = "LETO_CHECKPOINT_LOAD"     # a fallback: the complete checkpoint this attempt starts from
+CHECKPOINT_ENV_PREFIX = "LETO_CHECKPOINT_"        # every one of them is set by the agent alone
 
 CONTRACT_VERSION = 2   # 2: store values carry the job's MAC (LETO_JOB_KEY)
 
@@ -115,12 +122,13 @@ INJECT_POINTS = (
     "step", "forward", "backward", "grads.allreduce", "grads.protect", "sync", "sync.after",
     "rmu.load", "rmu.undo", "rmu.update", "rmu.delta", "rmu.commit", "rmu.writeback",
     "rmu.tier2", "rmu.writeback.drop", "rmu.done", "recovery.localize", "recovery.reconstruct", "recovery.finish",
+    "checkpoint.write",     # rank 0's checkpoint writer, its files written, the manifest not yet
 )
 
 # A trainer whose retained state cannot be recovered in place (more page losses than the parity
 # tolerates, state manager and kept fds lost) exits with this code after writing its error file;
-# the agent then ends the job with `leto_run.errors.EXIT_UNRECOVERABLE` (checkpoint fallback
-# comes later).
+# the agent then falls back to the newest complete checkpoint (`--checkpoint-dir`), or ends the
+# job with `leto_run.errors.EXIT_UNRECOVERABLE` when there is none.
 UNRECOVERABLE_EXIT = 86
 
 # ---- Heartbeat datagram (JSON, one object per datagram) ------------------------------------

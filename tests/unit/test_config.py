@@ -163,4 +163,5 @@ def test_to_dict_is_plain():
     d = JobConfig(inject=(parse_inject("kill:rank=0:after=1"),)).to_dict()
     assert d["launch"]["signals_to_handle"] == ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"]
     assert d["rendezvous"]["conf"] == {} and d["inject"] == ["kill:rank=0:after=1s"]
-    assert set(d) == {"launch", "rendezvous", "logs", "recovery", "inject", "warnings"}
+    assert set(d) == {"launch", "rendezvous", "logs", "recovery", "checkpoint", "inject",
+                      "warnings"}

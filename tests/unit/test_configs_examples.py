@@ -41,6 +41,7 @@ def test_full_lists_every_key_at_its_default():
     ref = build_config({"training_script": "train.py"}, {"training_script"}, {}, None,
                        new_id=lambda: "RID")
     assert c.launch == ref.launch and c.logs == ref.logs and c.recovery == ref.recovery
+    assert c.checkpoint == ref.checkpoint
     assert c.rendezvous == ref.rendezvous                    # incl. the single-node auto-c10d
     assert c.warnings == ()                                  # defaults given explicitly: no noise
 

@@ -44,3 +44,17 @@ def test_omp_rule():
     assert default_omp_threads(env, 2) and env["OMP_NUM_THREADS"] == "1"
     env2 = {"OMP_NUM_THREADS": "4"}
     assert default_omp_threads(env2, 8) is None and env2["OMP_NUM_THREADS"] == "4"
+
+
+def test_checkpoint_settings_round_trip_and_the_agent_s_own_never_leak():
+    from leto_run.config_checkpoint import CheckpointConfig, worker_env
+    cfg = CheckpointConfig(dir="/ck", every="5")
+    agent_env = {"PATH": "/bin", "LETO_CHECKPOINT_DIR": "/elsewhere",
+                 "LETO_CHECKPOINT_EVERY": "9", "LETO_CHECKPOINT_LOAD": "/stale"}
+    env = build_worker_env(agent_env, spec(checkpoint_env=worker_env(cfg, None)))
+    assert "LETO_CHECKPOINT_EVERY" not in env and C.LETO_CHECKPOINT_LOAD not in env
+    ck = Context.from_env(env).checkpoint
+    assert (ck.directory, ck.every_steps, ck.every_s, ck.ff_mtbf, ck.keep) == ("/ck", 5, 0, 0, 2)
+    env = build_worker_env(agent_env, spec(checkpoint_env=worker_env(CheckpointConfig(), "/l")))
+    ctx = Context.from_env(env)
+    assert ctx.checkpoint is None and ctx.checkpoint_load == "/l"

@@ -1,0 +1,132 @@
+"""The on-disk layout of Leto's checkpoints, and what makes one complete (no torch here: the
+agent reads it too).
+
+`--checkpoint-dir DIR` holds one directory per checkpoint, `DIR/step_000000120` (the step the
+job resumes at), each a `torch.distributed.checkpoint` directory (`.metadata` and the
+`__N_M.distcp` files) that stock `dcp.load` reads, plus Leto's manifest `leto_checkpoint.json`:
+the step, the world size, and the size of every file of the checkpoint.  A checkpoint is written
+into a hidden sibling (`.partial-step_000000120-PID`), every file fsynced, the manifest written
+and fsynced last, and the directory renamed into place (then the parent fsynced): a kill or a
+full disk at any moment leaves either a hidden partial directory or a complete checkpoint.
+
+*Complete* (`check`) means: the directory has a valid manifest whose step matches its name, and
+every file the manifest names exists with its recorded size.  Anything else is *torn* and never
+loaded (`newest`), whatever wrote it.
+
+Calling contract: pure functions over paths; `newest(dir)` and `rotate(dir, keep)` never raise
+for a missing directory or a foreign entry (they skip it); `rotate` removes only Leto's own
+entries (`step_*` with a manifest, or `.partial-step_*`), never other files of the directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+
+MANIFEST = "leto_checkpoint.json"
+FORMAT = 1
+_NAME = re.compile(r"^step_(\d{9})$")
+_PARTIAL = re.compile(r"^\.partial-step_(\d{9})-\d+$")
+
+
+def name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def partial_name(step: int, pid: int) -> str:
+    return f".partial-{name(step)}-{pid}"
+
+
+@dataclass(frozen=True)
+class Found:
+    path: str
+    step: int
+    complete: bool
+    reason: str            # why it is torn ("" when complete)
+
+
+def manifest(step: int, world_size: int, directory: str) -> dict:
+    """The manifest of the checkpoint files in `directory` (written there last)."""
+    files = {}
+    for entry in sorted(os.listdir(directory)):
+        p = os.path.join(directory, entry)
+        if entry != MANIFEST and os.path.isfile(p):
+            files[entry] = os.path.getsize(p)
+    return {"format": FORMAT, "step": step, "world_size": world_size, "files": files}
+
+
+def check(path: str) -> Found:
+    """Is the checkpoint directory `path` complete? (see the module doc)"""
+    m = _NAME.match(os.path.basename(os.path.normpath(path)))
+    step = int(m.group(1)) if m else -1
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            man = json.load(f)
+    except FileNotFoundError:
+        return Found(path, step, False, f"no {MANIFEST} (the write did not finish)")
+    except (OSError, ValueError) as e:
+        return Found(path, step, False, f"unreadable {MANIFEST} ({e})")
+    if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("step") != step:
+        return Found(path, step, False, f"{MANIFEST} does not describe {name(step)}")
+    files = man.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        return Found(path, step, False, f"{MANIFEST} lists no .metadata")
+    for fname, size in files.items():
+        p = os.path.join(path, fname)
+        try:
+            got = os.path.getsize(p)
+        except OSError:
+            return Found(path, step, False, f"{fname} is missing")
+        if got != size:
+            return Found(path, step, False, f"{fname} has {got} bytes, the manifest says {size}")
+    return Found(path, step, True, "")
+
+
+def scan(directory: str) -> list[Found]:
+    """Every Leto checkpoint under `directory` (complete or torn, partials included), by step."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        p = os.path.join(directory, entry)
+        if _NAME.match(entry) and os.path.isdir(p):
+            out.append(check(p))
+        elif _PARTIAL.match(entry):
+            out.append(Found(p, int(_PARTIAL.match(entry).group(1)), False,
+                             "a partial write (its writer was stopped or failed)"))
+    return sorted(out, key=lambda f: (f.step, f.path))
+
+
+def newest(directory: str) -> Found | None:
+    """The newest complete checkpoint, or None."""
+    done = [f for f in scan(directory) if f.complete]
+    return done[-1] if done else None
+
+
+def rotate(directory: str, keep: int, busy: str | None = None) -> list[Found]:
+    """Remove all but the newest `keep` complete checkpoints, and every torn one older than the
+    newest complete one (`busy`: a partial being written now, kept).  Returns what it removed."""
+    found = scan(directory)
+    done = [f for f in found if f.complete]
+    keep_paths = {f.path for f in done[-keep:]} if keep > 0 else set()
+    top = done[-1].step if done else None
+    removed = []
+    for f in found:
+        if f.path in keep_paths or f.path == busy:
+            continue
+        if f.complete or (top is not None and f.step <= top):
+            shutil.rmtree(f.path, ignore_errors=True)
+            removed.append(f)
+    return removed
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

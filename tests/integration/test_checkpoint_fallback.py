@@ -1,0 +1,171 @@
+"""Checkpoint fallback (docs/CHECKPOINTS.md): failures in-place recovery cannot take resume from the
+newest complete checkpoint, exactly.
+
+The reference is examples/byo_train.py under torchrun with stock torch and no failure; every
+leto-run job here must log the reference's loss and lrs at every step it ran (the redone steps
+after a fallback included) and end with the reference's final model and optimizer state.  The
+faults are real: a SIGKILL of rank 0 in the middle of a checkpoint's write (the
+`checkpoint.write` point: its files written, the manifest not), page losses beyond the parity's
+tolerance, and SIGKILLs of a state manager until the agent gives it up.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from leto_testing import (ROOT, assert_nothing_left, base_env, compare_runs, events, leto_cmd,
+                          of, run, torchrun_cmd)
+
+SCRIPT = str(ROOT / "examples" / "byo_train.py")
+GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
+            "--chunk-pages", "2")
+STEPS = 12
+
+
+def _leto(ev: Path, ck: Path, *args: str) -> list[str]:
+    return leto_cmd("--standalone", "--nproc-per-node", "2", "--no-status", *GEOMETRY,
+                    "--events", str(ev), "--checkpoint-dir", str(ck), "--checkpoint-every", "3",
+                    *args)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """`get(steps)`: the fault-free torchrun run of `steps` steps (once per module)."""
+    cache: dict[int, Path] = {}
+
+    def get(steps: int) -> Path:
+        if steps not in cache:
+            d = tmp_path_factory.mktemp(f"ckpt_ref{steps}")
+            p = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps",
+                                 str(steps), "--out", str(d)), base_env(), timeout=300)
+            assert p.returncode == 0, p.stderr[-3000:]
+            cache[steps] = d
+        return cache[steps]
+    return get
+
+
+def test_a_torn_checkpoint_is_skipped_and_page_losses_beyond_tolerance_fall_back_exactly(
+        reference, tmp_path):
+    """Rank 0 is killed while it writes the checkpoint of step 6 (a HOF: recovered in place; the
+    partial directory stays), then 3 data pages of a group with tolerance 2 are lost: the
+    fallback skips the torn checkpoint, loads step 3, redoes 3.. and ends bit-exact; the
+    checkpoints of 6, 9 and 12 are rewritten and two are kept."""
+    out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
+    out.mkdir()
+    ref = reference(STEPS)
+    p = run(_leto(ev, ck, "--inject", "kill:rank=0:step=6:at=checkpoint.write",
+                  "--inject", "pages:rank=0:count=3:tier=device:step=6:gen=1",
+                  SCRIPT, "--steps", str(STEPS), "--step-time", "0.3", "--out", str(out)),
+            base_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    compare_runs(ref, out, 2, range(STEPS), p.stderr[-4000:])
+    evs = events(ev)
+    [fb] = of(evs, "fallback")
+    assert fb["step"] == 3 and fb["path"] == str(ck / "step_000000003"), fb
+    assert ".partial-step_000000006-" in fb["reason"] and "torn" in fb["reason"]
+    assert [e["action"] for e in of(evs, "decision")][-3:] == ["unrecoverable", "fall_back",
+                                                               "succeed"]
+    assert sorted(os.listdir(ck)) == ["step_000000009", "step_000000012"]
+    assert_nothing_left(evs)
+
+
+def test_a_state_manager_gone_for_good_falls_back_to_the_checkpoint_exactly(reference,
+                                                                           tmp_path):
+    """Slot 1's state manager is SIGKILLed until the agent gives it up; then rank 1's trainer is
+    SIGKILLed: in-place recovery is impossible (the slot's retained state cannot be served), so
+    the job falls back to its newest checkpoint, with fresh state managers, and ends bit-exact."""
+    out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
+    out.mkdir()
+    p = subprocess.Popen(_leto(ev, ck, SCRIPT, "--steps", str(STEPS), "--step-time", "1.5",
+                               "--out", str(out)),
+                         env=base_env(), cwd=str(ROOT), text=True, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    try:
+        end = time.monotonic() + 200
+
+        def wait_for(pred, what):
+            while True:
+                assert p.poll() is None, f"leto-run ended while waiting for {what}"
+                assert time.monotonic() < end, f"timed out waiting for {what}"
+                found = pred(events(ev)) if ev.exists() else None
+                if found:
+                    return found
+                time.sleep(0.05)
+
+        wait_for(lambda evs: [e for e in of(evs, "phase", phase="checkpoint") if e.get("path")],
+                 "the first complete checkpoint")
+        killed: set[int] = set()
+        while not of(events(ev), "sm_gone"):
+            for e in of(events(ev), "spawn", role="state_manager", local_rank=1):
+                if e["pid"] not in killed:
+                    os.kill(e["pid"], signal.SIGKILL)
+                    killed.add(e["pid"])
+            wait_for(lambda evs: of(evs, "sm_gone") or
+                     {e["pid"] for e in of(evs, "spawn", role="state_manager",
+                                           local_rank=1)} - killed, "a state manager")
+        [active] = of(events(ev), "spawn", role="active", rank=1)
+        os.kill(active["pid"], signal.SIGKILL)
+        _, err = p.communicate(timeout=max(1.0, end - time.monotonic()))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err[-4000:]
+    evs = events(ev)
+    [fb] = of(evs, "fallback")
+    assert "gone for good" in fb["reason"], fb
+    compare_runs(reference(STEPS), out, 2, range(STEPS), err[-4000:])
+    assert_nothing_left(evs)
+
+
+def test_a_leto_checkpoint_resumes_under_plain_torchrun_bit_exactly(reference, tmp_path):
+    """A user can leave Leto at any time: the checkpoint a leto-run job wrote at step 6 loads
+    with stock torch.distributed.checkpoint into the same script under torchrun, which then
+    runs steps 6.. exactly as the uninterrupted run."""
+    out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
+    out.mkdir()
+    p = run(_leto(ev, ck, SCRIPT, "--steps", "6", "--out", str(out)), base_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert sorted(os.listdir(ck)) == ["step_000000003", "step_000000006"]
+    ref = reference(STEPS)
+    back = tmp_path / "back"
+    back.mkdir()
+    q = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(STEPS),
+                         "--resume", "--ckpt", str(ck / "step_000000006"), "--out", str(back)),
+            base_env(), timeout=300)
+    assert q.returncode == 0, q.stderr[-4000:]
+    compare_runs(ref, back, 2, range(6, STEPS), q.stderr[-4000:])
+
+
+def test_a_failed_checkpoint_write_warns_and_training_goes_on(reference, tmp_path):
+    """The checkpoint directory becomes a file after the start (as a full or vanished file
+    system would fail the write): each due checkpoint fails with a warning event, training goes
+    on and ends exactly, and no partial directory is left."""
+    out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
+    out.mkdir()
+    p = subprocess.Popen(_leto(ev, ck, SCRIPT, "--steps", str(STEPS), "--step-time", "0.1",
+                               "--out", str(out)),
+                         env=base_env(), cwd=str(ROOT), text=True, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    try:
+        end = time.monotonic() + 200
+        while not (ev.exists() and of(events(ev), "spawn", role="active")):
+            assert p.poll() is None and time.monotonic() < end
+            time.sleep(0.05)
+        ck.write_text("a file where the checkpoints should go")
+        _, err = p.communicate(timeout=max(1.0, end - time.monotonic()))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err[-4000:]
+    compare_runs(reference(STEPS), out, 2, range(STEPS), err[-4000:])
+    failed = [e for e in of(events(ev), "phase", phase="checkpoint") if e.get("error")]
+    assert [e["step"] for e in failed] == [3, 6, 9, 12], failed
+    assert "training goes on" in err
+    assert ck.read_text() == "a file where the checkpoints should go"

@@ -1,0 +1,176 @@
+"""Checkpoint layout, completeness and rotation (leto_runtime.wire.ckpt_files) over directories
+that torch.distributed.checkpoint really wrote, the interval rule (`ckpt_writer.due`), the
+fallback decision (`fallback.decide_fallback`), the `checkpoint` config section and its worker
+environment, and the preflight of --checkpoint-dir."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from leto_run.config_checkpoint import worker_env
+from leto_run.config_load import build_config
+from leto_run.errors import ConfigError
+from leto_run.fallback import decide_fallback
+from leto_run.preflight import preflight
+from leto_runtime.ckpt_writer import Settings, due
+from leto_runtime.wire import ckpt_files as F
+from leto_runtime.wire import contract as C
+
+
+def _write(root, step: int, world: int = 2) -> str:
+    """A checkpoint as the writer makes it: DCP files, then the manifest, then the rename."""
+    tmp = os.path.join(root, F.partial_name(step, 1))
+    os.makedirs(tmp)
+    dcp.save({"w": torch.arange(8.0) + step, "step": step}, checkpoint_id=tmp, no_dist=True)
+    with open(os.path.join(tmp, F.MANIFEST), "w") as f:
+        json.dump(F.manifest(step, world, tmp), f)
+    final = os.path.join(root, F.name(step))
+    os.rename(tmp, final)
+    return final
+
+
+def test_a_complete_checkpoint_loads_with_stock_dcp(tmp_path):
+    path = _write(tmp_path, 6)
+    assert F.check(path).complete
+    got = {"w": torch.zeros(8), "step": 0}
+    dcp.load(got, checkpoint_id=path, no_dist=True)
+    assert torch.equal(got["w"], torch.arange(8.0) + 6) and got["step"] == 6
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("no manifest", "no leto_checkpoint.json"),
+    ("a data file missing", "is missing"),
+    ("a data file truncated", "the manifest says"),
+    ("no metadata", "is missing"),
+    ("another step's manifest", "does not describe"),
+    ("garbage manifest", "unreadable"),
+])
+def test_every_kind_of_torn_checkpoint_is_never_the_newest(tmp_path, damage, reason):
+    _write(tmp_path, 3)
+    path = _write(tmp_path, 6)
+    data = next(f for f in os.listdir(path) if f.endswith(".distcp"))
+    if damage == "no manifest":
+        os.remove(os.path.join(path, F.MANIFEST))
+    elif damage == "a data file missing":
+        os.remove(os.path.join(path, data))
+    elif damage == "a data file truncated":
+        with open(os.path.join(path, data), "r+b") as f:
+            f.truncate(3)
+    elif damage == "no metadata":
+        os.remove(os.path.join(path, ".metadata"))
+    elif damage == "another step's manifest":
+        man = json.load(open(os.path.join(path, F.MANIFEST)))
+        man["step"] = 9
+        json.dump(man, open(os.path.join(path, F.MANIFEST), "w"))
+    else:
+        open(os.path.join(path, F.MANIFEST), "w").write("{not json")
+    found = F.check(path)
+    assert not found.complete and reason in found.reason
+    assert F.newest(str(tmp_path)).step == 3
+
+
+def test_partials_are_torn_and_rotation_keeps_the_newest_complete(tmp_path):
+    for s in (3, 6, 9):
+        _write(tmp_path, s)
+    os.makedirs(tmp_path / F.partial_name(4, 77))
+    os.makedirs(tmp_path / F.partial_name(12, 78))           # being written now
+    (tmp_path / "notes.txt").write_text("the user's")
+    removed = F.rotate(str(tmp_path), keep=2, busy=str(tmp_path / F.partial_name(12, 78)))
+    assert sorted(os.path.basename(f.path) for f in removed) == [F.partial_name(4, 77),
+                                                                 F.name(3)]
+    assert sorted(os.listdir(tmp_path)) == sorted([F.partial_name(12, 78), F.name(6), F.name(9),
+                                                   "notes.txt"])
+    assert F.newest(str(tmp_path)).step == 9
+    assert F.newest(str(tmp_path / "missing")) is None
+
+
+def test_the_interval_rule():
+    steps, secs = Settings("d", every_steps=3), Settings("d", every_s=10.0)
+    young = Settings("d", ff_mtbf=3600.0)
+    kw = dict(last_step=None, since_last=0.0, cost=None)
+    assert [t for t in range(8) if due(t, 0, steps, **kw)[0]] == [3, 6]
+    assert not due(3, 3, steps, **kw)[0]                   # the step it started from
+    assert not due(6, 0, steps, last_step=6, since_last=0, cost=None)[0]
+    assert due(5, 0, secs, last_step=None, since_last=10.0, cost=None)[0]
+    assert not due(5, 0, secs, last_step=None, since_last=9.9, cost=None)[0]
+    assert due(1, 0, young, **kw)[0]                       # the first measures the cost
+    # Young: sqrt(2 * C * M) = sqrt(2 * 0.5 * 3600) = 60 s
+    yes, why = due(9, 0, young, last_step=1, since_last=60.0, cost=0.5)
+    assert yes and "60" in why
+    assert not due(9, 0, young, last_step=1, since_last=59.0, cost=0.5)[0]
+
+
+def test_the_fallback_decision():
+    found = F.Found("/c/step_000000006", 6, True, "")
+    torn = [F.Found("/c/.partial-step_000000009-1", 9, False, "a partial write")]
+    assert decide_fallback("off", None, None, [], 0, 3) == (
+        False, "checkpointing is off (no --checkpoint-dir), so there is nothing to fall back to")
+    ok, why = decide_fallback("steps", "/c", None, torn, 0, 3)
+    assert not ok and "no complete checkpoint in /c" in why and "1 torn" in why
+    ok, why = decide_fallback("steps", "/c", found, torn, 3, 3)
+    assert not ok and "all 3 checkpoint fallbacks used" in why
+    ok, why = decide_fallback("steps", "/c", found, torn, 1, 3)
+    assert ok and "step 6" in why and "fallback 2 of 3" in why and "partial-step_000000009" in why
+
+
+def _cfg(*args: str, env=None):
+    cli = {}
+    given = set()
+    it = iter(args)
+    for flag in it:
+        dest = flag[2:].replace("-", "_")
+        cli[dest] = next(it)
+        given.add(dest)
+    cli["training_script"] = "train.py"
+    given.add("training_script")
+    return build_config(cli, given, env or {}, None, new_id=lambda: "RID")
+
+
+@pytest.mark.parametrize("args, key, problem", [
+    (("--checkpoint-dir", "/c", "--checkpoint-every", "0"), "checkpoint.every", "at least one step"),
+    (("--checkpoint-every", "10"), "checkpoint.every", "checkpoint.dir is not"),
+    (("--checkpoint-dir", "/c"), "checkpoint.every", "is not set"),
+    (("--checkpoint-dir", "/c", "--checkpoint-every", "auto"), "checkpoint.every", "--ff-mtbf"),
+    (("--checkpoint-dir", "/c", "--checkpoint-every", "10", "--ff-mtbf", "6h"),
+     "checkpoint.ff_mtbf", "contradicts"),
+    (("--checkpoint-dir", "/c", "--checkpoint-every", "soon"), "checkpoint.every", "neither"),
+    (("--checkpoint-dir", "/c", "--ff-mtbf", "-1h"), "checkpoint.ff_mtbf", "not a duration"),
+    (("--checkpoint-dir", "/c", "--checkpoint-every", "5", "--checkpoint-keep", "0"),
+     "checkpoint.keep", "1.."),
+    (("--checkpoint-dir", "/c", "--checkpoint-every", "99999999999999999999999"),
+     "checkpoint.every", ""),
+])
+def test_bad_checkpoint_settings_are_config_errors(args, key, problem):
+    with pytest.raises(ConfigError) as e:
+        _cfg(*args)
+    assert e.value.key == key and problem in e.value.problem, e.value
+
+
+def test_checkpoint_settings_reach_the_trainers_and_the_agent_s_own_do_not():
+    c = _cfg("--checkpoint-dir", "/c", "--ff-mtbf", "2h").checkpoint
+    assert (c.mode, c.every_steps, c.every_s, c.ff_mtbf_s) == ("auto", 0, 0.0, 7200.0)
+    assert _cfg("--checkpoint-dir", "/c", "--checkpoint-every", "90s").checkpoint.every_s == 90
+    env = dict(worker_env(c, "/c/step_000000006"))
+    assert env == {C.LETO_CHECKPOINT_DIR: "/c", C.LETO_CHECKPOINT_EVERY_STEPS: "0",
+                   C.LETO_CHECKPOINT_EVERY_S: "0.0", C.LETO_CHECKPOINT_FF_MTBF_S: "7200.0",
+                   C.LETO_CHECKPOINT_KEEP: "2", C.LETO_CHECKPOINT_LOAD: "/c/step_000000006"}
+
+
+def test_preflight_refuses_a_directory_of_an_earlier_run_and_one_under_a_file(tmp_path):
+    _write(tmp_path / "old", 6)
+    with pytest.raises(ConfigError) as e:
+        preflight(_cfg("--checkpoint-dir", str(tmp_path / "old"), "--checkpoint-every", "5"), {
+            "PATH": os.environ["PATH"]})
+    assert e.value.key == "checkpoint.dir" and "earlier run" in e.value.problem
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError) as e:
+        preflight(_cfg("--checkpoint-dir", str(tmp_path / "f" / "c"), "--checkpoint-every",
+                       "5"), {"PATH": os.environ["PATH"]})
+    assert e.value.key == "checkpoint.dir" and "is a file" in e.value.problem
+    preflight(_cfg("--checkpoint-dir", str(tmp_path / "new" / "c"), "--checkpoint-every", "5"),
+              {"PATH": os.environ["PATH"]})
+    assert not (tmp_path / "new").exists()            # preflight creates nothing
