@@ -31,19 +31,9 @@ import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass
-
 from leto_runtime.trainer_log import log
 from leto_runtime.wire import ckpt_files as F
-
-
-@dataclass(frozen=True)
-class Settings:
-    directory: str
-    every_steps: int = 0          # 0: not by steps
-    every_s: float = 0.0          # 0: not by time
-    ff_mtbf: float = 0.0          # > 0: Young's interval from the measured cost
-    keep: int = 2
+from leto_runtime.wire.ckpt_files import Settings
 
 
 def due(t: int, start: int, s: Settings, *, last_step: int | None, since_last: float,
@@ -147,6 +137,26 @@ def _write_synced(path: str, obj: dict) -> None:
         json.dump(obj, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def check_job(job) -> None:
+    """Checkpoints need the state in torch's format (`job.state_dict()`): refused at the start,
+    not at the first checkpoint."""
+    if job.ctx.checkpoint is not None and not hasattr(job.opt, "torch_opt"):
+        from leto_runtime.errors import PortingError
+        raise PortingError("--checkpoint-dir needs job.optimizer(torch_opt, ...): the state of "
+                           "job.adamw() has no torch.optim format to checkpoint yet; build "
+                           "torch.optim.AdamW over the groups and pass it to job.optimizer "
+                           "(docs/PORTING.md), or drop --checkpoint-dir")
+
+
+def fallback_load(job) -> None:
+    """The agent's fallback (LETO_CHECKPOINT_LOAD): start `job` from that checkpoint."""
+    t0, path = time.monotonic(), job.ctx.checkpoint_load
+    load_into(job, path)
+    log(f"fallback: starting from checkpoint {path}")
+    job._report_phase("checkpoint_load", time.monotonic() - t0, path=path,
+                      step=int(job.loaded["step"]))
 
 
 def load_into(job, path: str) -> None:

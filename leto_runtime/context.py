@@ -11,13 +11,10 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from leto_runtime.wire import contract as C
 from leto_runtime.control_auth import key_from_hex
-
-if TYPE_CHECKING:
-    from leto_runtime.ckpt_writer import Settings
+from leto_runtime.wire.ckpt_files import Settings
 
 
 class ContractError(RuntimeError):
@@ -52,7 +49,7 @@ class Context:
     master_port: int | None = None
     job_key: bytes | None = field(default=None, repr=False)   # control values' MAC key
     error_file: str | None = None   # torchelastic's error file (TORCHELASTIC_ERROR_FILE)
-    checkpoint: "Settings | None" = None     # periodic checkpoints (None: off)
+    checkpoint: Settings | None = None     # periodic checkpoints (None: off)
     checkpoint_load: str | None = None       # a fallback's checkpoint to start from
 
     @classmethod
@@ -95,8 +92,7 @@ class Context:
         )
 
 
-def _checkpoint(env: Mapping[str, str]) -> "Settings | None":
-    from leto_runtime.ckpt_writer import Settings
+def _checkpoint(env: Mapping[str, str]) -> Settings | None:
     d = env.get(C.LETO_CHECKPOINT_DIR)
     if not d:
         return None

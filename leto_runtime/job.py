@@ -338,13 +338,12 @@ class Job:
         """Yield the iterations to run, from `start` (default: the loaded checkpoint's step,
         else 0); blocks a shadow until it is promoted, and starts where recovery says (see
         the module docstring)."""
+        if self.opt is None:
+            raise PortingError("call job.optimizer(...) or job.adamw(model, ...) before job.steps()")
+        from leto_runtime import ckpt_writer
+        ckpt_writer.check_job(self)
         if self.role != "shadow" and self.ctx.checkpoint_load:    # the agent's fallback
-            from leto_runtime import ckpt_writer
-            t0 = time.monotonic()
-            ckpt_writer.load_into(self, self.ctx.checkpoint_load)
-            log(f"fallback: starting from checkpoint {self.ctx.checkpoint_load}")
-            self._report_phase("checkpoint_load", time.monotonic() - t0,
-                               path=self.ctx.checkpoint_load, step=int(self.loaded["step"]))
+            ckpt_writer.fallback_load(self)
             start = None              # the script's own start was for its own checkpoint
         saved = int(self.loaded["step"]) if self.loaded is not None else 0
         if start is None:
@@ -355,8 +354,6 @@ class Job:
                              "), and its step count (Adam's bias correction, SGD's first "
                              f"momentum step) follows the step: start at {saved}")
         self.start_step = start
-        if self.opt is None:
-            raise PortingError("call job.optimizer(...) or job.adamw(model, ...) before job.steps()")
         if self.role == "shadow":
             from leto_runtime import promotion
             self._prepare_lending()
@@ -368,8 +365,7 @@ class Job:
             promotion.report_phase("attach", self.recovery_info["attach_s"], **fields)
         binding.bind_views(self)
         start = resume.prepare(self)
-        from leto_runtime.ckpt_writer import Checkpointer
-        ckpt = Checkpointer.from_context(self.ctx, self.rank, self._report_phase,
+        ckpt = ckpt_writer.Checkpointer.from_context(self.ctx, self.rank, self._report_phase,
                                          self.faults.fire_in_thread)
         for t in range(start, total):
             if not self._stepped:

@@ -40,6 +40,16 @@ def partial_name(step: int, pid: int) -> str:
 
 
 @dataclass(frozen=True)
+class Settings:
+    """The trainers' checkpoint settings (LETO_CHECKPOINT_*, `leto_runtime.context`)."""
+    directory: str
+    every_steps: int = 0          # 0: not by steps
+    every_s: float = 0.0          # 0: not by time
+    ff_mtbf: float = 0.0          # > 0: Young's interval from the measured cost
+    keep: int = 2
+
+
+@dataclass(frozen=True)
 class Found:
     path: str
     step: int

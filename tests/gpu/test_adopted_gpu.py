@@ -76,3 +76,32 @@ def test_byo_script_recovers_in_place_on_gpu_bit_exactly(case, tmp_path):
     assert p.returncode == 0, p.stderr[-5000:]
     compare_runs(ref, out, world, range(10), p.stderr[-3000:])
     assert {e["generation"] for e in events(ev) if e["event"] == "promote"} == {1, 2}
+
+
+def test_byo_script_falls_back_to_its_checkpoint_on_gpu_bit_exactly(tmp_path):
+    """On the GPU (NCCL, world size 1): a HOF inside an update is recovered in place, then 3
+    device pages of a group with tolerance 2 are lost: the job falls back to the checkpoint of
+    step 6 (written from CUDA state by rank 0 beside training), redoes the steps after it, and
+    ends bit-exact against torchrun on the same GPU."""
+    from leto_testing import (ROOT, base_env, compare_runs, events, leto_cmd, of, run,
+                              torchrun_cmd)
+    script = str(ROOT / "examples" / "byo_train.py")
+    ref, out, ck, ev = tmp_path / "ref", tmp_path / "leto", tmp_path / "ck", tmp_path / "ev.jsonl"
+    ref.mkdir()
+    out.mkdir()
+    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "1", script, *BYO, "--out",
+                         str(ref)), base_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run(leto_cmd("--standalone", "--nproc-per-node", "1", "--data-pages", "4", "--tier1",
+                     "2", "--tier2", "1", "--chunk-pages", "2", "--hang-timeout", "30",
+                     "--events", str(ev), "--no-status", "--checkpoint-dir", str(ck),
+                     "--checkpoint-every", "3",
+                     "--inject", "kill:rank=0:step=4:at=rmu.update:group=0:chunk=1:garbage=1",
+                     "--inject", "pages:rank=0:count=3:tier=device:step=8:gen=1",
+                     script, *BYO, "--step-time", "0.3", "--out", str(out)),
+            base_env(), timeout=600)
+    print(f"\n=== byo fallback ===\n{p.stderr[p.stderr.find('Recovery report'):]}")
+    assert p.returncode == 0, p.stderr[-5000:]
+    compare_runs(ref, out, 1, range(10), p.stderr[-3000:])
+    [fb] = of(events(ev), "fallback")
+    assert fb["step"] == 6, fb

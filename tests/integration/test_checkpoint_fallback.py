@@ -169,3 +169,15 @@ def test_a_failed_checkpoint_write_warns_and_training_goes_on(reference, tmp_pat
     assert [e["step"] for e in failed] == [3, 6, 9, 12], failed
     assert "training goes on" in err
     assert ck.read_text() == "a file where the checkpoints should go"
+
+
+def test_checkpoints_of_a_job_adamw_script_are_refused_at_the_start(tmp_path):
+    """job.adamw()'s state has no torch format: --checkpoint-dir is refused before the first
+    step, with the fix, as a script error (never recovered in place), not a crash at the first
+    checkpoint."""
+    ck, ev = tmp_path / "ck", tmp_path / "ev.jsonl"
+    p = run(_leto(ev, ck, str(ROOT / "examples" / "gpt_inplace.py"), "--steps", "6"),
+            base_env(), timeout=300)
+    assert p.returncode == 1, p.stderr[-4000:]
+    assert "--checkpoint-dir needs job.optimizer(torch_opt, ...)" in p.stderr
+    assert not of(events(ev), "promote") and not ck.exists()

@@ -16,7 +16,8 @@ from leto_run.config_load import build_config
 from leto_run.errors import ConfigError
 from leto_run.fallback import decide_fallback
 from leto_run.preflight import preflight
-from leto_runtime.ckpt_writer import Settings, due
+from leto_runtime.ckpt_writer import due
+from leto_runtime.wire.ckpt_files import Settings
 from leto_runtime.wire import ckpt_files as F
 from leto_runtime.wire import contract as C
 
