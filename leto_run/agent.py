@@ -122,7 +122,8 @@ class Agent:
                     log=self.log, sms=self.sms))
         self.group.pump_once = self._pump_once
         self.restart = RestartPolicy(self.group, cfg.launch.max_restarts)
-        self.fallback = FallbackPolicy(self.group, cfg.checkpoint, self.sms)
+        self.fallback = FallbackPolicy(self.group, cfg.checkpoint, self.sms,
+                                       multi_node=cfg.launch.max_nodes > 1)
         self._no_fallback = ""              # why the last UNRECOVERABLE could not fall back
         self.inplace = (InplaceRecovery(self.group, recovery=cfg.recovery, node=self.node,
                                         job_key=self.job_key, retained_lost=self.sms.lost)

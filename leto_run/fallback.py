@@ -26,11 +26,18 @@ from leto_runtime.wire import ckpt_files as F
 
 
 def decide_fallback(mode: str, directory: str | None, found: F.Found | None,
-                    torn: list[F.Found], used: int, max_fallbacks: int) -> tuple[bool, str]:
+                    torn: list[F.Found], used: int, max_fallbacks: int,
+                    multi_node: bool = False) -> tuple[bool, str]:
     """Can the job fall back to a checkpoint? -> (yes, why)."""
     if mode == "off":
         return False, "checkpointing is off (no --checkpoint-dir), so there is nothing to fall " \
                       "back to"
+    if multi_node:
+        # The other nodes would rejoin from their retained state, this one from the checkpoint:
+        # ranks at different steps.  Until every node falls back together, stop instead.
+        return False, ("a checkpoint fallback of a multi-node job is not built yet (every node "
+                       "must fall back together); resume the job from the newest checkpoint in "
+                       f"{directory} with the script's own dcp.load")
     if used >= max_fallbacks:
         return False, f"all {max_fallbacks} checkpoint fallbacks used (--max-fallbacks)"
     if found is None:
@@ -46,8 +53,8 @@ def decide_fallback(mode: str, directory: str | None, found: F.Found | None,
 class FallbackPolicy:
     action = Action.FALL_BACK
 
-    def __init__(self, group, cfg: CheckpointConfig, sms):
-        self.group, self.cfg, self.sms = group, cfg, sms
+    def __init__(self, group, cfg: CheckpointConfig, sms, multi_node: bool = False):
+        self.group, self.cfg, self.sms, self.multi_node = group, cfg, sms, multi_node
         self.used = 0
         self.chosen: F.Found | None = None
         self.started = 0.0
@@ -61,7 +68,7 @@ class FallbackPolicy:
             found = done[-1] if done else None
             torn = [f for f in scan if not f.complete]
         ok, why = decide_fallback(self.cfg.mode, self.cfg.dir, found, torn or [], self.used,
-                                  self.cfg.max_fallbacks)
+                                  self.cfg.max_fallbacks, self.multi_node)
         if not ok:
             return None, why
         self.chosen = found
@@ -83,8 +90,10 @@ class FallbackPolicy:
               f"{found.step} ({found.path})")
 
     def for_restart(self) -> None:
-        """Restart mode: a restarted group resumes from the newest complete checkpoint."""
-        found = F.newest(self.cfg.dir) if self.cfg.mode != "off" else None
+        """Restart mode: a restarted group resumes from the newest complete checkpoint (one
+        node: nodes that saw different newest checkpoints would resume at different steps)."""
+        found = F.newest(self.cfg.dir) if self.cfg.mode != "off" and not self.multi_node \
+            else None
         self.group.checkpoint_load = found.path if found else None
         if found:
             self.group.log(f"the restarted group resumes from the checkpoint of step "

@@ -168,10 +168,11 @@ class Job:
                                     world_size=ctx.world_size, timeout=timeout, **kw)
         elif ctx.world_size > 1 or ctx.master_addr:
             dist.init_process_group(self.backend, timeout=timeout, **kw)
-            # A group still alive when the interpreter exits can abort the process in gloo's
-            # C++ teardown ("terminate called without an active exception"): init() made it,
-            # so it is destroyed at exit if the script did not.
+        if dist.is_initialized():
+            # A group still alive when the interpreter exits can abort the process in the
+            # backend's C++ teardown: it is destroyed at exit if the script did not.
             import atexit
+            atexit.unregister(_destroy_group)     # once, whatever the generations
             atexit.register(_destroy_group)
         self.pg = dist.group.WORLD if dist.is_initialized() else None
 
@@ -482,8 +483,18 @@ class Job:
 
 
 def _destroy_group() -> None:
+    """At exit, while the interpreter is whole: destroy the default group *and* drop the job's
+    reference to it, so the backend (gloo's, NCCL's threads) is torn down now.  A group the job
+    still referenced outlived destroy_process_group() and died in interpreter finalization,
+    which aborts the process at random ("terminate called without an active exception")."""
+    from leto_runtime import runtime
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:           # already torn down, or aborted: nothing left to release
         pass
+    job = runtime.current().job
+    if job is not None:
+        job.pg = None
+    import gc
+    gc.collect()
