@@ -40,7 +40,7 @@ from leto_run import job_secret
 from leto_run.config import JobConfig, signal_number
 from leto_run.decisions import Action, Decision, decide_group
 from leto_run.events import EventLog
-from leto_run.fallback import FallbackPolicy
+from leto_run.fallback import DirLock, FallbackPolicy
 from leto_run.failures import format_root_cause
 from leto_run.group import GroupIO, WorkerGroup, WorkerSpec
 from leto_run.guardian import start_guardian
@@ -76,6 +76,8 @@ class Agent:
         self.token = secrets.token_hex(12)
         # Before anything starts: a missing or unsafe secret file is a ConfigError (exit 2).
         self.job_key = job_secret.job_key(cfg)
+        # Before anything starts too: a checkpoint directory another job writes is exit 2.
+        self.ckpt_lock = DirLock(cfg.checkpoint.dir) if cfg.checkpoint.mode != "off" else None
         # Forked first: no threads exist yet (fork safety), and it must outlive a kill -9 of us.
         self.guardian = start_guardian(job_token_kv(self.token))
         become_subreaper()
@@ -392,5 +394,7 @@ class Agent:
         if self.inplace:
             self.inplace.close()
         self.guardian.release()
+        if self.ckpt_lock is not None:
+            self.ckpt_lock.release()
         self.events.close()
         shutil.rmtree(self.run_dir, ignore_errors=True)

@@ -18,10 +18,13 @@ and the manifests, no data).  `used` counts the fallbacks, bounded by `--max-fal
 """
 from __future__ import annotations
 
+import fcntl
+import os
 import time
 
 from leto_run.config_checkpoint import CheckpointConfig
 from leto_run.decisions import Action, Decision
+from leto_run.errors import ConfigError
 from leto_runtime.wire import ckpt_files as F
 
 
@@ -103,3 +106,36 @@ class FallbackPolicy:
         """The attempt after a fallback has started: later restarts resume from retained
         memory, which is then newer than the checkpoint."""
         self.group.checkpoint_load = None
+
+
+LOCK_NAME = ".leto-checkpoint.lock"
+
+
+class DirLock:
+    """One leto-run job per checkpoint directory: an exclusive flock on DIR/.leto-checkpoint.lock
+    for the job's life (two jobs rotating each other's checkpoints out would lose both).  Taken
+    in the agent's start-up, before any process starts; `release` removes the file."""
+
+    def __init__(self, directory: str):
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, LOCK_NAME)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise ConfigError("checkpoint.dir", f"{directory!r} is in use by another leto-run "
+                              f"job (pid {holder}, per {LOCK_NAME})",
+                              "give each job its own --checkpoint-dir") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            os.close(self.fd)
+            self.fd = -1

@@ -177,3 +177,15 @@ def test_preflight_refuses_a_directory_of_an_earlier_run_and_one_under_a_file(tm
     preflight(_cfg("--checkpoint-dir", str(tmp_path / "new" / "c"), "--checkpoint-every", "5"),
               {"PATH": os.environ["PATH"]})
     assert not (tmp_path / "new").exists()            # preflight creates nothing
+
+
+def test_one_job_per_checkpoint_directory(tmp_path):
+    from leto_run.fallback import LOCK_NAME, DirLock
+    first = DirLock(str(tmp_path / "ck"))
+    with pytest.raises(ConfigError) as e:
+        DirLock(str(tmp_path / "ck"))
+    assert e.value.key == "checkpoint.dir" and f"pid {os.getpid()}" in e.value.problem
+    assert F.scan(str(tmp_path / "ck")) == []           # the lock is no checkpoint
+    first.release()
+    assert not (tmp_path / "ck" / LOCK_NAME).exists()
+    DirLock(str(tmp_path / "ck")).release()             # free again
