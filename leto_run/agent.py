@@ -126,7 +126,6 @@ class Agent:
         self.restart = RestartPolicy(self.group, cfg.launch.max_restarts)
         self.fallback = FallbackPolicy(self.group, cfg.checkpoint, self.sms,
                                        multi_node=cfg.launch.max_nodes > 1)
-        self._no_fallback = ""              # why the last UNRECOVERABLE could not fall back
         self.inplace = (InplaceRecovery(self.group, recovery=cfg.recovery, node=self.node,
                                         job_key=self.job_key, retained_lost=self.sms.lost)
                         if inplace else None)
@@ -183,9 +182,10 @@ class Agent:
                 self.events.emit("decision", g.generation, action=decision.action.value,
                                  reason=decision.reason, **(cls.fields() if cls else {}))
                 if decision.action == Action.UNRECOVERABLE:
-                    if self._fall_back(decision):
+                    why_not = self._fall_back(decision)
+                    if why_not is None:
                         continue
-                    return self._unrecoverable(decision.reason)
+                    return self._unrecoverable(decision.reason, why_not)
                 if decision.action == Action.SUCCEED:
                     g.stop("success")
                     self._exit_barrier()
@@ -214,24 +214,23 @@ class Agent:
             self.log(f"error: {e}")
             return self._end(e.exit_code, str(e))
 
-    def _fall_back(self, decision: Decision) -> bool:
-        """UNRECOVERABLE: the checkpoint fallback, if a complete checkpoint can be used."""
+    def _fall_back(self, decision: Decision) -> str | None:
+        """UNRECOVERABLE: the checkpoint fallback, if a complete checkpoint can be used (None);
+        else why not."""
         fb, why = self.fallback.decide(decision.reason)
         if fb is None:
-            self._no_fallback = why
-            return False
+            return why
         steps = [f.step for f in self.group.failures if getattr(f, "step", None) is not None]
         self.log(f"decision: {fb.action.value}: {why}")
         self.events.emit("decision", self.group.generation, action=fb.action.value,
                          reason=fb.reason)
         self.fallback.apply(fb, max(steps) if steps else None)
         self.restart.note_fallback()
-        return True
+        return None
 
-    def _unrecoverable(self, reason: str) -> int:
+    def _unrecoverable(self, reason: str, why: str) -> int:
         self.group.stop(reason)
         self._print_root_cause()
-        why = self._no_fallback
         self.log("error: the retained state cannot be recovered in place and there is no "
                  f"checkpoint to fall back to ({why}); the job ends: {reason}")
         return self._end(E.EXIT_UNRECOVERABLE, f"{reason}; no fallback: {why}")

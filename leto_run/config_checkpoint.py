@@ -18,15 +18,13 @@ Calling contract: `CheckpointConfig(**values)` validates on construction; `every
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
 from leto_run import limits as L
 from leto_run.errors import ConfigError
+from leto_run.inject_values import parse_duration
 
-_DURATION = re.compile(r"(?P<num>[0-9]*\.?[0-9]+)\s*(?P<unit>ms|s|m|min|h|d)")
-_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
 def _err(key: str, problem: str, fix: str) -> ConfigError:
@@ -34,12 +32,14 @@ def _err(key: str, problem: str, fix: str) -> ConfigError:
 
 
 def seconds(text: str) -> float | None:
-    """`90s`, `10m`, `2h`, `1d`, `500ms` -> seconds; None if `text` is no duration."""
-    m = _DURATION.fullmatch(text.strip())
-    if not m:
+    """`90s`, `10m`, `2h`, `1d`, `500ms` -> seconds (`parse_duration`, with its unit required
+    here: a bare number of `every` is steps); None if `text` is no such duration."""
+    if not re.search(r"[a-z]\s*$", text.strip()):
         return None
-    x = float(m["num"]) * _UNITS[m["unit"]]
-    return x if math.isfinite(x) else None
+    try:
+        return parse_duration(text)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

@@ -56,15 +56,16 @@ def _nonneg_int(v: str) -> int:
     return L.small_int(v)
 
 
-_DURATION = re.compile(r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>ms|s|m)?")
+_DURATION = re.compile(r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(?P<unit>ms|s|min|m|h|d)?")
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 
 
 def parse_duration(v: str) -> float:
-    """`5s`, `500ms`, `2.5` (seconds), `1m` -> seconds as float."""
+    """`5s`, `500ms`, `2.5` (seconds), `1m` / `1min`, `2h`, `1d` -> seconds as float."""
     m = _DURATION.fullmatch(v.strip())
     if not m:
         raise ValueError(f"{v!r} is not a duration (use e.g. 5s, 500ms, 2.5, 1m)")
-    x = float(m["num"]) * {"ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}[m["unit"]]
+    x = float(m["num"]) * _UNITS[m["unit"]]
     if not math.isfinite(x):
         raise ValueError(f"{v!r} is not a finite duration")
     return x

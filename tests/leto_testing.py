@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,6 +175,35 @@ def assert_nothing_left(evs: list[dict]) -> None:
         trainers = {e["pid"] for e in evs
                     if e["event"] == "spawn" and e.get("role") != "state_manager"}
         assert trainers <= set(exits), f"no exit recorded for {sorted(trainers - set(exits))}"
+
+
+def event_waiter(p: subprocess.Popen, ev: Path, end: float):
+    """`wait_for(pred, what)`: poll the event log `ev` of the running job `p` until `pred(events)`
+    is truthy (returned), failing if the job ends or the monotonic deadline `end` passes."""
+    def wait_for(pred, what: str):
+        while True:
+            assert p.poll() is None, f"leto-run ended while waiting for {what}"
+            assert time.monotonic() < end, f"timed out waiting for {what}"
+            found = pred(events(ev)) if ev.exists() else None
+            if found:
+                return found
+            time.sleep(0.05)
+    return wait_for
+
+
+def kill_state_manager_until_gone(ev: Path, wait_for, local_rank: int) -> set[int]:
+    """SIGKILL each new state manager of slot `local_rank` as soon as it is spawned, until the
+    agent gives the slot up (`sm_gone`); returns the pids killed."""
+    killed: set[int] = set()
+    while not of(events(ev), "sm_gone"):
+        for e in of(events(ev), "spawn", role="state_manager", local_rank=local_rank):
+            if e["pid"] not in killed:
+                os.kill(e["pid"], signal.SIGKILL)
+                killed.add(e["pid"])
+        wait_for(lambda evs: of(evs, "sm_gone") or
+                 {e["pid"] for e in of(evs, "spawn", role="state_manager",
+                                       local_rank=local_rank)} - killed, "a state manager")
+    return killed
 
 
 def inplace_cmd(ev, *args: str) -> list[str]:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from leto_testing import (ROOT, assert_nothing_left, base_env, compare_runs, events, leto_cmd,
-                          of, run, torchrun_cmd)
+from leto_testing import (ROOT, assert_nothing_left, base_env, compare_runs, event_waiter,
+                          events, kill_state_manager_until_gone, leto_cmd, of, run, torchrun_cmd)
 
 SCRIPT = str(ROOT / "examples" / "byo_train.py")
 GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
@@ -99,27 +99,10 @@ def test_a_state_manager_gone_for_good_falls_back_to_the_checkpoint_exactly(refe
                          stderr=subprocess.PIPE)
     try:
         end = time.monotonic() + 200
-
-        def wait_for(pred, what):
-            while True:
-                assert p.poll() is None, f"leto-run ended while waiting for {what}"
-                assert time.monotonic() < end, f"timed out waiting for {what}"
-                found = pred(events(ev)) if ev.exists() else None
-                if found:
-                    return found
-                time.sleep(0.05)
-
+        wait_for = event_waiter(p, ev, end)
         wait_for(lambda evs: [e for e in of(evs, "phase", phase="checkpoint") if e.get("path")],
                  "the first complete checkpoint")
-        killed: set[int] = set()
-        while not of(events(ev), "sm_gone"):
-            for e in of(events(ev), "spawn", role="state_manager", local_rank=1):
-                if e["pid"] not in killed:
-                    os.kill(e["pid"], signal.SIGKILL)
-                    killed.add(e["pid"])
-            wait_for(lambda evs: of(evs, "sm_gone") or
-                     {e["pid"] for e in of(evs, "spawn", role="state_manager",
-                                           local_rank=1)} - killed, "a state manager")
+        kill_state_manager_until_gone(ev, wait_for, 1)
         [active] = of(events(ev), "spawn", role="active", rank=1)
         os.kill(active["pid"], signal.SIGKILL)
         _, err = p.communicate(timeout=max(1.0, end - time.monotonic()))
@@ -147,9 +130,7 @@ def test_a_failed_checkpoint_write_warns_and_training_goes_on(reference, tmp_pat
                          stderr=subprocess.PIPE)
     try:
         end = time.monotonic() + 200
-        while not (ev.exists() and of(events(ev), "spawn", role="active")):
-            assert p.poll() is None and time.monotonic() < end
-            time.sleep(0.05)
+        event_waiter(p, ev, end)(lambda evs: of(evs, "spawn", role="active"), "the actives")
         shutil.rmtree(ck)             # (the agent made it, with its lock file, at the start)
         ck.write_text("a file where the checkpoints should go")
         _, err = p.communicate(timeout=max(1.0, end - time.monotonic()))

@@ -10,8 +10,8 @@ import subprocess
 import time
 
 from fault_matrix import GEOMETRY
-from leto_testing import (ROOT, SCRIPTS, assert_nothing_left, base_env, events, inplace_cmd,
-                          leto_cmd, of, run)
+from leto_testing import (ROOT, SCRIPTS, assert_nothing_left, base_env, event_waiter, events,
+                          inplace_cmd, kill_state_manager_until_gone, leto_cmd, of, run)
 
 POLICY = str(SCRIPTS / "inplace_policy.py")
 
@@ -114,29 +114,9 @@ def test_a_state_manager_past_its_crash_limit_ends_the_job_at_the_next_failure(t
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         end = time.monotonic() + 120
-
-        def wait_for(pred, what):
-            while True:
-                assert p.poll() is None, f"leto-run ended while waiting for {what}"
-                assert time.monotonic() < end, f"timed out waiting for {what}"
-                found = pred(events(ev)) if ev.exists() else None
-                if found:
-                    return found
-                time.sleep(0.05)
-
+        wait_for = event_waiter(p, ev, end)
         wait_for(lambda evs: len(of(evs, "spawn", role="shadow")) == 2, "the shadows")
-        killed = set()
-        while True:       # kill each new state manager of slot 1 as soon as it is spawned
-            evs = events(ev)
-            if of(evs, "sm_gone"):
-                break
-            for e in of(evs, "spawn", role="state_manager", local_rank=1):
-                if e["pid"] not in killed:
-                    os.kill(e["pid"], signal.SIGKILL)
-                    killed.add(e["pid"])
-            wait_for(lambda evs: of(evs, "sm_gone") or
-                     {e["pid"] for e in of(evs, "spawn", role="state_manager",
-                                           local_rank=1)} - killed, "a state manager")
+        killed = kill_state_manager_until_gone(ev, wait_for, 1)
         [active] = of(events(ev), "spawn", role="active", rank=1)
         os.kill(active["pid"], signal.SIGKILL)
         _, err = p.communicate(timeout=60)
