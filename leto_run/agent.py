@@ -37,16 +37,18 @@ from torch.distributed.elastic.utils import store as store_util
 
 from leto_run import errors as E
 from leto_run import job_secret
+from leto_run.ckpt_lock import DirLock, job_name
 from leto_run.config import JobConfig, signal_number
 from leto_run.decisions import Action, Decision, decide_group
 from leto_run.events import EventLog
-from leto_run.fallback import DirLock, FallbackPolicy
+from leto_run.fallback import FallbackPolicy
 from leto_run.failures import format_root_cause
 from leto_run.group import GroupIO, WorkerGroup, WorkerSpec
 from leto_run.guardian import start_guardian
 from leto_run.heartbeat import HeartbeatServer
 from leto_run.inplace import InplaceRecovery
 from leto_run.logs import LogLayout, OutputPump
+from leto_run.nodes import NodesPolicy
 from leto_run.procs import become_subreaper, reap_orphans
 from leto_run.rendezvous import make_handler, next_round
 from leto_run.report import format_report
@@ -77,7 +79,8 @@ class Agent:
         # Before anything starts: a missing or unsafe secret file is a ConfigError (exit 2).
         self.job_key = job_secret.job_key(cfg)
         # Before anything starts too: a checkpoint directory another job writes is exit 2.
-        self.ckpt_lock = DirLock(cfg.checkpoint.dir) if cfg.checkpoint.mode != "off" else None
+        self.ckpt_lock = (DirLock(cfg.checkpoint.dir, job=job_name(cfg))
+                          if cfg.checkpoint.mode != "off" else None)
         # Forked first: no threads exist yet (fork safety), and it must outlive a kill -9 of us.
         self.guardian = start_guardian(job_token_kv(self.token))
         become_subreaper()
@@ -124,11 +127,12 @@ class Agent:
                     log=self.log, sms=self.sms))
         self.group.pump_once = self._pump_once
         self.restart = RestartPolicy(self.group, cfg.launch.max_restarts)
-        self.fallback = FallbackPolicy(self.group, cfg.checkpoint, self.sms,
-                                       multi_node=cfg.launch.max_nodes > 1)
+        self.fallback = FallbackPolicy(self.group, cfg.checkpoint, self.sms)
         self.inplace = (InplaceRecovery(self.group, recovery=cfg.recovery, node=self.node,
                                         job_key=self.job_key, retained_lost=self.sms.lost)
                         if inplace else None)
+        self.nodes = NodesPolicy(self.group, self.fallback, self.sms, self.inplace, self.node,
+                                 cfg.recovery.peer_timeout)
         self.sup = Supervisor(self.group, hb=self.hb, sig_fd=self._sig_r, handled=self.handled,
                               host=self.host, observer=self.inplace)
         self.next_peer_check = 0.0
@@ -267,6 +271,9 @@ class Agent:
                          group_rank=r.group_rank, group_world_size=r.group_world_size,
                          master_addr=r.master_addr, master_port=r.master_port,
                          restart_count=count)
+        stop = self.nodes.agree(r)
+        if stop is not None:
+            return stop
         g.start(r, count)
         self.fallback.started_attempt()
         return None
@@ -276,6 +283,7 @@ class Agent:
         its handler (datagrams first: an `inject` sent just before a death is part of its
         facts)."""
         ready = self.sel.select(timeout=max(0.0, timeout))
+        self.nodes.tick(time.monotonic())      # the peers hear from us during long waits too
         for key, _ in sorted(ready, key=lambda kv: kv[0].data != "hb"):
             data = key.data
             if data == "hb":
@@ -303,6 +311,11 @@ class Agent:
             reap_orphans(g.known_pids())
             nodes_waiting = self._nodes_waiting(now) if multi_node else 0
             self.status.refresh()
+            early = self.nodes.watch(now)
+            if early is not None and early.action == Action.CONTINUE:
+                continue                           # a local failure waits for the peers
+            if early is not None:
+                return early
             failed = [f.rank for f in g.failures]
             inplace = self.inplace.decide(g.failures) if self.inplace else None
             if inplace and inplace.action == Action.UNRECOVERABLE:
@@ -353,6 +366,8 @@ class Agent:
                   if sp.hang_deadline is not None and not sp.done]
         if multi_node:
             cands.append(max(self.next_peer_check, now))
+        if self.nodes.peers is not None:
+            cands.append(max(self.nodes.peers.next_due, now))
         return min(cands)
 
     # ---- finishing -----------------------------------------------------------------------

@@ -353,6 +353,7 @@ class RecoveryConfig:
     max_inplace_recoveries: int = 20         # in-place recoveries allowed per window (0: none)
     inplace_window: float = 3600.0           # seconds: the sliding window of that budget
     scrub_budget: float = 0.002              # share of the step time the scrub may take (0: off)
+    peer_timeout: float = 5.0                # seconds a peer agent may go silent: its node is lost
 
     def __post_init__(self) -> None:
         if self.mode not in RECOVERY_MODES:
@@ -360,6 +361,8 @@ class RecoveryConfig:
                        f"use one of {', '.join(RECOVERY_MODES)}")
         _check_number("recovery.hang_timeout", self.hang_timeout, minimum=0,
                       example="60 (0 disables hang detection)", maximum=L.MAX_SECONDS)
+        _check_number("recovery.peer_timeout", self.peer_timeout, minimum=0, strict=True,
+                      example="5", maximum=L.MAX_SECONDS)
         _check_number("recovery.page_bytes", self.page_bytes, minimum=4096, integer=True,
                       example="2097152 (2 MiB)", maximum=L.MAX_PAGE_BYTES)
         _check_number("recovery.data_pages", self.data_pages, minimum=1, integer=True,

@@ -13,34 +13,31 @@ whose trainers load the checkpoint into fresh retained memory and parity and red
 after it; in-place recovery goes on from there.  Torn checkpoints (`ckpt_files.check`) are
 never chosen.
 
+Several nodes fall back together: `apply` announces the fallback in the round's store before it
+stops the group (`start_plan.announce_fallback`: the other nodes restart instead of taking
+their trainers' failures for a HOF), and after the next rendezvous round every node starts
+from the checkpoint the round agreed on (`leto_run.nodes`; `follow` on the nodes that did not
+decide it).
+
 Calling contract: the agent's main thread; `decide` reads the checkpoint directory (a listing
 and the manifests, no data).  `used` counts the fallbacks, bounded by `--max-fallbacks`.
 """
 from __future__ import annotations
 
-import fcntl
-import os
 import time
 
+from leto_run import start_plan
 from leto_run.config_checkpoint import CheckpointConfig
 from leto_run.decisions import Action, Decision
-from leto_run.errors import ConfigError
 from leto_runtime.wire import ckpt_files as F
 
 
 def decide_fallback(mode: str, directory: str | None, found: F.Found | None,
-                    torn: list[F.Found], used: int, max_fallbacks: int,
-                    multi_node: bool = False) -> tuple[bool, str]:
+                    torn: list[F.Found], used: int, max_fallbacks: int) -> tuple[bool, str]:
     """Can the job fall back to a checkpoint? -> (yes, why)."""
     if mode == "off":
         return False, "checkpointing is off (no --checkpoint-dir), so there is nothing to fall " \
                       "back to"
-    if multi_node:
-        # The other nodes would rejoin from their retained state, this one from the checkpoint:
-        # ranks at different steps.  Until every node falls back together, stop instead.
-        return False, ("a checkpoint fallback of a multi-node job is not built yet (every node "
-                       "must fall back together); resume the job from the newest checkpoint in "
-                       f"{directory} with the script's own dcp.load")
     if used >= max_fallbacks:
         return False, f"all {max_fallbacks} checkpoint fallbacks used (--max-fallbacks)"
     if found is None:
@@ -56,8 +53,8 @@ def decide_fallback(mode: str, directory: str | None, found: F.Found | None,
 class FallbackPolicy:
     action = Action.FALL_BACK
 
-    def __init__(self, group, cfg: CheckpointConfig, sms, multi_node: bool = False):
-        self.group, self.cfg, self.sms, self.multi_node = group, cfg, sms, multi_node
+    def __init__(self, group, cfg: CheckpointConfig, sms):
+        self.group, self.cfg, self.sms = group, cfg, sms
         self.used = 0
         self.chosen: F.Found | None = None
         self.started = 0.0
@@ -71,7 +68,7 @@ class FallbackPolicy:
             found = done[-1] if done else None
             torn = [f for f in scan if not f.complete]
         ok, why = decide_fallback(self.cfg.mode, self.cfg.dir, found, torn or [], self.used,
-                                  self.cfg.max_fallbacks, self.multi_node)
+                                  self.cfg.max_fallbacks)
         if not ok:
             return None, why
         self.chosen = found
@@ -81,6 +78,15 @@ class FallbackPolicy:
         """Stop the group, fresh retained memory, the next attempt loads `self.chosen`."""
         g, found = self.group, self.chosen
         t0 = time.monotonic()
+        r = g.round
+        if r is not None and r.group_world_size > 1:
+            # Before our trainers stop: the other nodes must restart and not take the failures
+            # our stop causes them for a HOF.
+            try:
+                start_plan.announce_fallback(r.store, g.spec.node, found.path)
+            except Exception as e:     # the store's host is gone: the round ends anyway
+                g.log(f"cannot announce the fallback to the other nodes: "
+                      f"{type(e).__name__}: {e}")
         g.stop(decision.reason)
         if self.sms is not None:
             self.sms.reset()
@@ -93,49 +99,36 @@ class FallbackPolicy:
               f"{found.step} ({found.path})")
 
     def for_restart(self) -> None:
-        """Restart mode: a restarted group resumes from the newest complete checkpoint (one
-        node: nodes that saw different newest checkpoints would resume at different steps)."""
-        found = F.newest(self.cfg.dir) if self.cfg.mode != "off" and not self.multi_node \
-            else None
+        """Restart mode: a restarted group resumes from the newest complete checkpoint (several
+        nodes: the one `start_plan` picks, the same on every node)."""
+        found = F.newest(self.cfg.dir) if self.cfg.mode != "off" else None
         self.group.checkpoint_load = found.path if found else None
         if found:
             self.group.log(f"the restarted group resumes from the checkpoint of step "
                            f"{found.step} ({found.path})")
 
+    def newest(self) -> str | None:
+        found = F.newest(self.cfg.dir) if self.cfg.mode != "off" else None
+        return found.path if found else None
+
+    def follow(self, path: str, why: str, inplace: bool) -> str | None:
+        """The nodes agreed to start from `path` (`start_plan`): in-place mode drops this
+        node's retained state for it (a fallback of its own, counted); None, or why it
+        cannot."""
+        g = self.group
+        if inplace:
+            if self.used >= self.cfg.max_fallbacks:
+                return f"all {self.cfg.max_fallbacks} checkpoint fallbacks used (--max-fallbacks)"
+            if self.sms is not None:
+                self.sms.reset()
+            self.used += 1
+            g.events.emit("fallback", g.generation, reason=why, path=path,
+                          step=F.check(path).step, failed_step=None, used=self.used, by="peer")
+        g.checkpoint_load = path
+        g.log(f"the nodes agreed: {why}")
+        return None
+
     def started_attempt(self) -> None:
         """The attempt after a fallback has started: later restarts resume from retained
         memory, which is then newer than the checkpoint."""
         self.group.checkpoint_load = None
-
-
-LOCK_NAME = ".leto-checkpoint.lock"
-
-
-class DirLock:
-    """One leto-run job per checkpoint directory: an exclusive flock on DIR/.leto-checkpoint.lock
-    for the job's life (two jobs rotating each other's checkpoints out would lose both).  Taken
-    in the agent's start-up, before any process starts; `release` removes the file."""
-
-    def __init__(self, directory: str):
-        os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, LOCK_NAME)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(self.fd)
-            raise ConfigError("checkpoint.dir", f"{directory!r} is in use by another leto-run "
-                              f"job (pid {holder}, per {LOCK_NAME})",
-                              "give each job its own --checkpoint-dir") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
-
-    def release(self) -> None:
-        if self.fd >= 0:
-            try:
-                os.unlink(self.path)
-            except OSError:
-                pass
-            os.close(self.fd)
-            self.fd = -1

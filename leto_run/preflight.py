@@ -23,6 +23,8 @@ import shutil
 import tempfile
 from typing import Mapping
 
+from leto_run import ckpt_lock
+from leto_run.ckpt_lock import job_name
 from leto_run.config import JobConfig
 from leto_run.errors import ConfigError
 from leto_run.worker_cmd import resolve_nproc, worker_argv
@@ -85,9 +87,10 @@ def _check_events(given: str, source: str) -> None:
                           "give a file you can write, e.g. under --log-dir", source) from None
 
 
-def _check_checkpoint_dir(given: str, source: str | None) -> None:
+def _check_checkpoint_dir(given: str, source: str | None, job: str | None) -> None:
     """Writable (or creatable), not on a full file system, and holding no checkpoint of an
-    earlier run (rotation would remove it)."""
+    earlier run (rotation would remove it): those of the multi-node job `job`, whose other
+    agents hold the directory now, are this (replacement) agent's own."""
     _check_dir("checkpoint.dir", given, source, "--checkpoint-dir")
     top = _nearest_existing(os.path.abspath(given))
     st = os.statvfs(top)
@@ -96,7 +99,7 @@ def _check_checkpoint_dir(given: str, source: str | None) -> None:
                           "available)", "free space there, or point --checkpoint-dir at "
                           "another file system", source)
     old = ckpt_files.scan(os.path.abspath(given))
-    if old:
+    if old and not (job is not None and ckpt_lock.held_by(os.path.abspath(given), job)):
         raise ConfigError("checkpoint.dir", f"{given!r} holds checkpoints of an earlier run "
                           f"({', '.join(os.path.basename(f.path) for f in old[-3:])}), which "
                           "this job would rotate out", "give a new directory (resume that run "
@@ -136,7 +139,7 @@ def preflight(cfg: JobConfig, env: Mapping[str, str], sources: Mapping[str, str]
                           "set TMPDIR to a directory you can write", "environment") from None
     _probe("TMPDIR", tmp, os.path.abspath(tmp), "environment")
     if cfg.checkpoint.dir is not None:
-        _check_checkpoint_dir(cfg.checkpoint.dir, sources.get("checkpoint.dir"))
+        _check_checkpoint_dir(cfg.checkpoint.dir, sources.get("checkpoint.dir"), job_name(cfg))
     _check_program(cfg, env)
     resolve_nproc(cfg.launch.nproc_per_node)
     _check_knobs(env)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import errno
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,12 +151,7 @@ def _c10d_handler(params: RendezvousParameters, key: bytes | None,
         store = TCPStore(host, port, is_master=False,
                          timeout=datetime.timedelta(seconds=timeout))
     base = store if key is None else AuthStore(store, key)
-    handler = create_handler(base, C10dRendezvousBackend(base, params.run_id), params)
-    # The handler hosts one more store for torchrun's workers (`use_agent_store`); Leto's
-    # workers get their own per round (next_round), so that one only has to exist: loopback.
-    handler._create_tcp_store_server = lambda addr, p: server_store(
-        addr, p, single_node=True, timeout=timeout)[0]
-    return handler
+    return create_handler(base, C10dRendezvousBackend(base, params.run_id), params)
 
 
 @dataclass(frozen=True)
@@ -176,7 +172,7 @@ def next_round(handler: RendezvousHandler, *, round_no: int, restart_count: int,
                store_timeout: float = 900.0, single_node: bool = False) -> RoundResult:
     """One round; `single_node` (max nodes 1): the worker store listens on loopback only."""
     try:
-        info = handler.next_rendezvous()
+        info = _without_shared_store(handler)
     except ForgedControlKey as e:
         raise job_secret.forged("the rendezvous", e.key, e.reason, not single_node) from e
     except Exception as e:
@@ -208,6 +204,25 @@ def next_round(handler: RendezvousHandler, *, round_no: int, restart_count: int,
         raise RendezvousFailed(f"the worker store of round {round_no}: {e}") from e
     return RoundResult(round_no, store, group_rank, group_world_size, addr, port, ids,
                        True, server)
+
+
+def _without_shared_store(handler: RendezvousHandler) -> RendezvousInfo:
+    """`handler.next_rendezvous()` with torch's store sharing off.  torch shares one store with
+    torchrun's workers (`use_agent_store`) and publishes its address in a node's first round
+    only, so a replacement node joining a later round would wait for it forever.  Leto's workers
+    get their own store per round, so the sharing is off, through torch's own opt-out, which it
+    reads at each call: set for the call only (the agent's main thread, which also starts every
+    worker), so no worker's environment carries it."""
+    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    old = os.environ.get(name)
+    os.environ[name] = "1"
+    try:
+        return handler.next_rendezvous()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
 
 
 def assign_ranks(store, *, round_no: int, group_rank: int, group_world_size: int, role: str,

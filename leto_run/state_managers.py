@@ -181,6 +181,11 @@ class StateManagers:
         self.events.emit("inject", generation, rank=slot.rank, spec=spec.text, by="agent",
                          after_s=spec.after_s, **report)
 
+    def holding(self) -> bool:
+        """Have this node's state managers been started since the job began or the last
+        `reset` (so they may hold the job's retained state)?"""
+        return bool(self.procs)
+
     def reset(self) -> None:
         """A checkpoint fallback: stop every state manager and drop its memory (the keepers'
         fds), so the next `ensure` starts fresh, empty pools; what was gone is forgotten."""

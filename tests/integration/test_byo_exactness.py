@@ -6,14 +6,14 @@ torchrun with stock torch (plain mode's `job.optimizer` is `torch_opt.step()` an
 (redone steps included), and in each rank's final `model.state_dict()` and `opt.state_dict()`.
 
 The seeded fault matrix (tests/integration/fault_matrix.py, the one the tiny GPT runs) over
-AdamW + LambdaLR, the model wrapped in DDP on odd seeds: `BYO_SEEDS` by default, 6 seeds that
-hold every category of the matrix in which the optimizer's values are restored differently
-(a HOF in compute, at the global synchronization, inside an update, in successive generations,
-during a recovery), DDP and no DDP, 3 ranks under DDP, a partially written chunk and both
-demotion modes (`test_the_byo_seeds_cover_the_matrix_s_categories`; the mechanism's other
-classes -- hangs, two ranks at once, page losses -- are the GPT matrix's, test_exactness.py);
-LETO_FULL_MATRIX=1 runs seeds 0-49.  Reproduce one: `python tests/integration/fault_matrix.py
-SEED --byo`.
+AdamW + LambdaLR, the model wrapped in DDP on odd seeds: `BYO_SEEDS` by default, 5 seeds (a
+smallest cover of the matrix's 50) that hold every category of the matrix in which the
+optimizer's values are restored differently (a HOF in compute, at the global synchronization,
+inside an update, in successive generations, during a recovery), DDP and no DDP, 3 ranks under
+DDP, a partially written chunk and both demotion modes
+(`test_the_byo_seeds_cover_the_matrix_s_categories`; the mechanism's other classes -- hangs,
+two ranks at once, page losses -- are the GPT matrix's, test_exactness.py); LETO_FULL_MATRIX=1
+runs seeds 0-49.  Reproduce one: `python tests/integration/fault_matrix.py SEED --byo`.
 
 Besides, Adam + CosineAnnealingLR and SGD-momentum + MultiStepLR on 2 ranks take two HOFs in
 successive generations, chosen so that recovery goes through every way the optimizer's values
@@ -48,7 +48,7 @@ CASES = {      # name: (optimizer, world, injected HOFs)
     "adam": ("adam", 2, ("kill:rank=1:step=4:at=grads.protect",
                          "kill:rank=0:step=5:gen=1:at=rmu.undo:group=0:chunk=1")),
 }
-BYO_SEEDS = (0, 1, 7, 13, 19, 35)
+BYO_SEEDS = (0, 5, 7, 32, 41)
 SEEDS = FULL_SEEDS if os.environ.get("LETO_FULL_MATRIX") == "1" else BYO_SEEDS
 PAGES = byo_pages(BYO_WIDTH)
 

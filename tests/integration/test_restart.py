@@ -45,8 +45,9 @@ def test_same_attempt_sequence_as_torchrun(tmp_path):
 def test_restart_with_gloo_reforms_the_group(out_dir):
     """After a rank dies mid-collective, the restarted group forms a new gloo world and finishes.
     (torchrun 2.13 fails this about half the time: its workers read the dead ranks' addresses
-    from the shared store; leto-run gives each round a fresh worker store.)"""
-    for _ in range(3):
+    from the shared store; leto-run gives each round a fresh worker store.  Two runs: a
+    torchrun-like store fails at least one of them 3 times in 4.)"""
+    for _ in range(2):
         r = run(leto_cmd("--no-status", "--nproc-per-node", "2", "--max-restarts", "1",
                          "--inject", "kill:rank=1:step=2", str(SCRIPTS / "allreduce.py")),
                 base_env(out_dir), timeout=120)

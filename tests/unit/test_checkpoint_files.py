@@ -116,8 +116,6 @@ def test_the_fallback_decision():
     assert not ok and "all 3 checkpoint fallbacks used" in why
     ok, why = decide_fallback("steps", "/c", found, torn, 1, 3)
     assert ok and "step 6" in why and "fallback 2 of 3" in why and "partial-step_000000009" in why
-    ok, why = decide_fallback("steps", "/c", found, torn, 0, 3, multi_node=True)
-    assert not ok and "multi-node job is not built yet" in why
 
 
 def _cfg(*args: str, env=None):
@@ -180,7 +178,7 @@ def test_preflight_refuses_a_directory_of_an_earlier_run_and_one_under_a_file(tm
 
 
 def test_one_job_per_checkpoint_directory(tmp_path):
-    from leto_run.fallback import LOCK_NAME, DirLock
+    from leto_run.ckpt_lock import LOCK_NAME, DirLock
     first = DirLock(str(tmp_path / "ck"))
     with pytest.raises(ConfigError) as e:
         DirLock(str(tmp_path / "ck"))
@@ -189,3 +187,23 @@ def test_one_job_per_checkpoint_directory(tmp_path):
     first.release()
     assert not (tmp_path / "ck" / LOCK_NAME).exists()
     DirLock(str(tmp_path / "ck")).release()             # free again
+
+
+def test_the_agents_of_one_multi_node_job_share_the_directory_and_no_other_job_does(tmp_path):
+    from leto_run.ckpt_lock import LOCK_NAME, DirLock
+    d = str(tmp_path / "ck")
+    node0, node1 = DirLock(d, job="h:29400/run-a"), DirLock(d, job="h:29400/run-a")
+    with pytest.raises(ConfigError) as e:
+        DirLock(d, job="h:29400/run-b")               # another multi-node job
+    assert "job h:29400/run-a" in e.value.problem and "--checkpoint-dir" in e.value.fix
+    with pytest.raises(ConfigError):
+        DirLock(d)                                     # a single-node job
+    node0.release()
+    assert (tmp_path / "ck" / LOCK_NAME).exists()      # node 1 still holds it
+    node1.release()
+    assert not (tmp_path / "ck" / LOCK_NAME).exists()  # the last holder removed it
+    single = DirLock(d)
+    with pytest.raises(ConfigError) as e:
+        DirLock(d, job="h:29400/run-a")                # held exclusively: refused in time
+    assert f"pid {os.getpid()}" in e.value.problem
+    single.release()

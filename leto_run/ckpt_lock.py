@@ -1,0 +1,118 @@
+"""One leto-run job per checkpoint directory: an flock on DIR/.leto-checkpoint.lock for the job's
+life (two jobs rotating each other's checkpoints out would lose both).
+
+A single-node job holds the lock exclusively.  The agents of one multi-node job share the
+directory (every node must read the checkpoint a fallback loads), so there each agent holds it
+shared and the file names the job (`--rdzv-endpoint` and `--rdzv-id`): an agent whose job is
+another one is refused, as is any agent while a single-node job holds it.
+
+A replacement agent of a running multi-node job finds the job's checkpoints there: they are
+its own (`held_by`, which preflight asks before it refuses a directory holding checkpoints).
+
+Calling contract: `DirLock(dir, job=None)` in the agent's start-up, before any process starts;
+it raises `ConfigError` (exit 2) when the directory belongs to another job.  `release` at the
+end: the last holder removes the file.  No call blocks (LOCK_NB, a bounded retry while another
+agent of the job converts its lock).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+
+from leto_run.errors import ConfigError
+
+LOCK_NAME = ".leto-checkpoint.lock"
+CONVERT_WAIT_S = 2.0          # another agent of the job turns its exclusive lock into a shared one
+
+
+def job_name(cfg) -> str | None:
+    """What names a multi-node job on the lock file; None for a single-node job."""
+    rz = cfg.rendezvous
+    return f"{rz.endpoint or rz.master_addr}/{rz.id}" if cfg.launch.max_nodes > 1 else None
+
+
+def held_by(directory: str, job: str) -> bool:
+    """Does a live agent of multi-node job `job` hold `directory`'s lock now?"""
+    try:
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if os.pread(fd, 512, 0).decode(errors="replace").strip() != f"job {job}":
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return True               # held: by the job the file names
+        return False                  # a stale file: nobody holds it
+    finally:
+        os.close(fd)
+
+
+class DirLock:
+    def __init__(self, directory: str, job: str | None = None):
+        os.makedirs(directory, exist_ok=True)
+        self.directory, self.job, self.path = directory, job, os.path.join(directory, LOCK_NAME)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if job is None:
+                self._exclusive()
+            else:
+                self._shared(job)
+        except BaseException:
+            os.close(self.fd)
+            self.fd = -1
+            raise
+
+    def _holder(self) -> str:
+        return os.pread(self.fd, 512, 0).decode(errors="replace").strip() or "?"
+
+    def _refuse(self, holder: str) -> ConfigError:
+        return ConfigError("checkpoint.dir", f"{self.directory!r} is in use by another leto-run "
+                           f"job ({holder}, per {LOCK_NAME})", "give each job its own "
+                           "--checkpoint-dir (the nodes of one job share theirs)")
+
+    def _write(self, text: str) -> None:
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, text.encode(), 0)
+
+    def _exclusive(self) -> None:
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise self._refuse(f"pid {self._holder()}") from None
+        self._write(f"pid {os.getpid()}")
+
+    def _shared(self, job: str) -> None:
+        mine = f"job {job}"
+        end = time.monotonic() + CONVERT_WAIT_S
+        while True:
+            try:                      # the first agent of the job: it names the job
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._write(mine)
+                fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                try:                  # a later agent of the job: the file names it already
+                    fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:       # held exclusively: a single-node job, or a conversion
+                    if time.monotonic() < end:
+                        time.sleep(0.05)
+                        continue
+                    raise self._refuse(self._holder()) from None
+            holder = self._holder()
+            if holder != mine:
+                raise self._refuse(holder)
+            return
+
+    def release(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            # Only the last holder gets it exclusively: it removes the file.
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(self.path)
+        except OSError:
+            pass
+        os.close(self.fd)
+        self.fd = -1

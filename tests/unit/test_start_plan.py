@@ -1,0 +1,93 @@
+"""Where every node of a multi-node round starts (leto_run.start_plan.decide_start, a pure
+function of the nodes' views), the exchange over a real store, and the peer beats
+(leto_run.peers.PeerWatch) over a real store with the clock given."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from leto_run.peers import PeerWatch
+from leto_run.start_plan import (StartView, announce_fallback, decide_start, exchange,
+                                 fallback_announced)
+
+
+def V(node, retained=True, resume=None, newest=None, gen=0):
+    return StartView(node, retained, resume, newest, gen)
+
+
+def test_a_node_that_falls_back_takes_every_node_with_it():
+    plan = decide_start([V("a", newest="/ck/step_9"), V("b", retained=False, resume="/ck/step_6")])
+    assert plan.path == "/ck/step_6" and not plan.stop and "node b" in plan.reason
+    # two nodes that fell back: the lowest group rank's checkpoint, on every node
+    assert decide_start([V("a", resume="/ck/3"), V("b", resume="/ck/6")]).path == "/ck/3"
+
+
+def test_a_replacement_node_without_retained_state_makes_every_node_load_the_newest():
+    plan = decide_start([V("a", newest="/ck/step_9"), V("b", newest="/ck/step_9"),
+                         V("new", retained=False, newest="/ck/step_9", gen=0)])
+    assert plan.path == "/ck/step_9" and "new" in plan.reason and "replacement" in plan.reason
+    stop = decide_start([V("a"), V("new", retained=False)])
+    assert stop.stop and stop.path is None and "no complete checkpoint" in stop.reason
+
+
+def test_nodes_that_agree_start_as_they_are_at_the_highest_generation():
+    same = decide_start([V("a", gen=4), V("b", gen=4)])
+    assert same.path is None and not same.stop and "retained" in same.reason
+    fresh = decide_start([V("a", retained=False, gen=3), V("b", retained=False, gen=0)])
+    assert fresh.path is None and not fresh.stop and fresh.generation == 3
+
+
+def test_the_views_and_a_fallback_go_through_the_round_s_store():
+    store = dist.HashStore()
+    mine = V("b", retained=False, resume="/ck/6", gen=2)
+    store.set("leto/start/0", '{"node": "a", "retained": true, "resume": null, '
+                              '"newest": "/ck/6", "generation": 5}')
+    views = exchange(store, 1, 2, mine)
+    assert views == [V("a", newest="/ck/6", gen=5), mine]
+    assert decide_start(views).generation == 5
+    assert fallback_announced(store) is None          # never blocks on the missing key
+    announce_fallback(store, "b", "/ck/6")
+    assert fallback_announced(store) == {"node": "b", "path": "/ck/6"}
+
+
+def test_a_peer_whose_beats_stop_is_lost_after_the_timeout_and_not_before():
+    store = dist.HashStore()
+    a, b = PeerWatch(store, 0, 5.0, now=0.0), PeerWatch(store, 1, 5.0, now=0.0)
+    for w in (a, b):
+        w.start()
+        w.meet(["n0", "n1"], 0.0)
+    t = 0.0
+    while t < 3.0:                        # both beat every 0.5 s
+        a.tick(t)
+        b.tick(t)
+        t += 0.5
+    assert a.lost(t) is None and a.heard_since(1.0)
+    failure = t
+    assert not a.heard_since(failure)     # nothing heard after the failure yet
+    b.tick(t)
+    a.tick(t)
+    b.tick(t + 0.5)
+    a.tick(t + 0.5)
+    assert a.heard_since(failure)         # b beat after it: alive
+    quiet = t + 0.5                        # b's agent is gone from here
+    t = quiet
+    while t < quiet + 5.0:
+        t += 0.5
+        a.tick(t)
+        assert a.lost(t) is None, t        # silent for at most the timeout: not lost yet
+    a.tick(t + 0.6)
+    why = a.lost(t + 0.6)
+    assert why and "n1 (group rank 1" in why and "--peer-timeout 5 s" in why
+
+
+def test_a_store_that_stays_unreachable_is_a_lost_node():
+    class Gone:
+        def set(self, *a):
+            raise ConnectionError("connection reset by peer")
+
+        multi_get = set
+
+    w = PeerWatch(Gone(), 1, 5.0, now=1.0)
+    w.meet(["n0", "n1"], 1.0)
+    w.tick(1.0)
+    assert w.lost(5.5) is None
+    assert "unreachable" in w.lost(6.5) and "connection reset" in w.lost(6.5)
