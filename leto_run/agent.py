@@ -283,7 +283,6 @@ class Agent:
         its handler (datagrams first: an `inject` sent just before a death is part of its
         facts)."""
         ready = self.sel.select(timeout=max(0.0, timeout))
-        self.nodes.tick(time.monotonic())      # the peers hear from us during long waits too
         for key, _ in sorted(ready, key=lambda kv: kv[0].data != "hb"):
             data = key.data
             if data == "hb":
@@ -367,7 +366,7 @@ class Agent:
         if multi_node:
             cands.append(max(self.next_peer_check, now))
         if self.nodes.peers is not None:
-            cands.append(max(self.nodes.peers.next_due, now))
+            cands.append(now + self.nodes.peers.interval)
         return min(cands)
 
     # ---- finishing -----------------------------------------------------------------------
@@ -407,6 +406,7 @@ class Agent:
         signal.set_wakeup_fd(-1)
         if self.inplace:
             self.inplace.close()
+        self.nodes.close()
         self.guardian.release()
         if self.ckpt_lock is not None:
             self.ckpt_lock.release()

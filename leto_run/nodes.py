@@ -12,11 +12,10 @@ UNRECOVERABLE (the agent falls back to the checkpoint, and the next round admits
 replacement), another node's announced fallback is a RESTART that does not count, and a local
 failure that is not a signal's waits (CONTINUE) until every peer has beaten after it or a
 remote HOF is declared -- so that the closed connections a lost node leaves are not recovered
-in place, over and over.  `tick(now)` beats; the agent calls it in every selector turn, so
-the peers hear from us during a policy's waits too.
+in place, over and over.  The beats come from the watcher's own thread (`leto_run.peers`).
 
-Calling contract: the agent's main thread; single-node jobs: `agree` and `watch` return None
-and `tick` does nothing.  Store operations are bounded by the store's timeout.
+Calling contract: the agent's main thread; single-node jobs: `agree` and `watch` return None.
+`close` at the end of the job.  Store operations are bounded by the store's timeout.
 """
 from __future__ import annotations
 
@@ -35,14 +34,15 @@ class NodesPolicy:
         self.node, self.peer_timeout = node, peer_timeout
         self.peers: PeerWatch | None = None
 
-    def tick(self, now: float) -> None:
+    def close(self) -> None:
         if self.peers is not None:
-            self.peers.tick(now)
+            self.peers.close()
+        self.peers = None
 
     def agree(self, r) -> Decision | None:
         """Every node of round `r` starts from the same state; an UNRECOVERABLE decision when
         there is none."""
-        self.peers = None
+        self.close()
         if r.group_world_size <= 1:
             return None
         g = self.group
@@ -61,6 +61,7 @@ class NodesPolicy:
                                      f"{type(e).__name__}: {e}") from e
         if self.peers:
             self.peers.meet([v.node for v in views], time.monotonic())
+            self.peers.run()
         plan = start_plan.decide_start(views)
         if plan.generation > g.generation:
             g.attempt_base_gen = plan.generation
@@ -81,8 +82,10 @@ class NodesPolicy:
         g, p = self.group, self.peers
         if p is None:
             return None
-        p.tick(now)
-        lost = p.lost(now)
+        try:
+            lost = p.lost(now)
+        except ForgedControlKey as e:
+            raise job_secret.forged("a peer agent's beat", e.key, e.reason, True) from e
         if lost:
             return Decision(Action.UNRECOVERABLE, lost)
         if not g.failures:

@@ -10,11 +10,20 @@ not moved for `timeout` s (`--peer-timeout`), or a store that stays unreachable 
 host's agent is gone), is a lost node: the agent falls back to the checkpoint instead
 (`leto_run.fallback`), and the next rendezvous round admits a replacement node.
 
-Calling contract: the agent's main thread; `tick(now)` once per loop turn (it acts every
-interval; `next_due` is the loop's deadline), `lost(now)` and `heard_since(t)` read what it saw.
-Each store operation is bounded by the store's timeout.
+The beats come from a thread of their own (`run`), not from the agent's loop: the loop may
+wait in a policy for longer than the timeout (stopping a group grants its trainers a grace
+period), and a node whose agent is alive is not lost.
+
+Calling contract: the agent's main thread builds it, `start`s it before the round's start
+agreement, `meet`s the round's nodes and `run`s it; `lost(now)` and `heard_since(t)` read what
+the thread saw (under a lock never held across I/O); `close` ends the thread (it may finish one
+store operation, bounded by the store's timeout).  `tick(now)` is the thread's one turn (tests
+call it with the clock given).
 """
 from __future__ import annotations
+
+import threading
+import time
 
 from leto_runtime.control_auth import ForgedControlKey
 
@@ -29,7 +38,10 @@ class PeerWatch:
         self.count = 0
         self.last_read = now
         self.unreachable: tuple[float, str] | None = None
-        self.next_due = now
+        self.forged: ForgedControlKey | None = None
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Our counter exists before the round's start agreement, so every peer's does after."""
@@ -37,43 +49,65 @@ class PeerWatch:
 
     def meet(self, nodes: list[str], now: float) -> None:
         """The round's nodes, in group-rank order (`start_plan.exchange`)."""
-        self.names = {r: n for r, n in enumerate(nodes) if r != self.rank}
-        self.value: dict[int, bytes | None] = dict.fromkeys(self.names)
-        self.moved = dict.fromkeys(self.names, now)          # when its counter last moved
-        self.alive_after = dict.fromkeys(self.names, -1.0)   # it beat after this time
-        self.last_read = now
+        with self.lock:
+            self.names = {r: n for r, n in enumerate(nodes) if r != self.rank}
+            self.value: dict[int, bytes | None] = dict.fromkeys(self.names)
+            self.moved = dict.fromkeys(self.names, now)          # when its counter last moved
+            self.alive_after = dict.fromkeys(self.names, -1.0)   # it beat after this time
+            self.last_read = now
+
+    def run(self) -> None:
+        self.thread = threading.Thread(target=self._loop, name="leto-peer-beats", daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stopped.set()
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(self.interval):
+            self.tick(time.monotonic())
 
     def tick(self, now: float) -> None:
-        if now < self.next_due or not self.names:
+        """Beat, and read the peers' counters (I/O first, then the lock)."""
+        if not self.names:
             return
-        self.next_due = now + self.interval
         self.count += 1
         try:
             self.store.set(KEY.format(self.rank), str(self.count))
             got = self.store.multi_get([KEY.format(r) for r in self.names])
-        except ForgedControlKey:
-            raise
-        except Exception as e:      # the store's host (the rendezvous host's agent) is gone
-            if self.unreachable is None:
-                self.unreachable = (now, f"{type(e).__name__}: {e}")
+        except ForgedControlKey as e:
+            with self.lock:
+                self.forged = e
             return
-        self.unreachable = None
-        for r, v in zip(self.names, got):
-            if v != self.value[r]:
-                self.value[r], self.moved[r] = v, now
-                self.alive_after[r] = self.last_read
-        self.last_read = now
+        except Exception as e:      # the store's host (the rendezvous host's agent) is gone
+            with self.lock:
+                if self.unreachable is None:
+                    self.unreachable = (now, f"{type(e).__name__}: {e}")
+            return
+        with self.lock:
+            self.unreachable = None
+            for r, v in zip(self.names, got):
+                if v != self.value[r]:
+                    self.value[r], self.moved[r] = v, now
+                    self.alive_after[r] = self.last_read
+            self.last_read = now
 
     def heard_since(self, t: float) -> bool:
         """Has every peer beaten after time `t`?"""
-        return all(a >= t for a in self.alive_after.values())
+        with self.lock:
+            return all(a >= t for a in self.alive_after.values())
 
     def lost(self, now: float) -> str | None:
-        """Why a peer node counts as lost now, or None."""
-        if self.unreachable and now - self.unreachable[0] > self.timeout:
-            return (f"the job's store has been unreachable for {now - self.unreachable[0]:.1f} "
-                    f"s ({self.unreachable[1]}): the node hosting it is lost")
-        gone = [f"{self.names[r]} (group rank {r}, silent for {now - t:.1f} s)"
-                for r, t in self.moved.items() if now - t > self.timeout]
+        """Why a peer node counts as lost now, or None.  Raises the forged value a peer's
+        counter carried (exit 5, as for every forged control value)."""
+        with self.lock:
+            if self.forged is not None:
+                raise self.forged
+            if self.unreachable and now - self.unreachable[0] > self.timeout:
+                return (f"the job's store has been unreachable for "
+                        f"{now - self.unreachable[0]:.1f} s ({self.unreachable[1]}): the node "
+                        "hosting it is lost")
+            gone = [f"{self.names[r]} (group rank {r}, silent for {now - t:.1f} s)"
+                    for r, t in self.moved.items() if now - t > self.timeout]
         return (f"node(s) lost: {', '.join(gone)} (--peer-timeout {self.timeout:g} s)"
                 if gone else None)

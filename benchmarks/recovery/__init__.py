@@ -10,6 +10,7 @@ Modules, one job each:
   train.py    the training script every system runs (modes ref | dcp | leto)
   launch.py   one system's run: start it, deliver the kills, tear it down
   metrics.py  pure arithmetic on the step logs: I, R, ETTR, Young's interval, extrapolation
+  mixed.py    mixed HOF/FF schedules (--mixed): what an FF is per system, its inject spec
   report.py   the Markdown tables and the PASS/MISS lines
   plot.py     the PNG (throughput over time), a separate step that reads the JSON
   run.py      the command line: reference, calibration, systems, JSON

@@ -9,6 +9,11 @@ recovering from the previous kill (no live trainer has logged a step since), or,
 in place, the next generation's shadows are not ready yet -- is delivered as soon as it is;
 the delay is recorded with the kill.
 
+An FF of leto-ckpt (a schedule entry that names a leto-run `--inject` spec, mixed.py) is not
+delivered by the harness: leto-run's runtime fires it at its step.  The harness waits for its
+`inject` event (its pid and time are the kill's), in schedule order, so a later kill waits for
+it as it waits for any recovery; its delay is the event's time minus the scheduled one.
+
 Calling contract: `run_system(argv, env, run_dir, schedule, timeout_s, events_path=...,
 nproc=...)` -> `Launch` (`events_path`: leto-run's event log, for shadow readiness).  It never
 raises for a failed or timed-out run (the result says so), and leaves no process behind: the
@@ -28,6 +33,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
+from benchmarks.recovery.mixed import inject_event
+
 POLL_S = 0.02            # how often step files are read: the kill lands within this of its time
 TERM_GRACE_S = 10.0      # launcher SIGTERM -> SIGKILL
 
@@ -41,6 +48,8 @@ class Kill:
     t_fault: float | None = None   # time.monotonic() right before os.kill
     delay_s: float | None = None   # t_fault - scheduled time
     skipped: str | None = None     # why it was not delivered
+    kind: str = "hof"              # hof | ff (presets.Preset.kinds)
+    inject: str | None = None      # leto-run fires it (this spec), the harness only sees it
 
 
 @dataclass
@@ -178,6 +187,41 @@ def _tail(path: str, n: int = 40) -> str:
         return ""
 
 
+def _next_kill(kills: list[Kill], t_first: float, records: list[dict], events: list[dict] | None,
+               killed: set[int], marker: bytes, nproc: int, progress) -> None:
+    """Deliver (or, for an injected FF, observe) the first pending kill if it is due and the
+    system is in steady state; at most one per poll: the next needs new records."""
+    k = next((k for k in kills if k.t_fault is None and not k.skipped), None)
+    if k is None:
+        return
+    due = t_first + k.offset_s
+    if k.inject is not None:
+        # leto-run fires it at its step, possibly before its time (a faster system than the
+        # reference): looked for from the start; gen/attempt keep it after the earlier kills.
+        ev = inject_event(events or [], k.inject)
+        if ev is None:
+            return
+        k.pid, k.t_fault = ev.get("pid"), ev["mono"]
+        k.delay_s = k.t_fault - due
+        if progress:
+            progress(f"FF (leto-run's {k.inject}) rank {k.rank} pid {k.pid} at "
+                     f"+{k.t_fault - t_first:.2f} s (due +{k.offset_s:g} s)")
+        return
+    if time.monotonic() < due:
+        return                                  # kills are in time order
+    since = max((x.t_fault for x in kills if x.t_fault is not None), default=-math.inf)
+    pid = _victim(records, k.rank, killed, marker, events, nproc, since)
+    if pid is None:
+        return                                  # still recovering: deliver when it is back
+    k.pid, k.t_fault = pid, time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    killed.add(pid)
+    k.delay_s = k.t_fault - due
+    if progress:
+        progress(f"SIGKILL rank {k.rank} pid {pid} ({k.kind}) at +{k.t_fault - t_first:.2f} s"
+                 f" (due +{k.offset_s:g} s)")
+
+
 def run_system(argv: list[str], env: dict, run_dir: str, schedule: list[tuple[float, int]],
                timeout_s: float, progress=None, events_path: str | None = None,
                nproc: int = 1) -> Launch:
@@ -189,7 +233,8 @@ def run_system(argv: list[str], env: dict, run_dir: str, schedule: list[tuple[fl
     marker = os.path.abspath(run_dir).encode() + b"/"
     files = JsonlTail(step_files(os.path.join(run_dir, "steps")))
     events = JsonlTail(lambda: [events_path]) if events_path else None
-    kills = [Kill(i, rank, off) for i, (off, rank) in enumerate(schedule)]
+    kills = [Kill(i, e[1], e[0], kind=e[2] if len(e) > 2 else "hof",
+                  inject=e[3] if len(e) > 3 else None) for i, e in enumerate(schedule)]
     killed: set[int] = set()
     t_first = None
     timed_out = False
@@ -212,26 +257,9 @@ def run_system(argv: list[str], env: dict, run_dir: str, schedule: list[tuple[fl
                 t_first = min(r["t0"] for r in steps)
                 if progress:
                     progress(f"training started {t_first - t_launch:.1f} s after launch")
-            for k in kills:
-                if k.t_fault is not None or k.skipped or t_first is None:
-                    continue
-                due = t_first + k.offset_s
-                if time.monotonic() < due:
-                    break                       # kills are in time order
-                since = max((x.t_fault for x in kills if x.t_fault is not None),
-                            default=-math.inf)
-                pid = _victim(files.records, k.rank, killed, marker,
-                              events.records if events else None, nproc, since)
-                if pid is None:
-                    break                       # still recovering: deliver when it is back
-                k.pid, k.t_fault = pid, time.monotonic()
-                os.kill(pid, signal.SIGKILL)
-                killed.add(pid)
-                k.delay_s = k.t_fault - due
-                if progress:
-                    progress(f"SIGKILL rank {k.rank} pid {pid} at +{k.t_fault - t_first:.2f} s"
-                             f" (due +{k.offset_s:g} s)")
-                break                           # one kill per poll: the next needs new records
+            if t_first is not None:
+                _next_kill(kills, t_first, files.records, events.records if events else None,
+                           killed, marker, nproc, progress)
         for k in kills:
             if k.t_fault is None and not k.skipped:
                 k.skipped = "the run ended first" if not timed_out else "timeout"

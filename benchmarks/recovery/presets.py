@@ -4,6 +4,11 @@ A `Preset` is plain data; `run.py` turns it into launches.  The schedule is comp
 SIGKILL every `mtbf_s` seconds of training, `kills` of them, in a run sized (by the fault-free
 reference) to about (kills + 1) * mtbf_s seconds.  The results are extrapolated to the paper's
 one failure per ten minutes with the ETTR formula (metrics.extrapolate).
+
+Failure kinds (`kinds`, kill k has kind kinds[k % len]): "hof" (the trainer dies, its GPU and
+retained memory stay usable) or "ff" (a failure in-place recovery cannot take).  The default is
+HOFs only; `mixed()` alternates hof, ff (the paper's Fig. 10/11 setting).  How each system gets
+an FF is systems.py's and launch.py's business.
 """
 from __future__ import annotations
 
@@ -26,6 +31,13 @@ class Preset:
     description: str = ""
     extra: dict = field(default_factory=dict)
     tail_s: float | None = None       # training after the last kill (default: mtbf_s)
+    kinds: tuple = ("hof",)           # kind of kill k: kinds[k % len(kinds)], "hof" | "ff"
+
+    def __post_init__(self):
+        bad = [k for k in self.kinds if k not in KINDS]
+        if not self.kinds or bad:
+            raise ValueError(f"preset {self.name}: kinds must be a non-empty tuple of "
+                             f"{'/'.join(KINDS)}, got {self.kinds!r}")
 
     @property
     def train_seconds(self) -> float:
@@ -35,6 +47,20 @@ class Preset:
         """[(seconds after the first training step starts, rank)], one per kill."""
         return [((k + 1) * self.mtbf_s, self.victims[k % len(self.victims)])
                 for k in range(self.kills)]
+
+    def kill_kinds(self) -> list[str]:
+        """The kind of each kill of `schedule()`, in its order."""
+        return [self.kinds[k % len(self.kinds)] for k in range(self.kills)]
+
+    @property
+    def ff_fraction(self) -> float:
+        """The share of the schedule's failures that are FFs (0 for HOFs only)."""
+        kinds = self.kill_kinds()
+        return kinds.count("ff") / len(kinds) if kinds else 0.0
+
+
+KINDS = ("hof", "ff")
+MIXED = ("hof", "ff")        # --mixed: half of the failures HOFs, half FFs, alternating
 
 
 # Small pages on CPU, as configs/inplace_demo.yaml: the tiny model spans several protection groups.
@@ -67,6 +93,11 @@ PRESETS = {
         description="one H200: 1.11B-parameter GPT, world size 1 with NCCL, bf16 autocast, "
                     "a SIGKILL every 15 s over a ~45 s run"),
 }
+
+
+def mixed(preset: Preset) -> Preset:
+    """`preset` with the mixed schedule (hof, ff, hof, ...)."""
+    return replace(preset, kinds=MIXED)
 
 
 def get(name: str, **overrides) -> Preset:

@@ -69,10 +69,14 @@ def markdown(res: dict) -> str:
         f"Reference (no fault tolerance, no failures): {ref['steps']} steps, "
         f"t_iter {_s(ref['t_iter'] * 1e3, 1)} ms, T_ref {_s(ref['T_ref'], 1)} s.  "
         f"Checkpoint cost C (measured in this run): sync {_s(ref['calibration']['sync_cost_s'], 3)}"
-        f" s, async {_s(ref['calibration']['async_cost_s'], 3)} s.  Schedule: SIGKILL "
-        + ", ".join(f"rank {r} at +{t:g} s" for t, r in res["schedule"])
+        f" s, async {_s(ref['calibration']['async_cost_s'], 3)} s.  Schedule: "
+        + ", ".join(f"{kind.upper()} rank {r} at +{t:g} s"
+                    for (t, r), kind in zip(res["schedule"], _kinds(res)))
         + f" (MTBF {res['mtbf_s']:g} s); Young interval sqrt(2 C MTBF) / t_iter: sync "
-        f"{res['intervals']['sync']['steps']}, async {res['intervals']['async']['steps']} steps.",
+        f"{res['intervals']['sync']['steps']}, async {res['intervals']['async']['steps']} steps"
+        + (f"; leto-ckpt (async C, FF-only MTBF {res['intervals']['ff']['mtbf_s']:g} s): "
+           f"{res['intervals']['ff']['steps']} steps" if "ff" in res["intervals"] else "")
+        + ".",
         "",
         "| system | ckpt every (steps) | t_iter (ms) | failures | I mean (s) | R mean (s) "
         "| I+R mean (s) | I+R vs Leto | ETTR measured | ETTR model, this run "
@@ -80,7 +84,8 @@ def markdown(res: dict) -> str:
         f"| I+R at MTTF {res['paper_mttf_s'] / 60:g} min (model, s) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    leto = res["systems"].get("leto-inplace") or {}
+    # "vs Leto": in place under HOF-only schedules, with its checkpoint fallback under mixed ones
+    leto = res["systems"].get("leto-inplace") or res["systems"].get("leto-ckpt") or {}
     for name, r in res["systems"].items():
         n_ok = sum(f["recovery"] is not None for f in r["failures"])
         vs = (r["recovery_mean"] / leto["recovery_mean"]
@@ -94,12 +99,14 @@ def markdown(res: dict) -> str:
             f"| {_s((r.get('extrapolated') or {}).get('T_rec'))} |")
     lines += ["", "Per failure (times in s; `at` from the first step; I = t_resume - t_fault, "
               "R = t_{i+1} - t_resume - t_remain):", "",
-              "| system | # | rank | at | step i+1 | resumed at | how | I | R | I+R | breakdown |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| system | # | kind | rank | at | step i+1 | resumed at | how | I | R | I+R "
+              "| breakdown |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res["systems"].items():
         for f in r["failures"]:
             lines.append(
-                f"| {r['label']} | {f['index'] + 1} | {f['rank']} | {_s(f['at_s'])} "
+                f"| {r['label']} | {f['index'] + 1} | {_kind(f)} | {f['rank']} "
+                f"| {_s(f['at_s'])} "
                 f"| {f['interrupted_step']} | {f['resumed_step']} | {f['resume'] or '-'} "
                 f"| {_s(f['I'])} | "
                 + (f">= {_s(f['R_at_least'])}" if f.get("R_at_least") is not None
@@ -121,6 +128,18 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def _kinds(res: dict) -> list[str]:
+    return res.get("kinds") or ["hof"] * len(res["schedule"])     # older JSON: HOFs only
+
+
+def _kind(f: dict) -> str:
+    """hof, ff (SIGKILL: the system cannot tell) or ff (page loss, leto-run's injection)."""
+    kind = f.get("kind", "hof")
+    if kind == "ff":
+        return "FF (page loss)" if f.get("inject") else "FF (SIGKILL)"
+    return "HOF"
+
+
 PHASES = ("attach", "localize", "reconstruct", "agree", "finish")   # leto_run.report's order
 
 
@@ -135,9 +154,14 @@ def _breakdown(f: dict) -> str:
         how = (f" ({rep['resume']} step {rep.get('resume_step')})" if rep.get("resume")
                else "")
         return det + ", ".join(parts) + how
+    fb = f.get("fallback")
+    if fb:
+        det += f"fallback to step {fb['step']} (failed at {fb['failed_step']}), "
     if b.get("respawn_s") is not None:
+        # leto-run loads a fallback's checkpoint inside the runtime: its own report times it
+        load = (rep.get("load_s") if rep and rep.get("load_s") is not None else b["load_s"])
         return (f"{det}respawn {_s(b['respawn_s'])}, ready {_s(b['ready_s'])} "
-                f"(checkpoint load {_s(b['load_s'])}), recomputed {f['recomputed_steps']} steps")
+                f"(checkpoint load {_s(load)}), recomputed {f['recomputed_steps']} steps")
     return "-"
 
 
@@ -147,7 +171,9 @@ def _extrapolation_note(res: dict) -> str:
             f"paper's MTTF of {res['paper_mttf_s']:g} s with this run's measurements: "
             "checkpointing systems at Young's interval for that MTTF (T_eff = t_iter + C / K, "
             "T_rec = mean I + L t_iter, L = K/2 sync, K/2 + 1 async; t_iter the reference's), "
-            "Leto in place with its own step time and mean I + R (no checkpoints: HOFs only).  "
+            "Leto in place with its own step time and mean I + R (no checkpoints: HOFs only; "
+            "leto-ckpt under a mixed schedule: its own step time, checkpoints included, and "
+            "the mean I + R over HOFs and FFs alike).  "
             "The column before them checks the model against this run: T_ref / (N T_eff + "
             "failures T_rec) with the interval used here, next to the measured ETTR.")
 

@@ -1,6 +1,7 @@
 """Recovery time and ETTR: Leto in place next to torchrun + DCP, in one run (issue 6).
 
     python -m benchmarks.recovery --preset cpu-smoke|cpu|h200 [--json FILE] [--md FILE]
+    python -m benchmarks.recovery --preset cpu --mixed [--systems leto-ckpt,torchrun-dcp-async]
     python -m benchmarks.recovery.plot FILE.json [--png FILE]      # the figure, from the JSON
 
 Role: the harness.  One invocation:
@@ -16,6 +17,10 @@ Role: the harness.  One invocation:
    model evaluated at the compressed MTBF (a check against the measurement) and at the paper's
    one failure per 10 minutes (the extrapolation); writes the JSON (after every system, so a
    run cut short keeps what it measured), the Markdown tables and PASS/MISS lines.
+
+`--mixed`: half of the failures are FFs (not recoverable in place), alternating with HOFs;
+the default systems are then leto-ckpt and torchrun + DCP async (mixed.py: what an FF is for
+each, and leto-ckpt's checkpoint interval at the FF-only MTBF).
 
 `--continue FILE` goes on with the run whose JSON is FILE: same preset, same machine, same
 Leto sources (checked, by digest; the reference's step records travel in the JSON), its
@@ -43,6 +48,7 @@ from dataclasses import asdict
 
 from benchmarks.provenance import machine_info
 from benchmarks.recovery import metrics as M
+from benchmarks.recovery import mixed as X
 from benchmarks.recovery import presets, report, systems
 from benchmarks.recovery.launch import Launch, run_system
 
@@ -88,9 +94,12 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(presets.PRESETS), default="cpu-smoke")
-    p.add_argument("--systems", default=",".join(s.name for s in systems.FAULTED),
-                   help="comma-separated subset of the faulted systems (default: all): "
-                        "%(default)s")
+    p.add_argument("--systems", help="comma-separated faulted systems (default: "
+                   + ",".join(s.name for s in systems.FAULTED) + "; with --mixed: "
+                   + ",".join(s.name for s in systems.MIXED_DEFAULT) + ")")
+    p.add_argument("--mixed", action="store_true",
+                   help="mixed schedule: kills alternate HOF, FF (an FF is not recoverable in "
+                        "place: leto-ckpt falls back to its checkpoint)")
     p.add_argument("--mtbf", type=float, help="override the preset's seconds between kills")
     p.add_argument("--kills", type=int, help="override the preset's number of kills")
     p.add_argument("--budget", type=float, help="override the preset's total time budget (s)")
@@ -104,11 +113,13 @@ def parse_args(argv):
                    help="continue the run whose JSON is FILE (same preset, machine and Leto "
                         "sources): keep its reference and systems, run the missing systems")
     a = p.parse_args(argv)
-    names = [n.strip() for n in a.systems.split(",") if n.strip()]
+    default = systems.MIXED_DEFAULT if a.mixed else systems.FAULTED
+    names = ([n.strip() for n in a.systems.split(",") if n.strip()] if a.systems
+             else [s.name for s in default])
     bad = [n for n in names if n not in systems.BY_NAME or n == systems.REFERENCE.name]
     if bad:
         p.error(f"--systems: unknown {bad}; choose from "
-                f"{', '.join(s.name for s in systems.FAULTED)}")
+                f"{', '.join(s.name for s in systems.ALL_FAULTED)}")
     a.system_list = [systems.BY_NAME[n] for n in names]
     if a.kills is not None and a.kills < 1:
         p.error(f"--kills must be >= 1, got {a.kills}")
@@ -197,6 +208,7 @@ def continued(path: str, preset, machine: dict) -> dict:
         raise ContinueError(f"--continue {path}: not a JSON of this harness")
     want = {k: v for k, v in json.loads(json.dumps(asdict(preset))).items() if k != "budget_s"}
     have = {k: v for k, v in prev["preset"].items() if k != "budget_s"}
+    have.setdefault("kinds", ["hof"])       # a JSON from before mixed schedules: HOFs only
     diff = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
     if diff:
         raise ContinueError(f"--continue {path}: its run used other preset settings ({', '.join(diff)}: "
@@ -234,10 +246,12 @@ def evaluate(sysm, preset, ln: Launch, ref: dict, ref_recs: list[dict], interval
         rel = (lambda t: None if t is None or t0 is None else t - t0)
         f.update(index=k.index, rank=k.rank, pid=k.pid, at_s=rel(k.t_fault),
                  resume_at_s=rel(f["t_resume"]), done_at_s=rel(f["t_done"]),
-                 kill_delay_s=k.delay_s)
+                 kill_delay_s=k.delay_s, kind=k.kind, inject=k.inject)
         f["breakdown"] = M.restart_breakdown(recs, f)
         if events:
             f["breakdown"]["detect_s"] = leto_detect_s(events, k.pid, k.t_fault)
+        if k.inject is not None:
+            X.ff_fallback(f, X.fallback_after(events, k.t_fault))
         if j < len(phases):
             f["leto_report"] = phases[j]
         fails.append(f)
@@ -308,6 +322,16 @@ def _reference_and_intervals(res: dict, preset, work: str, env: dict, timeout: f
     cost = {"sync": c["sync_cost_s"], "async": c["async_cost_s"]}
     res["intervals"] = {k: {"steps": K[k], "cost_s": cost[k], "mtbf_s": preset.mtbf_s,
                             "t_iter_s": ref["t_iter"]} for k in K}
+    if preset.ff_fraction > 0:
+        # leto-ckpt: checkpoints serve FFs only (HOFs recover in place), so Young's interval at
+        # the FF-only MTBF, from the same calibrated async cost.
+        mtbf_ff = X.ff_mtbf(preset.mtbf_s, preset.ff_fraction)
+        K["ff"] = X.ff_interval(c["async_cost_s"], preset.mtbf_s, preset.ff_fraction,
+                                ref["t_iter"])
+        cost["ff"] = c["async_cost_s"]
+        res["intervals"]["ff"] = {"steps": K["ff"], "cost_s": cost["ff"], "mtbf_s": mtbf_ff,
+                                  "t_iter_s": ref["t_iter"]}
+        log(f"leto-ckpt: Young interval at the FF-only MTBF {mtbf_ff:g} s: {K['ff']} steps")
     log(f"reference: {ref['steps']} steps, t_iter {ref['t_iter'] * 1e3:.1f} ms, "
         f"T_ref {ref['T_ref']:.1f} s; checkpoint cost sync {cost['sync'] * 1e3:.0f} ms, "
         f"async {cost['async'] * 1e3:.0f} ms -> Young interval at MTBF "
@@ -320,12 +344,14 @@ def _run_faulted(sysm, preset, work: str, env: dict, basis: tuple, timeout: floa
     """One faulted system for the reference's steps under the kill schedule, evaluated."""
     ref, ref_recs, K, cost = basis
     run_dir = os.path.join(work, sysm.name)
-    k = K[sysm.ckpt] if sysm.mode == "dcp" else None
-    argv_ = systems.argv(sysm, preset, run_dir, steps=ref["steps"], interval=k)
+    k = K[sysm.ckpt] if sysm.mode == "dcp" else (K["ff"] if sysm.checkpoint else None)
+    sched, specs = _schedule_of(sysm, preset, ref["t_iter"], k, cost.get("async"))
+    argv_ = systems.argv(sysm, preset, run_dir, steps=ref["steps"], interval=k,
+                         injects=tuple(x for x in specs if x))
     log(f"{sysm.name}: {shlex.join(argv_)}")
     ev = (os.path.join(run_dir, "events.jsonl")
           if sysm.launcher == systems.LETO and sysm.recovery == "inplace" else None)
-    ln = run_system(argv_, systems.launcher_env(sysm, env), run_dir, preset.schedule(),
+    ln = run_system(argv_, systems.launcher_env(sysm, env), run_dir, sched,
                     timeout, progress=lambda m: log(f"  {m}"),
                     events_path=ev, nproc=preset.nproc)
     r = evaluate(sysm, preset, ln, ref, ref_recs, k,
@@ -340,6 +366,27 @@ def _run_faulted(sysm, preset, work: str, env: dict, basis: tuple, timeout: floa
         log(f"{sysm.name}: incomplete run; launcher log tail:\n{ln.log_tail}")
     shutil.rmtree(os.path.join(run_dir, "ckpt"), ignore_errors=True)   # disk, on GPUs
     return r
+
+
+def _schedule_of(sysm, preset, t_iter_ref: float, interval: int | None,
+                 cost_s: float | None = None) -> tuple[list, list]:
+    """run_system's schedule for `sysm` -- (offset, rank, kind, inject spec or None) per kill --
+    and the specs alone.  Only leto-ckpt's FFs are injections (mixed.py); every other failure
+    is the harness's SIGKILL.  Warns when the first FF may find no complete checkpoint (then
+    leto-run ends the job with exit 4): fewer steps after the first one than its write takes,
+    the calibrated async cost `cost_s` standing in for that."""
+    kinds = preset.kill_kinds()
+    specs = (X.ff_specs(preset.schedule(), kinds, t_iter_ref, preset.leto_args)
+             if sysm.checkpoint else [None] * len(kinds))
+    if sysm.checkpoint:
+        margin = X.first_ff_margin(specs, interval)
+        if margin is not None and margin * t_iter_ref < max(cost_s or 0.0, t_iter_ref):
+            log(f"{sysm.name}: WARNING the first FF comes {margin} steps after the first "
+                f"checkpoint (step {interval}), which may not be complete by then (async "
+                f"cost {cost_s or 0:.2f} s): raise --mtbf")
+    sched = [(off, rank, kind, spec)
+             for (off, rank), kind, spec in zip(preset.schedule(), kinds, specs)]
+    return sched, specs
 
 
 def _finish(res: dict, a, prev: dict | None, t_begin: float, save) -> None:
@@ -360,7 +407,13 @@ def _finish(res: dict, a, prev: dict | None, t_begin: float, save) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget,
-                         leto_args=None if a.leto_args is None else tuple(shlex.split(a.leto_args)))
+                         leto_args=None if a.leto_args is None else tuple(shlex.split(a.leto_args)),
+                         kinds=presets.MIXED if a.mixed else None)
+    for sysm in a.system_list:
+        why = systems.schedule_problem(sysm, preset.kill_kinds())
+        if why:
+            print(f"error: --systems: {why}", file=sys.stderr)
+            return 2
     t_begin = time.monotonic()
     budget = preset.budget_s or float("inf")
     work = a.work_dir or tempfile.mkdtemp(prefix="leto-recovery-")
@@ -381,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"benchmark": "recovery", "command": command, "date_utc": now,
            "machine": machine, "preset": asdict(preset),
            "train_seconds": preset.train_seconds, "schedule": preset.schedule(),
+           "kinds": preset.kill_kinds(),
            "mtbf_s": preset.mtbf_s, "paper_mttf_s": M.PAPER_MTTF_S, "work_dir": work,
            "reference": None, "systems": {}, "skipped": {}}
 

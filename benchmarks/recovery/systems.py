@@ -10,6 +10,9 @@ processes here (launch.py starts them).
   torchrun-dcp-async   torchrun --max-restarts N, train.py --mode dcp --ckpt async
   torchrun-dcp-sync    torchrun --max-restarts N, train.py --mode dcp --ckpt sync
   leto-restart-dcp     leto-run --recovery restart --max-restarts N, the same DCP script (async)
+  leto-ckpt            leto-run in place + --checkpoint-dir/--checkpoint-every K (its own
+                       checkpoint fallback for FFs), train.py --mode leto --opt torch; for
+                       mixed HOF/FF schedules (mixed.py: what an FF is for each system)
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ class System:
     ckpt: str | None = None    # sync | async (dcp mode)
     recovery: str | None = None   # leto-run --recovery
     label: str = ""
+    checkpoint: bool = False   # leto-run's own checkpoints + fallback (FFs as page losses)
 
 
 REFERENCE = System("reference", TORCHRUN, "ref", label="fault-free reference (torchrun, no FT)")
@@ -43,10 +47,27 @@ TORCHRUN_SYNC = System("torchrun-dcp-sync", TORCHRUN, "dcp", ckpt="sync",
 LETO_RESTART = System("leto-restart-dcp", LETO, "dcp", ckpt="async", recovery="restart",
                       label="leto-run restart + DCP async")
 
+LETO_CKPT = System("leto-ckpt", LETO, "leto", recovery="inplace", checkpoint=True,
+                   label="leto-run in place + checkpoint fallback")
+
 # Order of the runs: the comparison that matters most first, so a run cut short by its time
-# budget still has it.
+# budget still has it.  HOF-only schedules (the default) and mixed ones (--mixed).
 FAULTED = (LETO_INPLACE, TORCHRUN_ASYNC, TORCHRUN_SYNC, LETO_RESTART)
-BY_NAME = {s.name: s for s in (REFERENCE, *FAULTED)}
+MIXED_DEFAULT = (LETO_CKPT, TORCHRUN_ASYNC)
+ALL_FAULTED = (*FAULTED, LETO_CKPT)
+BY_NAME = {s.name: s for s in (REFERENCE, *ALL_FAULTED)}
+
+
+def schedule_problem(system: System, kinds: list[str]) -> str | None:
+    """Why `system` cannot run a schedule of these failure kinds, or None."""
+    if system.checkpoint and "ff" not in kinds:
+        return (f"{system.name} checkpoints for FFs only (Young's interval at the FF-only MTBF): "
+                "it needs a schedule with FFs (--mixed)")
+    if system.launcher == LETO and system.recovery == "inplace" and not system.checkpoint \
+            and "ff" in kinds:
+        return (f"{system.name} has no checkpoint to fall back to, so an FF would end its job: "
+                "use leto-ckpt for mixed schedules")
+    return None
 
 
 def train_args(preset: Preset, out: str) -> list[str]:
@@ -56,9 +77,11 @@ def train_args(preset: Preset, out: str) -> list[str]:
 
 
 def argv(system: System, preset: Preset, run_dir: str, *, steps: int | None = None,
-         interval: int | None = None, calibrate: bool = False) -> list[str]:
+         interval: int | None = None, calibrate: bool = False,
+         injects: tuple = ()) -> list[str]:
     """The launcher command line of `system` with its logs, step files and checkpoints under
-    `run_dir` (unique per run: the harness also finds leftover processes by it)."""
+    `run_dir` (unique per run: the harness also finds leftover processes by it).  `injects`:
+    leto-run `--inject` specs (leto-ckpt's FFs, mixed.ff_specs)."""
     out = os.path.join(run_dir, "steps")
     ckpt_dir = os.path.join(run_dir, "ckpt")
     common = ["--standalone", "--nproc-per-node", str(preset.nproc),
@@ -68,10 +91,12 @@ def argv(system: System, preset: Preset, run_dir: str, *, steps: int | None = No
         cmd = launcher_cmd(LETO) + common + [
             "--no-status", "--events", os.path.join(run_dir, "events.jsonl"),
             "--recovery", system.recovery, "--max-restarts", str(restarts),
-            "--tee", "3", *preset.leto_args]
+            "--tee", "3", *preset.leto_args, *_checkpoint_args(system, ckpt_dir, interval, injects)]
     else:
         cmd = launcher_cmd(TORCHRUN) + common + ["--max-restarts", str(restarts), "--tee", "3"]
     cmd += [TRAIN, "--mode", system.mode, *train_args(preset, out)]
+    if system.checkpoint:
+        cmd += ["--opt", "torch"]        # job.adamw has no torch.optim state to checkpoint
     if system.mode == "ref":
         cmd += ["--train-seconds", f"{preset.train_seconds:g}"]
         if calibrate:
@@ -85,6 +110,23 @@ def argv(system: System, preset: Preset, run_dir: str, *, steps: int | None = No
             raise ValueError(f"{system.name}: needs a checkpoint interval >= 1, got {interval}")
         cmd += ["--ckpt", system.ckpt, "--ckpt-every", str(interval), "--ckpt-dir", ckpt_dir]
     return cmd
+
+
+def _checkpoint_args(system: System, ckpt_dir: str, interval: int | None,
+                     injects: tuple) -> list[str]:
+    """leto-ckpt's checkpoint options and its FFs' injections (nothing for other systems)."""
+    if not system.checkpoint:
+        if injects:
+            raise ValueError(f"{system.name}: injections are leto-ckpt's FFs only")
+        return []
+    if not interval or interval < 1:
+        raise ValueError(f"{system.name}: needs a checkpoint interval >= 1, got {interval}")
+    # Every FF of the schedule falls back once: leto-run's default of 3 must not end the job.
+    out = ["--checkpoint-dir", ckpt_dir, "--checkpoint-every", str(interval),
+           "--max-fallbacks", str(max(3, len(injects)))]
+    for spec in injects:
+        out += ["--inject", spec]
+    return out
 
 
 def launcher_env(system: System, base: dict[str, str]) -> dict[str, str]:

@@ -3,6 +3,7 @@
     train.py --mode ref  --out D --train-seconds S [--calibrate]   # the fault-free reference
     train.py --mode dcp  --out D --steps N --ckpt sync|async --ckpt-every K --ckpt-dir C
     train.py --mode leto --out D --steps N                         # leto-run, in place
+    train.py --mode leto --out D --steps N --opt torch             # ... with torch.optim AdamW
 
 Role: the workload `benchmarks/recovery/run.py` measures under every system.  Model
 (`examples/gpt.py`), data (`batch(seed, step, rank)`), AdamW hyper-parameters, batch and step
@@ -18,8 +19,12 @@ count are the same in every mode; only the fault tolerance differs:
   (its `.metadata` exists), so it recovers under `torchrun --max-restarts` and under
   `leto-run --recovery restart` alike.  Only the newest complete checkpoint is kept.
 * **leto**: the runtime API (`leto_runtime.init`, retained state, RMU AdamW); under `leto-run`
-  a shadow takes over in place.  No checkpoints: the benchmark's failures are all HOFs, for
-  which Young's interval is infinite (paper §8.1, h = 1).
+  a shadow takes over in place.  No checkpoints of its own: with HOFs only, Young's interval is
+  infinite (paper §8.1, h = 1).  `--opt torch` builds the script's own `torch.optim.AdamW`
+  (same hyper-parameters, a LambdaLR giving `lr_at`) and hands it to `job.optimizer`
+  (docs/PORTING.md): the form leto-run's `--checkpoint-dir` fallback needs (mixed HOF/FF
+  schedules; after a fallback `job.steps` starts at the checkpoint's step, which the first
+  `ready` record says).  The default `--opt rmu` is `job.adamw`, as in the earlier results.
 
 Output contract: every process appends JSON lines to ``D/steps_<rank>.jsonl`` (line-buffered,
 one `write` per record, so a SIGKILL leaves whole lines):
@@ -79,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt", choices=("sync", "async"), default="sync")
     p.add_argument("--ckpt-every", type=int, default=0, help="dcp: steps between checkpoints")
     p.add_argument("--ckpt-dir", help="dcp / ref --calibrate: checkpoint directory")
+    p.add_argument("--opt", choices=("rmu", "torch"), default="rmu",
+                   help="leto: job.adamw (rmu) or torch.optim.AdamW through job.optimizer")
     a = p.parse_args(argv)
     if a.mode == "ref" and not (a.steps or a.train_seconds):
         p.error("--mode ref needs --train-seconds or --steps")
@@ -97,6 +104,18 @@ def model_config(a) -> GPTConfig:
     over = {k: v for k, v in (("n_layer", a.n_layer), ("n_embd", a.n_embd),
                               ("n_head", a.n_head), ("block_size", a.block_size)) if v}
     return dataclasses.replace(cfg, **over) if over else cfg
+
+
+def warmup_factor(cfg: AdamWConfig):
+    """LambdaLR's factor for step t: base lr x factor is `lr_at(cfg, t)` bit for bit (the same
+    expression, lr * ((t + 1) / W), then lr * 1.0), for a constant LR after warm-up."""
+    if cfg.total_steps is not None:
+        raise ValueError("warmup_factor: only the constant schedule (total_steps=None)")
+    w = cfg.warmup_steps
+
+    def factor(t: int) -> float:
+        return (t + 1) / w if t < w else 1.0
+    return factor
 
 
 def adamw_config(a) -> AdamWConfig:
@@ -150,6 +169,18 @@ def attempt_of_env() -> tuple[int, int]:
 
 
 # ---- leto: the runtime API, in place -----------------------------------------------------------
+def leto_optimizer(job, model: torch.nn.Module, o: AdamWConfig, kind: str):
+    """`job.adamw` (rmu), or the script's own torch AdamW + LambdaLR through `job.optimizer`
+    (torch): the same hyper-parameters as the plain modes; foreach=False, the implementation
+    Leto reproduces (docs/PORTING.md).  opt.step() then clips, updates and steps the LR."""
+    if kind == "rmu":
+        return job.adamw(model, o)
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                  weight_decay=o.weight_decay, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(torch_opt, warmup_factor(o))
+    return job.optimizer(torch_opt, sched, clip_grad_norm=o.clip_grad_norm)
+
+
 def run_leto(a) -> None:
     job = leto.init(seed=a.seed)
     attempt, gen = attempt_of_env()
@@ -161,7 +192,7 @@ def run_leto(a) -> None:
     with job.meta_init():
         model = GPT(cfg)
     model = job.retain(model, init=init_params)
-    opt = job.adamw(model, adamw_config(a))
+    opt = leto_optimizer(job, model, adamw_config(a), a.opt)
     first = True
     for step in job.steps(a.steps):
         t0 = time.monotonic()
