@@ -55,6 +55,7 @@ from leto_run.errors import RendezvousFailed
 from leto_run.store_listen import StoreBindError, server_store
 from leto_run.worker_env import WorkerIdentity
 from leto_runtime.auth_store import AuthStore
+from leto_runtime.wire import contract as C
 from leto_runtime.control_auth import ForgedControlKey
 
 STATIC_TIMEOUT_S = 600           # torch's static rendezvous default (`--rdzv-conf timeout=`)
@@ -73,6 +74,12 @@ def make_handler(cfg: JobConfig, key: bytes | None = None
         conf["rank"] = int(conf.get("rank", la.node_rank))
         if not endpoint:
             endpoint = f"{rz.master_addr}:{rz.master_port if rz.master_port is not None else 29500}"
+    # torch shares one store with torchrun's workers (`use_agent_store`) and publishes its
+    # address in a node's first round only, so a replacement node joining a later round would
+    # wait for it forever.  Leto's workers get their own store per round (next_round): sharing
+    # off, through torch's own opt-out, which its handlers read at every round.  The agent's
+    # setting, not the workers' (`worker_env` leaves it out of their environment).
+    os.environ[C.TORCH_SHARE_RDZV_STORE_OFF] = "1"
     params = RendezvousParameters(backend=rz.backend, endpoint=endpoint, run_id=rz.id,
                                   min_nodes=la.min_nodes, max_nodes=la.max_nodes,
                                   local_addr=rz.local_addr, **conf)
@@ -172,7 +179,7 @@ def next_round(handler: RendezvousHandler, *, round_no: int, restart_count: int,
                store_timeout: float = 900.0, single_node: bool = False) -> RoundResult:
     """One round; `single_node` (max nodes 1): the worker store listens on loopback only."""
     try:
-        info = _without_shared_store(handler)
+        info = handler.next_rendezvous()
     except ForgedControlKey as e:
         raise job_secret.forged("the rendezvous", e.key, e.reason, not single_node) from e
     except Exception as e:
@@ -204,25 +211,6 @@ def next_round(handler: RendezvousHandler, *, round_no: int, restart_count: int,
         raise RendezvousFailed(f"the worker store of round {round_no}: {e}") from e
     return RoundResult(round_no, store, group_rank, group_world_size, addr, port, ids,
                        True, server)
-
-
-def _without_shared_store(handler: RendezvousHandler) -> RendezvousInfo:
-    """`handler.next_rendezvous()` with torch's store sharing off.  torch shares one store with
-    torchrun's workers (`use_agent_store`) and publishes its address in a node's first round
-    only, so a replacement node joining a later round would wait for it forever.  Leto's workers
-    get their own store per round, so the sharing is off, through torch's own opt-out, which it
-    reads at each call: set for the call only (the agent's main thread, which also starts every
-    worker), so no worker's environment carries it."""
-    name = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-    old = os.environ.get(name)
-    os.environ[name] = "1"
-    try:
-        return handler.next_rendezvous()
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def assign_ranks(store, *, round_no: int, group_rank: int, group_world_size: int, role: str,

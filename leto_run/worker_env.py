@@ -73,8 +73,10 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
     including an ``OMP_NUM_THREADS`` the launcher set for nproc > 1).
     """
     ident = spec.identity
-    # the agent's own LETO_CHECKPOINT_* settings are config, not the trainers' contract values
-    env = {k: v for k, v in base.items() if not k.startswith(C.CHECKPOINT_ENV_PREFIX)}
+    # the agent's own LETO_CHECKPOINT_* settings are config, not the trainers' contract values;
+    # nor is the rendezvous setting the agent made for itself (leto_run.rendezvous)
+    env = {k: v for k, v in base.items() if not k.startswith(C.CHECKPOINT_ENV_PREFIX)
+           and k != C.TORCH_SHARE_RDZV_STORE_OFF}
     env.update({
         C.RANK: str(ident.global_rank),
         C.GROUP_RANK: str(ident.group_rank),

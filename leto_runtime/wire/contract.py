@@ -32,6 +32,9 @@ TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 SCRIPT_ERROR_KEY = "leto_script_error"
 TORCHELASTIC_SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
 TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+# torch's opt-out of sharing the rendezvous store with the workers: the agent sets it for its
+# own handlers (leto_run.rendezvous); it is not passed on to the workers.
+TORCH_SHARE_RDZV_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 
 TORCHRUN_KEYS = (
