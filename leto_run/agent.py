@@ -127,12 +127,14 @@ class Agent:
                     log=self.log, sms=self.sms))
         self.group.pump_once = self._pump_once
         self.restart = RestartPolicy(self.group, cfg.launch.max_restarts)
-        self.fallback = FallbackPolicy(self.group, cfg.checkpoint, self.sms)
+        static_nodes = cfg.launch.max_nodes > 1 and self.handler.get_backend() == "static"
+        self.fallback = FallbackPolicy(self.group, cfg.checkpoint, self.sms, static_nodes)
         self.inplace = (InplaceRecovery(self.group, recovery=cfg.recovery, node=self.node,
                                         job_key=self.job_key, retained_lost=self.sms.lost)
                         if inplace else None)
         self.nodes = NodesPolicy(self.group, self.fallback, self.sms, self.inplace, self.node,
-                                 cfg.recovery.peer_timeout)
+                                 cfg.recovery.peer_timeout, self.restart,
+                                 scoped=self.handler.get_backend() != "static")
         self.sup = Supervisor(self.group, hb=self.hb, sig_fd=self._sig_r, handled=self.handled,
                               host=self.host, observer=self.inplace)
         self.next_peer_check = 0.0
@@ -192,6 +194,7 @@ class Agent:
                     return self._unrecoverable(decision.reason, why_not)
                 if decision.action == Action.SUCCEED:
                     g.stop("success")
+                    self.nodes.done()           # the peers do not take our exit for a loss
                     self._exit_barrier()
                     return self._end(E.EXIT_OK)
                 if decision.action == Action.RESTART:
@@ -274,7 +277,7 @@ class Agent:
         stop = self.nodes.agree(r)
         if stop is not None:
             return stop
-        g.start(r, count)
+        g.start(r, self.restart.count)      # (a fallback the round agreed on counts one)
         self.fallback.started_attempt()
         return None
 
@@ -399,6 +402,7 @@ class Agent:
         self.status.stop()
         self.pump.close()
         self.hb.close()
+        self.nodes.close(join=True)     # its thread off the store before the store goes
         try:
             self.handler.shutdown()
         except Exception:
@@ -406,7 +410,6 @@ class Agent:
         signal.set_wakeup_fd(-1)
         if self.inplace:
             self.inplace.close()
-        self.nodes.close()
         self.guardian.release()
         if self.ckpt_lock is not None:
             self.ckpt_lock.release()

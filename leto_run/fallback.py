@@ -33,11 +33,17 @@ from leto_runtime.wire import ckpt_files as F
 
 
 def decide_fallback(mode: str, directory: str | None, found: F.Found | None,
-                    torn: list[F.Found], used: int, max_fallbacks: int) -> tuple[bool, str]:
-    """Can the job fall back to a checkpoint? -> (yes, why)."""
+                    torn: list[F.Found], used: int, max_fallbacks: int,
+                    static_nodes: bool = False) -> tuple[bool, str]:
+    """Can the job fall back to a checkpoint? -> (yes, why).  `static_nodes`: a multi-node job
+    on the static rendezvous, whose store is not scoped to the round (no start agreement)."""
     if mode == "off":
         return False, "checkpointing is off (no --checkpoint-dir), so there is nothing to fall " \
                       "back to"
+    if static_nodes:
+        return False, ("a multi-node job on the static rendezvous cannot fall back (its nodes "
+                       "cannot agree where to start: use --rdzv-backend c10d); resume from the "
+                       f"newest checkpoint in {directory} with the script's own dcp.load")
     if used >= max_fallbacks:
         return False, f"all {max_fallbacks} checkpoint fallbacks used (--max-fallbacks)"
     if found is None:
@@ -53,8 +59,8 @@ def decide_fallback(mode: str, directory: str | None, found: F.Found | None,
 class FallbackPolicy:
     action = Action.FALL_BACK
 
-    def __init__(self, group, cfg: CheckpointConfig, sms):
-        self.group, self.cfg, self.sms = group, cfg, sms
+    def __init__(self, group, cfg: CheckpointConfig, sms, static_nodes: bool = False):
+        self.group, self.cfg, self.sms, self.static_nodes = group, cfg, sms, static_nodes
         self.used = 0
         self.chosen: F.Found | None = None
         self.started = 0.0
@@ -68,7 +74,7 @@ class FallbackPolicy:
             found = done[-1] if done else None
             torn = [f for f in scan if not f.complete]
         ok, why = decide_fallback(self.cfg.mode, self.cfg.dir, found, torn or [], self.used,
-                                  self.cfg.max_fallbacks)
+                                  self.cfg.max_fallbacks, self.static_nodes)
         if not ok:
             return None, why
         self.chosen = found
@@ -101,7 +107,8 @@ class FallbackPolicy:
     def for_restart(self) -> None:
         """Restart mode: a restarted group resumes from the newest complete checkpoint (several
         nodes: the one `start_plan` picks, the same on every node)."""
-        found = F.newest(self.cfg.dir) if self.cfg.mode != "off" else None
+        found = (F.newest(self.cfg.dir) if self.cfg.mode != "off" and not self.static_nodes
+                 else None)
         self.group.checkpoint_load = found.path if found else None
         if found:
             self.group.log(f"the restarted group resumes from the checkpoint of step "

@@ -29,21 +29,32 @@ from leto_runtime.control_auth import ForgedControlKey
 
 
 class NodesPolicy:
-    def __init__(self, group, fallback, sms, inplace, node: str, peer_timeout: float):
+    def __init__(self, group, fallback, sms, inplace, node: str, peer_timeout: float, restart,
+                 scoped: bool = True):
         self.group, self.fallback, self.sms, self.inplace = group, fallback, sms, inplace
-        self.node, self.peer_timeout = node, peer_timeout
+        self.node, self.peer_timeout, self.restart = node, peer_timeout, restart
+        # The static rendezvous' store is not scoped to the round: a view or a beat of an
+        # earlier round would read as this one's.  No agreement there (no fallback either:
+        # `FallbackPolicy` refuses it for multi-node static jobs).
+        self.scoped = scoped
         self.peers: PeerWatch | None = None
 
-    def close(self) -> None:
+    def close(self, join: bool = False) -> None:
         if self.peers is not None:
-            self.peers.close()
+            self.peers.close(join)
         self.peers = None
+
+    def done(self) -> None:
+        """Every local worker succeeded: the peers must not take our silence (the exit
+        barrier, then our exit) for a lost node."""
+        if self.peers is not None:
+            self.peers.finish()
 
     def agree(self, r) -> Decision | None:
         """Every node of round `r` starts from the same state; an UNRECOVERABLE decision when
         there is none."""
         self.close()
-        if r.group_world_size <= 1:
+        if r.group_world_size <= 1 or not self.scoped:
             return None
         g = self.group
         if self.inplace:
@@ -74,6 +85,8 @@ class NodesPolicy:
             why = self.fallback.follow(plan.path, plan.reason, self.inplace is not None)
             if why:
                 return Decision(Action.UNRECOVERABLE, f"{plan.reason}; {why}")
+            if self.inplace is not None:
+                self.restart.note_fallback()   # the attempt counts as the deciding node's does
         return None
 
     def watch(self, now: float) -> Decision | None:

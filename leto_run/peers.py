@@ -28,6 +28,7 @@ import time
 from leto_runtime.control_auth import ForgedControlKey
 
 KEY = "leto/alive/{}"
+DONE = "leto/done/{}"          # this agent's workers all succeeded: silence from now is no loss
 
 
 class PeerWatch:
@@ -39,6 +40,7 @@ class PeerWatch:
         self.last_read = now
         self.unreachable: tuple[float, str] | None = None
         self.forged: ForgedControlKey | None = None
+        self.done: set[int] = set()            # peers whose workers all succeeded
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
@@ -56,12 +58,22 @@ class PeerWatch:
             self.alive_after = dict.fromkeys(self.names, -1.0)   # it beat after this time
             self.last_read = now
 
+    def finish(self) -> None:
+        try:
+            self.store.set(DONE.format(self.rank), "1")
+        except Exception:           # the store's host is gone: nobody is left to mistake us
+            pass
+
     def run(self) -> None:
         self.thread = threading.Thread(target=self._loop, name="leto-peer-beats", daemon=True)
         self.thread.start()
 
-    def close(self) -> None:
+    def close(self, join: bool = False) -> None:
+        """Stop beating; `join`: wait (bounded) until the thread is out of the store, so no
+        thread is inside a C++ store call when the process exits."""
         self.stopped.set()
+        if join and self.thread is not None:
+            self.thread.join(self.interval + 2.0)
 
     def _loop(self) -> None:
         while not self.stopped.wait(self.interval):
@@ -75,6 +87,7 @@ class PeerWatch:
         try:
             self.store.set(KEY.format(self.rank), str(self.count))
             got = self.store.multi_get([KEY.format(r) for r in self.names])
+            done = {r for r in self.names if self.store.check([DONE.format(r)])}
         except ForgedControlKey as e:
             with self.lock:
                 self.forged = e
@@ -86,6 +99,7 @@ class PeerWatch:
             return
         with self.lock:
             self.unreachable = None
+            self.done = done
             for r, v in zip(self.names, got):
                 if v != self.value[r]:
                     self.value[r], self.moved[r] = v, now
@@ -108,6 +122,7 @@ class PeerWatch:
                         f"{now - self.unreachable[0]:.1f} s ({self.unreachable[1]}): the node "
                         "hosting it is lost")
             gone = [f"{self.names[r]} (group rank {r}, silent for {now - t:.1f} s)"
-                    for r, t in self.moved.items() if now - t > self.timeout]
+                    for r, t in self.moved.items()
+                    if now - t > self.timeout and r not in self.done]
         return (f"node(s) lost: {', '.join(gone)} (--peer-timeout {self.timeout:g} s)"
                 if gone else None)

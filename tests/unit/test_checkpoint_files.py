@@ -116,6 +116,8 @@ def test_the_fallback_decision():
     assert not ok and "all 3 checkpoint fallbacks used" in why
     ok, why = decide_fallback("steps", "/c", found, torn, 1, 3)
     assert ok and "step 6" in why and "fallback 2 of 3" in why and "partial-step_000000009" in why
+    ok, why = decide_fallback("steps", "/c", found, torn, 0, 3, static_nodes=True)
+    assert not ok and "static rendezvous" in why and "c10d" in why
 
 
 def _cfg(*args: str, env=None):

@@ -91,3 +91,24 @@ def test_a_store_that_stays_unreachable_is_a_lost_node():
     w.tick(1.0)
     assert w.lost(5.5) is None
     assert "unreachable" in w.lost(6.5) and "connection reset" in w.lost(6.5)
+
+
+def test_a_peer_whose_workers_succeeded_is_not_lost_while_it_waits_to_exit():
+    store = dist.HashStore()
+    a, b = PeerWatch(store, 0, 5.0, now=0.0), PeerWatch(store, 1, 5.0, now=0.0)
+    for w in (a, b):
+        w.start()
+        w.meet(["n0", "n1"], 0.0)
+    a.tick(0.5)
+    b.tick(0.5)
+    b.finish()                 # b's workers succeeded; it is in the exit barrier, silent
+    for t in (1.0, 3.0, 6.0, 9.0):
+        a.tick(t)
+    assert a.lost(9.0) is None
+    other = dist.HashStore()
+    other.set("leto/alive/1", "0")
+    c = PeerWatch(other, 0, 5.0, now=0.0)     # the same silence without the finish: lost
+    c.meet(["n0", "n2"], 0.0)
+    c.tick(0.5)
+    c.tick(6.0)
+    assert c.lost(6.0) and "n2" in c.lost(6.0)
