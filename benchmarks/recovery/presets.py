@@ -92,17 +92,15 @@ PRESETS = {
         system_timeout_s=240.0, budget_s=540.0,
         description="one H200: 1.11B-parameter GPT, world size 1 with NCCL, bf16 autocast, "
                     "a SIGKILL every 15 s over a ~45 s run"),
-    # The h200 preset's width with 6 layers (0.41B parameters): its checkpoint is written well
-    # before a mixed schedule's first FF, and reference + both systems + the kernel build fit in
-    # one device call.
-    "h200-mid": Preset(
-        name="h200-mid", model="gpu_1b", model_args=("--n-layer", "6", "--block-size", "1024"),
-        batch_size=8, nproc=1, mtbf_s=20.0, kills=2, victims=(0,),
-        leto_args=("--page-bytes", "4194304", "--hang-timeout", "120"),
-        system_timeout_s=200.0, budget_s=400.0,
-        description="one H200: 0.41B-parameter GPT (the h200 preset's width, 6 layers), world "
-                    "size 1 with NCCL, bf16 autocast, a failure every 20 s over a ~60 s run"),
 }
+
+# The h200 preset's width with 6 layers (0.41B parameters): its checkpoint is written well before
+# a mixed schedule's first FF, and reference + both systems + the kernel build fit in one call.
+PRESETS["h200-mid"] = replace(
+    PRESETS["h200"], name="h200-mid", model_args=("--n-layer", "6", "--block-size", "1024"),
+    mtbf_s=20.0, system_timeout_s=200.0, budget_s=400.0,
+    description="one H200: 0.41B-parameter GPT (the h200 preset's width, 6 layers), world size 1 "
+                "with NCCL, bf16 autocast, a failure every 20 s over a ~60 s run")
 
 
 def mixed(preset: Preset) -> Preset:

@@ -49,12 +49,18 @@ def test_the_views_and_a_fallback_go_through_the_round_s_store():
     assert fallback_announced(store) == {"node": "b", "path": "/ck/6"}
 
 
-def test_a_peer_whose_beats_stop_is_lost_after_the_timeout_and_not_before():
-    store = dist.HashStore()
+def _pair(store) -> tuple[PeerWatch, PeerWatch]:
+    """Two agents' watchers of one round, started and introduced at time 0."""
     a, b = PeerWatch(store, 0, 5.0, now=0.0), PeerWatch(store, 1, 5.0, now=0.0)
     for w in (a, b):
         w.start()
         w.meet(["n0", "n1"], 0.0)
+    return a, b
+
+
+def test_a_peer_whose_beats_stop_is_lost_after_the_timeout_and_not_before():
+    store = dist.HashStore()
+    a, b = _pair(store)
     t = 0.0
     while t < 3.0:                        # both beat every 0.5 s
         a.tick(t)
@@ -95,10 +101,7 @@ def test_a_store_that_stays_unreachable_is_a_lost_node():
 
 def test_a_peer_whose_workers_succeeded_is_not_lost_while_it_waits_to_exit():
     store = dist.HashStore()
-    a, b = PeerWatch(store, 0, 5.0, now=0.0), PeerWatch(store, 1, 5.0, now=0.0)
-    for w in (a, b):
-        w.start()
-        w.meet(["n0", "n1"], 0.0)
+    a, b = _pair(store)
     a.tick(0.5)
     b.tick(0.5)
     b.finish()                 # b's workers succeeded; it is in the exit barrier, silent
