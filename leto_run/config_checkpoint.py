@@ -7,6 +7,9 @@
                                #   default when it is set) takes Young's interval from it
       keep: 2                  # --checkpoint-keep: complete checkpoints kept
       max_fallbacks: 3         # --max-fallbacks: checkpoint fallbacks before the job ends
+      writer: auto             # --checkpoint-writer: auto (rank 0's shadow snapshots the
+                               #   retained state while the active computes; the active
+                               #   itself where no shadow serves) or trainer (always the active)
 
 A failure that in-place recovery cannot take (page losses beyond the tolerance, a state manager
 gone for good, contradicting markers) falls back to the newest complete checkpoint of `dir`
@@ -42,6 +45,9 @@ def seconds(text: str) -> float | None:
         return None
 
 
+WRITERS = ("auto", "trainer")
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     dir: str | None = None
@@ -49,8 +55,12 @@ class CheckpointConfig:
     ff_mtbf: str | None = None        # DURATION
     keep: int = 2
     max_fallbacks: int = 3
+    writer: str = "auto"              # auto | trainer
 
     def __post_init__(self) -> None:
+        if self.writer not in WRITERS:
+            raise _err("writer", f"{self.writer!r} is not one of {', '.join(WRITERS)}",
+                       "use auto (the shadow snapshots, no stall) or trainer")
         ex = "e.g. --checkpoint-every 500 (steps), 10m (a duration) or auto (with --ff-mtbf)"
         if self.dir is not None and not str(self.dir).strip():
             raise _err("dir", "is empty", "give a directory, or leave it unset (no checkpoints)")
@@ -138,7 +148,8 @@ def worker_env(cfg: CheckpointConfig, load: str | None) -> tuple[tuple[str, str]
                 (K.LETO_CHECKPOINT_EVERY_STEPS, str(cfg.every_steps)),
                 (K.LETO_CHECKPOINT_EVERY_S, repr(float(cfg.every_s))),
                 (K.LETO_CHECKPOINT_FF_MTBF_S, repr(float(cfg.ff_mtbf_s or 0.0))),
-                (K.LETO_CHECKPOINT_KEEP, str(cfg.keep))]
+                (K.LETO_CHECKPOINT_KEEP, str(cfg.keep)),
+                (K.LETO_CHECKPOINT_WRITER, cfg.writer)]
     if load:
         out.append((K.LETO_CHECKPOINT_LOAD, load))
     return tuple(out)

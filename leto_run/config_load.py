@@ -218,6 +218,10 @@ OPTIONS: tuple[Option, ...] = (
     _leto("checkpoint.keep", ("--checkpoint-keep",), conv_int,
           "Complete checkpoints kept (older ones are removed).", "N",
           env="LETO_CHECKPOINT_KEEP", fix="use an integer >= 1, e.g. 2"),
+    _leto("checkpoint.writer", ("--checkpoint-writer",), conv_str,
+          "Who copies the state for a checkpoint: auto (rank 0's shadow, from retained memory "
+          "while the active computes; the active where no shadow serves) or trainer.",
+          "auto|trainer", env="LETO_CHECKPOINT_WRITER", fix="use auto or trainer"),
     _leto("checkpoint.max_fallbacks", ("--max-fallbacks",), conv_int,
           "Checkpoint fallbacks allowed before the job ends (exit 4).", "N",
           env="LETO_MAX_FALLBACKS", fix="use an integer >= 0, e.g. 3"),

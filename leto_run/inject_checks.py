@@ -81,13 +81,18 @@ def never_fires(spec: InjectSpec, job) -> tuple[str, str] | None:
     if spec.kind == InjectKind.HANG and job.recovery.hang_timeout == 0:
         return ("an injected hang is found only by hang detection, which hang_timeout 0 turns "
                 "off: the job would wait forever", "set --hang-timeout to seconds > 0, e.g. 30")
-    if spec.at == "checkpoint.write":
+    if spec.at in ("checkpoint.write", "checkpoint.snapshot"):
         if job.checkpoint.mode == "off":
-            return ("at=checkpoint.write needs checkpoints, and no --checkpoint-dir is set",
+            return (f"at={spec.at} needs checkpoints, and no --checkpoint-dir is set",
                     "add --checkpoint-dir DIR --checkpoint-every N")
         if spec.rank != 0:
             return ("only rank 0 writes checkpoints (data parallelism: its state is the job's)",
                     "use rank=0")
+        if spec.at == "checkpoint.snapshot" and (job.recovery.mode != "inplace"
+                                                 or job.checkpoint.writer != "auto"):
+            return ("at=checkpoint.snapshot is a point of the shadow's snapshot, which needs "
+                    "--recovery inplace and --checkpoint-writer auto",
+                    "use at=checkpoint.write, or run in place with the shadow writer")
     if job.recovery.mode == "restart":
         return _restart_mode(spec, job)
     return _inplace_mode(spec, job)

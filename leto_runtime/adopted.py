@@ -183,6 +183,8 @@ class AdoptedOptimizer:
 
     def _rmu_step(self, t: int) -> None:
         j = self.job
+        if j.checkpointer is not None:
+            j.checkpointer.before_update(j, t)    # the shadow's snapshot of step t is done
         if self.records is not None:
             self.records.write(t, self.hypers, self.scheduler)
         self.plan.set_hypers(self.hypers)
@@ -239,18 +241,11 @@ class AdoptedOptimizer:
     def state_dict(self) -> dict:
         if not self.rmu:
             return self.torch_opt.state_dict()
+        from leto_runtime.checkpoint import optimizer_state
         sd = self.torch_opt.state_dict()          # param_groups with indices; its state is empty
-        j, state = self.job, {}
-        if self.done > 0:
-            flats = [j.ss.flat(st) for st in j.ss.model[1:]]
-            for i, slot, h in self.slots():
-                entry = {n: flats[k][slot.offset:slot.offset + slot.numel].view(slot.shape)
-                         .detach().cpu().clone() for k, n in enumerate(h.state_names)}
-                if h.kind in ("adam", "adamw"):
-                    entry = {"step": torch.tensor(float(self.done)), **entry}
-                if entry:
-                    state[i] = entry
-        sd["state"] = state
+        j = self.job
+        sd["state"] = optimizer_state(self, [j.ss.flat(st) for st in j.ss.model[1:]],
+                                      self.done)
         return sd
 
     def slots(self):

@@ -138,7 +138,8 @@ def attach_at_promotion(job) -> dict:
         return {"preattached": False}
     t0 = time.monotonic()
     rep = job.ss.client.refresh()
-    if rep.views_invalid:         # a state was re-created under its name: map afresh
+    # a state re-created under its name (seen here, or by the snapshot's refresh): map afresh
+    if rep.views_invalid or job.recovery_info.pop("stale_views", False):
         old = job.ss.client
         materialize(job)
         try:

@@ -36,7 +36,61 @@ def state_dict(job) -> dict:
             "step": int(opt.done)}
 
 
-def _complete(osd: dict, opt) -> dict:
+def small_part(job) -> dict:
+    """What a shadow's snapshot of the state (`leto_runtime.ckpt_snapshot`) needs beside the
+    retained params and optimizer states: the state dict's keys, the buffers, the groups'
+    values, the scheduler, the step."""
+    opt = job.opt
+    params = {k for k, _ in job.model.named_parameters(remove_duplicate=False)}
+    sd = job.model.state_dict()
+    return {"step": int(opt.done), "keys": list(sd),
+            "buffers": {k: v.detach().cpu().clone() for k, v in sd.items() if k not in params},
+            "param_groups": opt.torch_opt.state_dict()["param_groups"],
+            "scheduler": opt.scheduler.state_dict() if opt.scheduler is not None else None}
+
+
+def assemble(job, small: dict, flats: list[torch.Tensor]) -> dict:
+    """The shadow's `state_dict()`: the same dict as the active's, from `small` (the active's
+    `small_part`) and `flats` (host copies of the retained model states, params first, each
+    `layout.numel` long).  Views into `flats`, not copies (DCP copies what it writes)."""
+    opt, P = job.opt, flats[0]
+    slot = {s.name: s for s in job.layout.params}
+    first: dict[int, str] = {}
+    for n, p in job.model.named_parameters():
+        first.setdefault(id(p), n)
+    params = dict(job.model.named_parameters(remove_duplicate=False))
+    model = {}
+    for k in small["keys"]:
+        if k in params:
+            s = slot[first[id(params[k])]]
+            model[k] = P[s.offset:s.offset + s.numel].view(s.shape)
+        else:
+            model[k] = small["buffers"][k]
+    osd = {"state": optimizer_state(opt, flats[1:], small["step"], copy=False),
+           "param_groups": small["param_groups"]}
+    return {"model": model, "optimizer": _complete(osd, opt, copy=False),
+            "scheduler": small["scheduler"], "step": int(small["step"])}
+
+
+def optimizer_state(opt, flats: list[torch.Tensor], done: int, copy: bool = True) -> dict:
+    """torch's `state` of the adopted optimizer from the flat optimizer states (CPU copies
+    when `copy`, else views of `flats`)."""
+    state: dict = {}
+    if done <= 0:
+        return state
+    for i, slot, h in opt.slots():
+        entry = {}
+        for k, n in enumerate(h.state_names):
+            v = flats[k][slot.offset:slot.offset + slot.numel].view(slot.shape)
+            entry[n] = v.detach().cpu().clone() if copy else v
+        if h.kind in ("adam", "adamw"):
+            entry = {"step": torch.tensor(float(done)), **entry}
+        if entry:
+            state[i] = entry
+    return state
+
+
+def _complete(osd: dict, opt, copy: bool = True) -> dict:
     """Every optimizer state entry present (zeros where torch has none yet, before the first
     step): `dcp.load` fills only the entries its template has."""
     for i, slot, h in opt.slots():
@@ -45,8 +99,9 @@ def _complete(osd: dict, opt) -> dict:
             entry.setdefault("step", torch.tensor(0.0))
         for n in h.state_names:
             entry.setdefault(n, torch.zeros(slot.shape, dtype=torch.float32))
-        osd["state"][i] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
-                           for k, v in entry.items()}
+        if copy:
+            osd["state"][i] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                               for k, v in entry.items()}
     return osd
 
 

@@ -19,10 +19,17 @@ Failures of the write (a full disk, a permission taken away, a path gone) never 
 the partial directory is removed, the failure is logged and reported (`phase` datagram
 `checkpoint`, `error=`), and the next due boundary tries again.
 
-Calling contract: `Checkpointer.from_context(ctx, rank)` is None when checkpointing is off or
-this rank does not write; `maybe_save(job, t)` at the top of step t (after the boundary repair,
-before the step writes retained memory: the state is that of t finished steps); `close(timeout)`
-when training ends (waits for a write in flight, bounded).
+Where rank 0 has a shadow (in-place mode, `writer` auto), the copy is the shadow's instead
+(`leto_runtime.ckpt_snapshot`, over `ckpt_handshake`): the active only sends what retained
+memory does not hold and waits, at the start of its update, for the shadow's claim that the
+copy is complete -- normally long done by then.  A shadow that does not answer within
+`snapshot_wait_s`, or declines, leaves the copy to the active, as without a shadow.
+
+Calling contract: `Checkpointer.for_job(job)` is None when checkpointing is off or this rank
+does not write; `maybe_save(job, t)` at the top of step t (after the boundary repair, before
+the step writes retained memory: the state is that of t finished steps); `before_update(job,
+t)` before step t's update writes the retained states; `close(timeout)` when training ends
+(waits, bounded, for a write in flight, here or in the shadow).
 """
 from __future__ import annotations
 
@@ -31,13 +38,14 @@ import os
 import threading
 import time
 import warnings
+from leto_runtime import ckpt_handshake as H
 from leto_runtime.trainer_log import log
 from leto_runtime.wire import ckpt_files as F
 from leto_runtime.wire.ckpt_files import Settings
 
 
 def due(t: int, start: int, s: Settings, *, last_step: int | None, since_last: float,
-        cost: float | None) -> tuple[bool, str]:
+        cost: float | None, min_interval: float = 0.0) -> tuple[bool, str]:
     """Should the state of `t` finished steps be checkpointed now? -> (yes, why)."""
     if t <= start or t == last_step:
         return False, "nothing new since the start or the last checkpoint"
@@ -48,75 +56,202 @@ def due(t: int, start: int, s: Settings, *, last_step: int | None, since_last: f
     if cost is None:
         return True, "the first checkpoint measures the cost of one (Young's interval)"
     interval = math.sqrt(2.0 * max(cost, 1e-6) * s.ff_mtbf)
+    if interval < min_interval:     # a stall-free checkpoint: bounded by the write, not C
+        return since_last >= min_interval, (f"Young's interval {interval:.3g} s (C={cost:.3g} "
+                                             f"s), at least twice the last write, {min_interval:.3g} s")
     return since_last >= interval, f"Young's interval {interval:.3g} s (C={cost:.3g} s)"
 
 
 class Checkpointer:
-    def __init__(self, settings: Settings, world_size: int, report, fault=None):
+    def __init__(self, settings: Settings, world_size: int, report, fault=None, peer=None):
         self.s, self.world_size, self.report = settings, world_size, report
         self.fault = fault or (lambda point, step: None)
+        self.peer = peer                   # ShadowPeer: the shadow takes the snapshot
         self.last_step: int | None = None
         self.last_time = time.monotonic()
         self.cost: float | None = None
+        self.write_s = 0.0                 # the last write's duration (auto's floor)
         self.thread: threading.Thread | None = None
+        self.pending: tuple[int, str] | None = None   # (step, why) asked of the shadow
 
     @classmethod
-    def from_context(cls, ctx, rank: int, report, fault=None) -> "Checkpointer | None":
-        s = ctx.checkpoint
-        if s is None or rank != 0:
+    def for_job(cls, job) -> "Checkpointer | None":
+        """None when checkpointing is off or this rank does not write."""
+        s, ctx = job.ctx.checkpoint, job.ctx
+        if s is None or job.rank != 0:
             return None
-        return cls(s, ctx.world_size, report, fault)
+        peer = ShadowPeer(ctx) if job.inplace and s.writer == "auto" else None
+        return cls(s, ctx.world_size, job._report_phase, job.faults.fire_in_thread, peer)
 
-    def maybe_save(self, job, t: int) -> None:
+    def maybe_save(self, job, t: int, final: bool = False) -> None:
         yes, why = due(t, job.start_step, self.s, last_step=self.last_step,
-                       since_last=time.monotonic() - self.last_time, cost=self.cost)
+                       since_last=time.monotonic() - self.last_time, cost=self.cost,
+                       min_interval=2.0 * self.write_s)
         if not yes or F.check(os.path.join(self.s.directory, F.name(t))).complete:
             return                    # (complete already: a promoted trainer redoes step t)
-        if self.thread is not None and self.thread.is_alive():
+        if self._writing():
             log(f"checkpoint of step {t} skipped: the previous one is still being written")
             return
+        self.last_step, self.last_time = t, time.monotonic()
+        # The last one is taken here: the shadow may be stopped as soon as training ends.
+        if not final and self.peer is not None and self.peer.ask(job, t, why):
+            self.pending = (t, why)
+            return
+        self._take(job, t, why)
+
+    def before_update(self, job, t: int) -> None:
+        """At the start of step t's update, before anything writes the retained states: the
+        shadow's snapshot of step t must be complete now, or the trainer takes it itself."""
+        if self.pending is None:
+            return
+        step, why = self.pending
+        self.pending = None
+        if step != t:
+            return
+        verdict, waited = self.peer.settle(self.s.snapshot_wait_s)
+        if verdict == H.SHADOW_OK:
+            self.cost = waited
+            self.report("checkpoint_snapshot", waited, step=t, by="shadow")
+            return
+        log(f"checkpoint of step {t}: the shadow did not take it ({verdict}); taking it here")
+        self._take(job, t, why)
+
+    def _take(self, job, t: int, why: str) -> None:
         t0 = time.monotonic()
         state = job.state_dict()           # host copies: the step waits for this part only
         stall = time.monotonic() - t0
-        self.cost, self.last_step, self.last_time = stall, t, time.monotonic()
-        self.thread = threading.Thread(target=self._write, args=(state, t, stall, why),
+        self.cost = stall
+        self.thread = threading.Thread(target=self._own_write, args=(state, t, stall, why),
                                        name=f"leto-checkpoint-{t}", daemon=True)
         self.thread.start()
 
-    def _write(self, state: dict, t: int, stall: float, why: str) -> None:
-        d = self.s.directory
-        tmp = os.path.join(d, F.partial_name(t, os.getpid()))
-        t0 = time.monotonic()
-        try:
-            os.makedirs(d, exist_ok=True)
-            _save(state, tmp)
-            self.fault("checkpoint.write", t)
-            man = F.manifest(t, self.world_size, tmp)
-            _write_synced(os.path.join(tmp, F.MANIFEST), man)
-            F.fsync_dir(tmp)
-            final = os.path.join(d, F.name(t))
-            os.rename(tmp, final)
-            F.fsync_dir(d)
-        except Exception as e:                  # never fatal: training goes on
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
-            log(f"warning: checkpoint of step {t} into {d} failed ({type(e).__name__}: {e}); "
-                "training goes on, the next due step tries again")
-            self.report("checkpoint", 0.0, step=t, error=f"{type(e).__name__}: {e}", dir=d)
-            return
-        removed = F.rotate(d, self.s.keep)
-        nbytes = sum(man["files"].values())
-        log(f"checkpoint of step {t}: {final} ({nbytes} bytes; stall {stall * 1e3:.1f} ms, "
-            f"write {time.monotonic() - t0:.2f} s; {why})")
-        self.report("checkpoint", stall, step=t, path=final, bytes=nbytes,
-                    write_s=time.monotonic() - t0, removed=[f.path for f in removed])
+    def _own_write(self, state: dict, t: int, stall: float, why: str) -> None:
+        info = write(state, t, self.s, self.world_size, self.report, self.fault, stall=stall,
+                     why=why, extra={"by": "trainer"})
+        self.write_s = info.get("write_s", 0.0)
+
+    def _writing(self) -> bool:
+        if self.thread is not None and self.thread.is_alive():
+            return True
+        if self.peer is None:
+            return False
+        info = self.peer.writing()
+        if info is True:
+            return True
+        if isinstance(info, dict):
+            self.write_s = float(info.get("write_s", 0.0))
+        return False
 
     def close(self, timeout: float) -> None:
+        """When training ends: waits (bounded) for a write in flight, here or in the shadow."""
+        end = time.monotonic() + timeout
         if self.thread is not None:
             self.thread.join(timeout)
-            if self.thread.is_alive():
-                log(f"the checkpoint being written did not finish within {timeout:g} s; "
-                    "its partial directory is never loaded")
+        while self.peer is not None and self.peer.writing() is True and time.monotonic() < end:
+            time.sleep(0.05)
+        if self._writing():
+            log(f"the checkpoint being written did not finish within {timeout:g} s; "
+                "its partial directory is never loaded")
+
+
+class ShadowPeer:
+    """The trainer's side of the handshake with the shadow of its rank (`ckpt_handshake`)."""
+
+    def __init__(self, ctx):
+        from leto_runtime import promotion
+        self.hs = H.Handshake(lambda: promotion.worker_store(ctx), ctx.generation + 1, ctx.rank)
+        self.next: dict[int, int] = {}            # epoch -> next request number
+        self.dead: set[int] = set()               # epochs that did not answer in time
+        self.asked: tuple[int, int, int] | None = None   # (epoch, n, pid) of the request
+        self.last: tuple[int, int] | None = None  # the request whose write is not reported
+
+    def ask(self, job, t: int, why: str) -> bool:
+        """Send the request for the state of step t; False when no shadow serves."""
+        from leto_runtime import checkpoint
+        srv = self.hs.server()
+        if srv is None or int(srv.get("epoch", -1)) in self.dead:
+            return False
+        e = int(srv["epoch"])
+        n = self.next.get(e, 0)
+        if job.device.type == "cuda":
+            import torch
+            torch.cuda.synchronize(job.device)    # the shadow reads what the GPU has written
+        self.hs.request(e, n, {**checkpoint.small_part(job), "why": why})
+        self.next[e] = n + 1
+        self.asked = (e, n, int(srv.get("pid", 0)))
+        return True
+
+    def settle(self, timeout: float) -> tuple[str, float]:
+        """Wait (bounded; cut short when the shadow's process is gone) for the verdict."""
+        e, n, pid = self.asked
+        t0, end = time.monotonic(), time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            verdict = self.hs.verdict(e, n, min(0.5, left)) if left > 0.5 and _alive(pid) \
+                else self.hs.verdict(e, n, 0.0)
+            if verdict != H.TRAINER or left <= 0.5 or not _alive(pid):
+                break
+        if verdict == H.TRAINER:
+            self.dead.add(e)
+        elif verdict == H.SHADOW_OK:
+            self.last = (e, n)
+        return verdict, time.monotonic() - t0
+
+    def writing(self):
+        """True while the shadow writes the last snapshot it took; else its report (or None)."""
+        if self.last is None:
+            return None
+        info = self.hs.written(*self.last)
+        if info is None:
+            return True
+        self.last = None
+        return info
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def write(state: dict, t: int, s: Settings, world_size: int, report, fault, *,
+          stall: float | None, why: str, extra: dict) -> dict:
+    """Store `state` as the checkpoint of step t (the module docstring's layout); never raises:
+    a failure is logged and reported.  Returns {"ok", "path" | "error", "write_s"}."""
+    d = s.directory
+    tmp = os.path.join(d, F.partial_name(t, os.getpid()))
+    t0 = time.monotonic()
+    try:
+        os.makedirs(d, exist_ok=True)
+        _save(state, tmp)
+        fault("checkpoint.write", t)
+        man = F.manifest(t, world_size, tmp)
+        _write_synced(os.path.join(tmp, F.MANIFEST), man)
+        F.fsync_dir(tmp)
+        final = os.path.join(d, F.name(t))
+        os.rename(tmp, final)
+        F.fsync_dir(d)
+    except Exception as e:                  # never fatal: training goes on
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"warning: checkpoint of step {t} into {d} failed ({type(e).__name__}: {e}); "
+            "training goes on, the next due step tries again")
+        report("checkpoint", 0.0, step=t, error=f"{type(e).__name__}: {e}", dir=d, **extra)
+        return {"ok": False, "error": f"{type(e).__name__}: {e}",
+                "write_s": time.monotonic() - t0}
+    removed = F.rotate(d, s.keep)
+    nbytes = sum(man["files"].values())
+    took = time.monotonic() - t0
+    stalled = "" if stall is None else f"stall {stall * 1e3:.1f} ms, "
+    log(f"checkpoint of step {t}: {final} ({nbytes} bytes; {stalled}write {took:.2f} s; "
+        f"by the {extra.get('by', 'trainer')}; {why})")
+    report("checkpoint", stall or 0.0, step=t, path=final, bytes=nbytes, write_s=took,
+           removed=[f.path for f in removed], **extra)
+    return {"ok": True, "path": final, "write_s": took}
 
 
 # One process writes the whole (replicated) state on purpose: DCP's note says it assumes so.

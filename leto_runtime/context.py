@@ -99,7 +99,8 @@ def _checkpoint(env: Mapping[str, str]) -> Settings | None:
     return Settings(directory=d, every_steps=int(env.get(C.LETO_CHECKPOINT_EVERY_STEPS, 0) or 0),
                     every_s=float(env.get(C.LETO_CHECKPOINT_EVERY_S, 0) or 0),
                     ff_mtbf=float(env.get(C.LETO_CHECKPOINT_FF_MTBF_S, 0) or 0),
-                    keep=int(env.get(C.LETO_CHECKPOINT_KEEP, 2) or 2))
+                    keep=int(env.get(C.LETO_CHECKPOINT_KEEP, 2) or 2),
+                    writer=env.get(C.LETO_CHECKPOINT_WRITER, "auto") or "auto")
 
 
 def _job_key(env: Mapping[str, str]) -> bytes | None:

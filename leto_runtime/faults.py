@@ -171,7 +171,7 @@ class Faults:
         the end of step `step`'s update (`through=True`) a step-exact one of `step` too."""
         for inj in list(self.plan):
             at = _get(inj, "at") or "step"
-            if at in ("step", "checkpoint.write") or (through and at.startswith("recovery.")):
+            if at in ("step", "checkpoint.write", "checkpoint.snapshot") or (through and at.startswith("recovery.")):
                 continue          # (the checkpoint writer's thread reaches its point later)
             s = inj.get("step")
             if not at.startswith("recovery.") and not (s < step or (through and s == step)):

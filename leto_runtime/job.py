@@ -21,8 +21,8 @@ Roles (from the env contract, `leto_runtime.context`):
   localizes and rebuilds lost pages, agrees with the other ranks where to resume (finish the
   interrupted update, or redo the iteration) and continues.
 * **shadow**: `init()` preinitializes (imports done, device context, process group of its
-  generation among the shadows -- level L3) and tells the agent; `steps()` blocks until the
-  agent promotes it, then recovers as above.  A shadow never writes retained memory before.
+  generation -- level L3) and tells the agent; `steps()` blocks until the agent promotes it
+  (rank 0's takes the checkpoints meanwhile: `ckpt_snapshot`), then recovers as above.
 * **plain** (`torchrun`, or no state manager): the same code on ordinary tensors.  Nothing
   survives the process, but the arithmetic is identical, so a plain run is the fault-free
   reference of an in-place run.
@@ -39,7 +39,7 @@ step, and the step boundary before each), `optimizer` (`opt.step()`), `trainer_l
 Calling contract: one `Job` per process (`init()` returns the same one when called again);
 `retain` before `adamw` before `steps`; `opt.step()` exactly once per step.  A retained state
 that cannot be recovered in place ends the process with `contract.UNRECOVERABLE_EXIT` after a
-clear message; the agent then ends the job (exit code 4).
+clear message; the agent falls back to a checkpoint (docs/CHECKPOINTS.md) or ends the job.
 """
 from __future__ import annotations
 
@@ -129,6 +129,7 @@ class Job:
         self.bound = False                        # parameters are views of the states
         self.loaded: dict | None = None           # load_state_dict's checkpoint
         self.start_step = 0                       # the first step of this job (steps(start=))
+        self.checkpointer = None                  # rank 0's periodic checkpoints (ckpt_writer)
         self._grads_seen: set[int] = set()        # parameters that got a gradient this step
         self._grad_views: dict[int, int] = {}     # id(param) -> data_ptr of its gradient view
         self._ddp_sync: bool | None = None        # DDP's sync of this step (None: no DDP)
@@ -341,7 +342,7 @@ class Job:
         the module docstring)."""
         if self.opt is None:
             raise PortingError("call job.optimizer(...) or job.adamw(model, ...) before job.steps()")
-        from leto_runtime import ckpt_writer
+        from leto_runtime import ckpt_snapshot, ckpt_writer
         ckpt_writer.check_job(self)
         if self.role != "shadow" and self.ctx.checkpoint_load:    # the agent's fallback
             ckpt_writer.fallback_load(self)
@@ -358,7 +359,8 @@ class Job:
         if self.role == "shadow":
             from leto_runtime import promotion
             self._prepare_lending()
-            self.recovery_info["woke"] = promotion.wait_for_promotion(self.ctx, self.store)
+            with ckpt_snapshot.serving(self):     # rank 0's: checkpoints while it waits
+                self.recovery_info["woke"] = promotion.wait_for_promotion(self.ctx, self.store)
             self.role = "active"
             demotion.arm(self)
             hb.heartbeat(None)
@@ -366,8 +368,7 @@ class Job:
             promotion.report_phase("attach", self.recovery_info["attach_s"], **fields)
         binding.bind_views(self)
         start = resume.prepare(self)
-        ckpt = ckpt_writer.Checkpointer.from_context(self.ctx, self.rank, self._report_phase,
-                                         self.faults.fire_in_thread)
+        ckpt = self.checkpointer = ckpt_writer.Checkpointer.for_job(self)
         for t in range(start, total):
             if not self._stepped:
                 raise PortingError(f"opt.step() was not called in step {self.step_t}")
@@ -380,9 +381,8 @@ class Job:
             if ckpt is not None:
                 ckpt.maybe_save(self, t)
             self.updater.begin(t)
-            # -0.0, not 0.0: x + -0.0 is x for every x, so the first gradient accumulated
-            # into the view keeps its bits (a fresh -0.0 stays -0.0), as torch's first backward
-            # does when it creates `.grad`.
+            # -0.0, not 0.0: x + -0.0 is x for every x, so the first gradient accumulated into
+            # the view keeps its bits, as torch's first backward does when it creates `.grad`.
             self.ss.flat(self.ss.grads).fill_(-0.0)
             torch.manual_seed(self.step_seed(t))
             yield t
@@ -394,7 +394,7 @@ class Job:
                          seconds=st.seconds, passes=st.passes, repaired=st.repaired,
                          boundary_repairs=self.guard.repairs.count)
         if ckpt is not None:
-            ckpt.maybe_save(self, total)      # the final state, when a checkpoint is due
+            ckpt.maybe_save(self, total, final=True)    # the final state, when one is due
             ckpt.close(self.ctx.pg_timeout)
         demotion.finished()
         hb.done()

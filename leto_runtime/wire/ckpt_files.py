@@ -47,6 +47,8 @@ class Settings:
     every_s: float = 0.0          # 0: not by time
     ff_mtbf: float = 0.0          # > 0: Young's interval from the measured cost
     keep: int = 2
+    writer: str = "auto"          # auto: the shadow snapshots (`ckpt_snapshot`) | trainer
+    snapshot_wait_s: float = 20.0  # the active's bound on waiting for the shadow's copy
 
 
 @dataclass(frozen=True)

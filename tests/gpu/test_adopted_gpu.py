@@ -105,3 +105,38 @@ def test_byo_script_falls_back_to_its_checkpoint_on_gpu_bit_exactly(tmp_path):
     compare_runs(ref, out, 1, range(10), p.stderr[-3000:])
     [fb] = of(events(ev), "fallback")
     assert fb["step"] == 6, fb
+
+
+def test_the_shadow_s_checkpoint_from_gpu_memory_is_exact(tmp_path):
+    """On the GPU (NCCL, world size 1): the checkpoint of step 10 is the shadow's (it copied
+    retained device memory into its own device staging while the active computed step 10,
+    then wrote it from host memory); a HOF in step 11's update is recovered in place, 3 device
+    pages of a group with tolerance 2 are lost at step 12, and the job falls back to the
+    shadow's checkpoint, redoes 10.. and ends bit-exact against torchrun on the same GPU."""
+    from leto_testing import (ROOT, base_env, compare_runs, events, leto_cmd, of, run,
+                              torchrun_cmd)
+    script, steps = str(ROOT / "examples" / "byo_train.py"), 14
+    ref, out, ck, ev = tmp_path / "ref", tmp_path / "leto", tmp_path / "ck", tmp_path / "ev.jsonl"
+    ref.mkdir()
+    out.mkdir()
+    args = ["--steps", str(steps), *BYO[2:]]
+    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "1", script, *args, "--out",
+                         str(ref)), base_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run(leto_cmd("--standalone", "--nproc-per-node", "1", "--data-pages", "4", "--tier1",
+                     "2", "--tier2", "1", "--chunk-pages", "2", "--hang-timeout", "30",
+                     "--events", str(ev), "--no-status", "--checkpoint-dir", str(ck),
+                     "--checkpoint-every", "5",
+                     "--inject", "kill:rank=0:step=11:at=rmu.update:group=0:chunk=1:garbage=1",
+                     "--inject", "pages:rank=0:count=3:tier=device:step=12:gen=1",
+                     script, *args, "--step-time", "1.0", "--out", str(out)),
+            base_env(), timeout=600)
+    print(f"\n=== shadow checkpoint ===\n{p.stderr[p.stderr.find('Recovery report'):]}")
+    assert p.returncode == 0, p.stderr[-5000:]
+    compare_runs(ref, out, 1, range(steps), p.stderr[-3000:])
+    evs = events(ev)
+    [fb] = of(evs, "fallback")
+    assert fb["step"] == 10, fb
+    [c10] = [e for e in of(evs, "phase", phase="checkpoint") if e.get("path") and
+             e["step"] == 10 and e["mono"] < fb["mono"]]
+    assert (c10["by"], c10["staging"]) == ("shadow", "device"), c10

@@ -1,11 +1,12 @@
 """Checkpoint fallback (docs/CHECKPOINTS.md): failures in-place recovery cannot take resume from the
-newest complete checkpoint, exactly.
+newest complete checkpoint, exactly; and checkpoints taken by rank 0's shadow or by its active.
 
 The reference is examples/byo_train.py under torchrun with stock torch and no failure; every
 leto-run job here must log the reference's loss and lrs at every step it ran (the redone steps
 after a fallback included) and end with the reference's final model and optimizer state.  The
-faults are real: a SIGKILL of rank 0 in the middle of a checkpoint's write (the
-`checkpoint.write` point: its files written, the manifest not), page losses beyond the parity's
+faults are real: SIGKILLs of the writer in the middle of a checkpoint's write (the
+`checkpoint.write` point: its files written, the manifest not) and of the shadow between its
+copy and its claim (`checkpoint.snapshot`), page losses beyond the parity's
 tolerance, and SIGKILLs of a state manager until the agent gives it up.
 """
 from __future__ import annotations
@@ -52,17 +53,20 @@ def reference(tmp_path_factory):
 
 def test_a_torn_checkpoint_is_skipped_and_page_losses_beyond_tolerance_fall_back_exactly(
         reference, tmp_path):
-    """Rank 0 is killed while it writes the checkpoint of step 6 (a HOF: recovered in place; the
-    partial directory stays), then 3 data pages of a group with tolerance 2 are lost: the
-    fallback skips the torn checkpoint, loads step 3, redoes 3.. and ends bit-exact; the
-    checkpoints of 6, 9 and 12 are rewritten and two are kept; and the one of step 9 resumes
-    under plain torchrun, bit-exactly."""
+    """The checkpoints are the shadow's (rank 0's shadow copies retained memory while the active
+    computes).  The shadow is SIGKILLed while it writes the checkpoint of step 6 (its partial
+    directory stays; a new shadow is started), then 3 data pages of a group with tolerance 2
+    are lost at step 8: the fallback skips the torn checkpoint, loads step 3, redoes 3.. and
+    ends bit-exact.  In that attempt the shadow is SIGKILLed after its copy of step 6 and
+    before its claim: the active sees it gone and takes the checkpoint itself; the one of step
+    9 is the new shadow's again, and it resumes under plain torchrun, bit-exactly."""
     out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
     out.mkdir()
     ref = reference(STEPS)
-    p = run(_leto(ev, ck, "--inject", "kill:rank=0:step=6:at=checkpoint.write",
-                  "--inject", "pages:rank=0:count=3:tier=device:step=6:gen=1",
-                  SCRIPT, "--steps", str(STEPS), "--step-time", "0.3", "--out", str(out)),
+    p = run(_leto(ev, ck, "--inject", "kill:rank=0:step=6:at=checkpoint.write:gen=1",
+                  "--inject", "pages:rank=0:count=3:tier=device:step=8",
+                  "--inject", "kill:rank=0:step=6:at=checkpoint.snapshot:gen=1:attempt=1",
+                  SCRIPT, "--steps", str(STEPS), "--step-time", "1.0", "--out", str(out)),
             base_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     compare_runs(ref, out, 2, range(STEPS), p.stderr[-4000:])
@@ -70,13 +74,16 @@ def test_a_torn_checkpoint_is_skipped_and_page_losses_beyond_tolerance_fall_back
     [fb] = of(evs, "fallback")
     assert fb["step"] == 3 and fb["path"] == str(ck / "step_000000003"), fb
     assert ".partial-step_000000006-" in fb["reason"] and "torn" in fb["reason"]
-    assert [e["action"] for e in of(evs, "decision")][-3:] == ["unrecoverable", "fall_back",
-                                                               "succeed"]
+    assert [e["action"] for e in of(evs, "decision")][-2:] == ["fall_back", "succeed"]
+    written = {e["step"]: e["by"] for e in of(evs, "phase", phase="checkpoint") if e.get("path")
+               and e["mono"] > fb["mono"]}
+    assert written == {6: "trainer", 9: "shadow", 12: "trainer"}, written
+    assert "checkpoint of step 6: the shadow did not take it" in p.stderr
     assert sorted(os.listdir(ck)) == ["step_000000009", "step_000000012"]
     assert_nothing_left(evs)
-    # A user can leave Leto at any time: the checkpoint of step 9 (written after the fallback)
-    # loads with stock torch.distributed.checkpoint into the same script under torchrun, which
-    # runs steps 9.. exactly as the uninterrupted run.
+    # A user can leave Leto at any time: the checkpoint of step 9 (the shadow's, written after
+    # the fallback) loads with stock torch.distributed.checkpoint into the same script under
+    # torchrun, which runs steps 9.. exactly as the uninterrupted run.
     back = tmp_path / "back"
     back.mkdir()
     q = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(STEPS),
@@ -84,6 +91,25 @@ def test_a_torn_checkpoint_is_skipped_and_page_losses_beyond_tolerance_fall_back
             base_env(), timeout=300)
     assert q.returncode == 0, q.stderr[-4000:]
     compare_runs(ref, back, 2, range(9, STEPS), q.stderr[-4000:])
+
+
+def test_the_trainer_writer_survives_a_kill_during_its_write(reference, tmp_path):
+    """`--checkpoint-writer trainer`: rank 0's active copies and writes the checkpoints itself;
+    it is SIGKILLed while it writes the one of step 6 (a HOF, recovered in place: the partial
+    directory stays, and is never loaded), and the job ends bit-exact with the checkpoints of
+    9 and 12, which are the trainer's."""
+    out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
+    out.mkdir()
+    p = run(_leto(ev, ck, "--checkpoint-writer", "trainer",
+                  "--inject", "kill:rank=0:step=6:at=checkpoint.write",
+                  SCRIPT, "--steps", str(STEPS), "--step-time", "0.3", "--out", str(out)),
+            base_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    compare_runs(reference(STEPS), out, 2, range(STEPS), p.stderr[-4000:])
+    evs = events(ev)
+    assert {e["by"] for e in of(evs, "phase", phase="checkpoint") if e.get("path")} == {"trainer"}
+    assert sorted(os.listdir(ck)) == ["step_000000009", "step_000000012"]
+    assert_nothing_left(evs)
 
 
 def test_a_state_manager_gone_for_good_falls_back_to_the_checkpoint_exactly(reference,

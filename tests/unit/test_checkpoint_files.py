@@ -160,7 +160,14 @@ def test_checkpoint_settings_reach_the_trainers_and_the_agent_s_own_do_not():
     env = dict(worker_env(c, "/c/step_000000006"))
     assert env == {C.LETO_CHECKPOINT_DIR: "/c", C.LETO_CHECKPOINT_EVERY_STEPS: "0",
                    C.LETO_CHECKPOINT_EVERY_S: "0.0", C.LETO_CHECKPOINT_FF_MTBF_S: "7200.0",
-                   C.LETO_CHECKPOINT_KEEP: "2", C.LETO_CHECKPOINT_LOAD: "/c/step_000000006"}
+                   C.LETO_CHECKPOINT_KEEP: "2", C.LETO_CHECKPOINT_WRITER: "auto",
+                   C.LETO_CHECKPOINT_LOAD: "/c/step_000000006"}
+    t = _cfg("--checkpoint-dir", "/c", "--checkpoint-every", "5", "--checkpoint-writer",
+             "trainer").checkpoint
+    assert dict(worker_env(t, None))[C.LETO_CHECKPOINT_WRITER] == "trainer"
+    with pytest.raises(ConfigError) as e:
+        _cfg("--checkpoint-dir", "/c", "--checkpoint-every", "5", "--checkpoint-writer", "shadow")
+    assert e.value.key == "checkpoint.writer" and "'shadow'" in e.value.problem
 
 
 def test_preflight_refuses_a_directory_of_an_earlier_run_and_one_under_a_file(tmp_path):

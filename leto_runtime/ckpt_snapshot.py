@@ -1,0 +1,242 @@
+"""The no-stall checkpoint: rank 0's shadow snapshots retained memory while the active computes.
+
+Role: the shadow side of `leto_runtime.ckpt_handshake`.  A waiting shadow of rank 0 has the
+retained states mapped (`binding.preattach`) and, on a GPU, a CUDA context of its own; while
+it waits for promotion, a thread of it serves the active's checkpoint requests:
+
+1. the active, at the top of a due step t (after its boundary repair; its GPU work finished),
+   sends what retained memory does not hold (group values, scheduler, buffers: small) and
+   goes on computing step t -- the compute phase never writes the retained model states;
+2. the shadow brings its mappings up to date (`refresh`: pages repaired since), refuses if a
+   loss is pending, copies the retained params and optimizer states -- into device memory of
+   its own when the device has room for it beside the active (`staging_place`), else straight
+   to pinned host memory -- checks again that no loss was registered meanwhile, and claims
+   "ok"; the active waits for that claim at the start of its update (`before_update`), where
+   RMU would first write the states;
+3. after the claim the shadow moves the copy to host memory, frees its device staging, and
+   writes the checkpoint exactly as the trainer-side writer does (`ckpt_writer.write`), from a
+   thread of the lowest CPU priority.
+
+A shadow that cannot take a request (no pre-attached states, a remapped state, a pending
+loss, a copy that fails) answers "skip" and the active copies the state itself, as without a
+shadow; an active that waited `snapshot_wait_s` in vain claims the request and does the same,
+and the shadow's late copy is discarded.  Exactness never depends on the shadow: its copy
+counts only when it was complete before the active's update began.
+
+Calling contract: `serving(job)` is a context manager around the shadow's wait for promotion;
+leaving it (promotion, or the store gone) stops serving: a copy in flight finishes first
+(promotion then maps and writes the states), a write in flight goes on in its thread.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+import torch
+
+from leto_runtime import ckpt_handshake as H
+from leto_runtime.trainer_log import log
+
+SLICE_S = 30.0              # a request wait's slice (a timed-out wait gets a fresh client)
+DEVICE_MARGIN = 2 << 30     # device memory left free beside a staging copy, at least ...
+DEVICE_MARGIN_SHARE = 0.05  # ... or this share of the device
+
+
+def staging_place(free: int, need: int, total: int) -> tuple[str, str]:
+    """Where the shadow copies the state first: "device" (fast: the active waits for a
+    device-to-device copy only) when `need` bytes fit with a margin, else "host" (the active
+    may wait for part of a device-to-host copy, but the active's memory is never squeezed)."""
+    margin = max(DEVICE_MARGIN, int(DEVICE_MARGIN_SHARE * total))
+    if free - need >= margin:
+        return "device", f"{need / 2**30:.2f} GiB of {free / 2**30:.2f} GiB free"
+    return "host", (f"{need / 2**30:.2f} GiB would leave less than {margin / 2**30:.2f} GiB of "
+                    f"{free / 2**30:.2f} GiB free on the device")
+
+
+@contextlib.contextmanager
+def serving(job):
+    server = SnapshotServer.start(job)
+    try:
+        yield server
+    finally:
+        if server is not None:
+            server.stop()
+
+
+class SnapshotServer:
+    def __init__(self, job):
+        from leto_runtime import promotion
+        self.job, ctx = job, job.ctx
+        self.epoch, self.settings = ctx.shadow_epoch, ctx.checkpoint
+        self.hs = H.Handshake(lambda: promotion.worker_store(ctx), ctx.generation, ctx.rank)
+        self.lock = threading.Lock()           # held while the copy reads the mappings
+        self.stopping = threading.Event()
+        self.host: dict = {}                   # page-locked host copies, by state-dict path
+        self.stream = None
+        self.thread = threading.Thread(target=self._loop, name="leto-snapshot", daemon=True)
+
+    @classmethod
+    def start(cls, job) -> "SnapshotServer | None":
+        ctx = job.ctx
+        if (ctx.checkpoint is None or ctx.rank != 0 or job.role != "shadow" or job.ss is None
+                or not hasattr(job.opt, "torch_opt") or job.opt.plan is None):
+            return None
+        try:
+            server = cls(job)
+            server.hs.serve(server.epoch, os.getpid())
+        except Exception as e:
+            log(f"checkpoint snapshots not served by this shadow ({type(e).__name__}: {e}); "
+                "the active takes them itself")
+            return None
+        server.thread.start()
+        return server
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.stopping.set()
+        if not self.lock.acquire(timeout=timeout):
+            raise RuntimeError(f"the checkpoint snapshot still reads retained memory after "
+                               f"{timeout:g} s: this shadow cannot take over")
+        self.lock.release()
+
+    # ---- the serving thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        if self.job.device.type == "cuda":
+            torch.cuda.set_device(self.job.device)
+            self.stream = torch.cuda.Stream(device=self.job.device)
+        n = 0
+        while not self.stopping.is_set():
+            try:
+                req = self.hs.next_request(self.epoch, n, SLICE_S)
+            except Exception as e:          # a forged or unreadable request: never served
+                log(f"checkpoint request {n} refused ({type(e).__name__}: {e})")
+                self.hs.answer(self.epoch, n, f"{H.SHADOW_SKIP} unreadable request")
+                n += 1
+                continue
+            if req is None:
+                continue
+            try:
+                self._serve(n, req)
+            except Exception as e:
+                log(f"checkpoint snapshot of step {req.get('step')} failed ({type(e).__name__}: "
+                    f"{e}); the active takes it")
+                self.hs.answer(self.epoch, n, f"{H.SHADOW_SKIP} {type(e).__name__}: {e}")
+            n += 1
+
+    def _serve(self, n: int, req: dict) -> None:
+        t, job = int(req["step"]), self.job
+        with self.lock:
+            if self.stopping.is_set():
+                self.hs.answer(self.epoch, n, f"{H.SHADOW_SKIP} the shadow is taking over")
+                return
+            why = self._fresh_mappings()
+            if why is None:
+                t0 = time.monotonic()
+                copy, place = self._copy(req)
+                copy_s = time.monotonic() - t0
+                why = self._pending_loss("during the copy")
+        if why is None:
+            job.faults.fire_in_thread("checkpoint.snapshot", t)    # copied, not yet claimed
+        if why is not None:
+            self.hs.answer(self.epoch, n, f"{H.SHADOW_SKIP} {why}")
+            log(f"checkpoint snapshot of step {t} not taken: {why}")
+            return
+        if not self.hs.answer(self.epoch, n, H.SHADOW_OK):
+            log(f"checkpoint snapshot of step {t} discarded: the active stopped waiting for it")
+            return
+        self._write(n, t, req, copy, place, copy_s)
+
+    def _fresh_mappings(self) -> str | None:
+        """Bring the mappings up to date; a reason not to copy, or None."""
+        client = self.job.ss.client
+        rep = client.refresh()
+        if rep.views_invalid:
+            self.job.recovery_info["stale_views"] = True      # promotion maps afresh
+            return f"retained states re-created ({', '.join(rep.views_invalid)})"
+        if rep.dropped:
+            return f"pages without memory ({sum(rep.dropped.values())})"
+        return self._pending_loss("before the copy")
+
+    def _pending_loss(self, when: str) -> str | None:
+        lost = int(self.job.ss.client.status().get("pending_losses", 0))
+        return f"{lost} page loss(es) pending {when}" if lost else None
+
+    def _copy(self, req: dict):
+        """The copy the claim vouches for: flat clones (CPU; GPU with room: device staging),
+        or, on a GPU without room, the state dict in pinned host memory."""
+        from leto_runtime import checkpoint
+        ss = self.job.ss
+        flats = [ss.flat(st)[:ss.layout.numel] for st in ss.model]
+        if self.stream is None:
+            return [f.clone() for f in flats], "cpu"
+        need = sum(f.numel() * 4 for f in flats)
+        free, total = torch.cuda.mem_get_info(self.job.device)
+        place, _ = staging_place(free, need, total)
+        if place == "host":
+            return self._pinned(checkpoint.assemble(self.job, req, flats)), place
+        with torch.cuda.stream(self.stream):
+            out = [f.clone() for f in flats]
+        self.stream.synchronize()
+        return out, place
+
+    def _pinned(self, state: dict) -> dict:
+        """`state` with every CUDA tensor copied into a host tensor of its own, page-locked
+        once and reused by every checkpoint of the job (fast copies, and nothing for DCP to
+        copy again); pageable where the memory cannot be locked."""
+        def walk(obj, path):
+            if torch.is_tensor(obj) and obj.is_cuda:
+                h = self.host.get(path)
+                if h is None or h.shape != obj.shape or h.dtype != obj.dtype:
+                    h = self.host[path] = _page_locked(torch.empty(obj.shape, dtype=obj.dtype))
+                h.copy_(obj, non_blocking=h.is_pinned())
+                return h
+            if isinstance(obj, dict):
+                return {k: walk(v, path + (k,)) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(walk(v, path + (i,)) for i, v in enumerate(obj))
+            return obj
+        with torch.cuda.stream(self.stream):
+            out = walk(state, ())
+        self.stream.synchronize()
+        return out
+
+    def _write(self, n: int, t: int, req: dict, copy, place: str, copy_s: float) -> None:
+        """After the claim: host copies, the checkpoint, the report -- in a thread of lowest
+        CPU priority, so the write competes as little as it can with the active's CPU work."""
+        w = threading.Thread(target=self._write_now, args=(n, t, req, copy, place, copy_s),
+                             name=f"leto-snapshot-write-{t}", daemon=True)
+        w.start()
+        w.join()        # (the active sends no request before this one's write is reported)
+
+    def _write_now(self, n: int, t: int, req: dict, copy, place: str, copy_s: float) -> None:
+        from leto_runtime import checkpoint, ckpt_writer
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+        t0 = time.monotonic()
+        if place == "device":
+            state = self._pinned(checkpoint.assemble(self.job, req, copy))
+            del copy
+            torch.cuda.empty_cache()         # the staging goes back to the device at once
+        elif place == "cpu":
+            state = checkpoint.assemble(self.job, req, copy)
+        else:
+            state = copy                      # pinned already, before the claim
+        host_s = time.monotonic() - t0
+        info = ckpt_writer.write(state, t, self.settings, self.job.world_size,
+                                 self.job._report_phase, self.job.faults.fire_in_thread,
+                                 stall=None, why=req.get("why", ""),
+                                 extra={"by": "shadow", "staging": place, "copy_s": copy_s,
+                                        "host_s": host_s, "host_at": t0})
+        self.hs.report_written(self.epoch, n, info)
+
+
+def _page_locked(t: torch.Tensor) -> torch.Tensor:
+    try:
+        from torch.cuda import _pin_memory_utils as pin
+        pin.pin_memory(t.data_ptr(), t.numel() * t.element_size())
+    except Exception:
+        pass                # pageable: slower copies, the same bytes
+    return t
