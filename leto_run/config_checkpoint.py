@@ -9,7 +9,9 @@
       max_fallbacks: 3         # --max-fallbacks: checkpoint fallbacks before the job ends
       writer: auto             # --checkpoint-writer: auto (rank 0's shadow snapshots the
                                #   retained state while the active computes; the active
-                               #   itself where no shadow serves) or trainer (always the active)
+                               #   itself where no shadow serves), shadow (the same, but a
+                               #   due checkpoint waits, bounded, for a shadow starting up) or
+                               #   trainer (always the active)
 
 A failure that in-place recovery cannot take (page losses beyond the tolerance, a state manager
 gone for good, contradicting markers) falls back to the newest complete checkpoint of `dir`
@@ -45,7 +47,7 @@ def seconds(text: str) -> float | None:
         return None
 
 
-WRITERS = ("auto", "trainer")
+WRITERS = ("auto", "shadow", "trainer")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.writer not in WRITERS:
             raise _err("writer", f"{self.writer!r} is not one of {', '.join(WRITERS)}",
-                       "use auto (the shadow snapshots, no stall) or trainer")
+                       "use auto (the shadow snapshots, no stall), shadow or trainer")
         ex = "e.g. --checkpoint-every 500 (steps), 10m (a duration) or auto (with --ff-mtbf)"
         if self.dir is not None and not str(self.dir).strip():
             raise _err("dir", "is empty", "give a directory, or leave it unset (no checkpoints)")

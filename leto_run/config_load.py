@@ -220,8 +220,9 @@ OPTIONS: tuple[Option, ...] = (
           env="LETO_CHECKPOINT_KEEP", fix="use an integer >= 1, e.g. 2"),
     _leto("checkpoint.writer", ("--checkpoint-writer",), conv_str,
           "Who copies the state for a checkpoint: auto (rank 0's shadow, from retained memory "
-          "while the active computes; the active where no shadow serves) or trainer.",
-          "auto|trainer", env="LETO_CHECKPOINT_WRITER", fix="use auto or trainer"),
+          "while the active computes; the active where no shadow serves), shadow (the same, "
+          "waiting up to 20 s for a shadow that is starting) or trainer.",
+          "auto|shadow|trainer", env="LETO_CHECKPOINT_WRITER", fix="use auto, shadow or trainer"),
     _leto("checkpoint.max_fallbacks", ("--max-fallbacks",), conv_int,
           "Checkpoint fallbacks allowed before the job ends (exit 4).", "N",
           env="LETO_MAX_FALLBACKS", fix="use an integer >= 0, e.g. 3"),

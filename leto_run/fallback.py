@@ -19,8 +19,13 @@ their trainers' failures for a HOF), and after the next rendezvous round every n
 from the checkpoint the round agreed on (`leto_run.nodes`; `follow` on the nodes that did not
 decide it).
 
+A checkpoint still being written by a live process of the group when the failure comes (rank
+0's shadow writes beside training: a trainer's exit with 86 does not end that write) is waited
+for, up to WRITE_WAIT_S, before the choice: stopping the group would tear it and the fallback
+would go back one interval more (`in_flight`, a pure function).
+
 Calling contract: the agent's main thread; `decide` reads the checkpoint directory (a listing
-and the manifests, no data).  `used` counts the fallbacks, bounded by `--max-fallbacks`.
+and the manifests, no data), and may wait for a write in flight (bounded).  `used` counts the fallbacks, bounded by `--max-fallbacks`.
 """
 from __future__ import annotations
 
@@ -30,6 +35,20 @@ from leto_run import start_plan
 from leto_run.config_checkpoint import CheckpointConfig
 from leto_run.decisions import Action, Decision
 from leto_runtime.wire import ckpt_files as F
+
+WRITE_WAIT_S = 120.0     # longer than a 13 GB write on the H200 (15-19 s), shorter than an interval
+POLL_S = 0.1
+
+
+def in_flight(scan: list[F.Found], live: set[int]) -> F.Found | None:
+    """The partial checkpoint newer than every complete one whose writer is a live process of
+    the group, or None."""
+    done = [f for f in scan if f.complete]
+    top = done[-1].step if done else -1
+    for f in reversed(scan):
+        if not f.complete and f.step > top and F.partial_pid(f.path) in live:
+            return f
+    return None
 
 
 def decide_fallback(mode: str, directory: str | None, found: F.Found | None,
@@ -69,6 +88,7 @@ class FallbackPolicy:
         """A FALL_BACK decision for a failure of `reason`, or (None, why not)."""
         found = torn = None
         if self.cfg.mode != "off":
+            self._await_write()
             scan = F.scan(self.cfg.dir)
             done = [f for f in scan if f.complete]
             found = done[-1] if done else None
@@ -79,6 +99,23 @@ class FallbackPolicy:
             return None, why
         self.chosen = found
         return Decision(Action.FALL_BACK, f"{reason}; {why}"), why
+
+    def _await_write(self) -> None:
+        g, end, said = self.group, time.monotonic() + WRITE_WAIT_S, False
+        while True:
+            live = {p for p in g.known_pids() if _alive(p)}
+            f = in_flight(F.scan(self.cfg.dir), live)
+            if f is None:
+                return
+            if time.monotonic() > end:
+                g.log(f"the checkpoint of step {f.step} was not written within "
+                      f"{WRITE_WAIT_S:g} s; falling back without it")
+                return
+            if not said:
+                g.log(f"waiting for the checkpoint of step {f.step} (pid "
+                      f"{F.partial_pid(f.path)} writes it) before the fallback")
+                said = True
+            time.sleep(POLL_S)
 
     def apply(self, decision: Decision, failed_step: int | None) -> None:
         """Stop the group, fresh retained memory, the next attempt loads `self.chosen`."""
@@ -139,3 +176,13 @@ class FallbackPolicy:
         """The attempt after a fallback has started: later restarts resume from retained
         memory, which is then newer than the checkpoint."""
         self.group.checkpoint_load = None
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie is not: the agent's loop, which reaps, waits here)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")

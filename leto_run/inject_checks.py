@@ -89,9 +89,9 @@ def never_fires(spec: InjectSpec, job) -> tuple[str, str] | None:
             return ("only rank 0 writes checkpoints (data parallelism: its state is the job's)",
                     "use rank=0")
         if spec.at == "checkpoint.snapshot" and (job.recovery.mode != "inplace"
-                                                 or job.checkpoint.writer != "auto"):
+                                                 or job.checkpoint.writer == "trainer"):
             return ("at=checkpoint.snapshot is a point of the shadow's snapshot, which needs "
-                    "--recovery inplace and --checkpoint-writer auto",
+                    "--recovery inplace and --checkpoint-writer auto or shadow",
                     "use at=checkpoint.write, or run in place with the shadow writer")
     if job.recovery.mode == "restart":
         return _restart_mode(spec, job)

@@ -80,7 +80,8 @@ class Checkpointer:
         s, ctx = job.ctx.checkpoint, job.ctx
         if s is None or job.rank != 0:
             return None
-        peer = ShadowPeer(ctx) if job.inplace and s.writer == "auto" else None
+        peer = (ShadowPeer(ctx, s.snapshot_wait_s if s.writer == "shadow" else 0.0)
+                if job.inplace and s.writer in ("auto", "shadow") else None)
         return cls(s, ctx.world_size, job._report_phase, job.faults.fire_in_thread, peer)
 
     def maybe_save(self, job, t: int, final: bool = False) -> None:
@@ -157,19 +158,20 @@ class Checkpointer:
 class ShadowPeer:
     """The trainer's side of the handshake with the shadow of its rank (`ckpt_handshake`)."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, wait_s: float = 0.0):
         from leto_runtime import promotion
+        self.wait_s = wait_s                       # writer "shadow": wait for one to serve
         self.hs = H.Handshake(lambda: promotion.worker_store(ctx), ctx.generation + 1, ctx.rank)
         self.next: dict[int, int] = {}            # epoch -> next request number
         self.dead: set[int] = set()               # epochs that did not answer in time
         self.asked: tuple[int, int, int] | None = None   # (epoch, n, pid) of the request
-        self.last: tuple[int, int] | None = None  # the request whose write is not reported
+        self.last: tuple[int, int, int] | None = None   # (epoch, n, pid): write not reported
 
     def ask(self, job, t: int, why: str) -> bool:
         """Send the request for the state of step t; False when no shadow serves."""
         from leto_runtime import checkpoint
-        srv = self.hs.server()
-        if srv is None or int(srv.get("epoch", -1)) in self.dead:
+        srv = self._server()
+        if srv is None:
             return False
         e = int(srv["epoch"])
         n = self.next.get(e, 0)
@@ -180,6 +182,18 @@ class ShadowPeer:
         self.next[e] = n + 1
         self.asked = (e, n, int(srv.get("pid", 0)))
         return True
+
+    def _server(self) -> dict | None:
+        """The serving shadow (a new epoch's after one that failed), waiting up to `wait_s`
+        for one to start serving (writer "shadow": a shadow starting up or being replaced)."""
+        end = time.monotonic() + self.wait_s
+        while True:
+            srv = self.hs.server()
+            if srv is not None and int(srv.get("epoch", -1)) not in self.dead:
+                return srv
+            if time.monotonic() >= end:
+                return None
+            time.sleep(0.05)
 
     def settle(self, timeout: float) -> tuple[str, float]:
         """Wait (bounded; cut short when the shadow's process is gone) for the verdict."""
@@ -194,18 +208,19 @@ class ShadowPeer:
         if verdict == H.TRAINER:
             self.dead.add(e)
         elif verdict == H.SHADOW_OK:
-            self.last = (e, n)
+            self.last = (e, n, pid)
         return verdict, time.monotonic() - t0
 
     def writing(self):
         """True while the shadow writes the last snapshot it took; else its report (or None)."""
         if self.last is None:
             return None
-        info = self.hs.written(*self.last)
-        if info is None:
+        e, n, pid = self.last
+        info = self.hs.written(e, n)
+        if info is None and _alive(pid):
             return True
-        self.last = None
-        return info
+        self.last = None       # reported, or the shadow died writing (its partial is torn)
+        return info or {"ok": False, "error": f"the shadow (pid {pid}) ended before its write"}
 
 
 def _alive(pid: int) -> bool:

@@ -39,6 +39,12 @@ def partial_name(step: int, pid: int) -> str:
     return f".partial-{name(step)}-{pid}"
 
 
+def partial_pid(path: str) -> int | None:
+    """The writer's pid in a partial directory's name (None: not a partial)."""
+    m = _PARTIAL.match(os.path.basename(path))
+    return int(path.rsplit("-", 1)[1]) if m else None
+
+
 @dataclass(frozen=True)
 class Settings:
     """The trainers' checkpoint settings (LETO_CHECKPOINT_*, `leto_runtime.context`)."""
@@ -47,7 +53,7 @@ class Settings:
     every_s: float = 0.0          # 0: not by time
     ff_mtbf: float = 0.0          # > 0: Young's interval from the measured cost
     keep: int = 2
-    writer: str = "auto"          # auto: the shadow snapshots (`ckpt_snapshot`) | trainer
+    writer: str = "auto"          # auto: the shadow snapshots (`ckpt_snapshot`) | shadow | trainer
     snapshot_wait_s: float = 20.0  # the active's bound on waiting for the shadow's copy
 
 

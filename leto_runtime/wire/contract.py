@@ -70,7 +70,7 @@ LETO_CHECKPOINT_EVERY_STEPS = "LETO_CHECKPOINT_EVERY_STEPS"   # checkpoint at mu
 LETO_CHECKPOINT_EVERY_S = "LETO_CHECKPOINT_EVERY_S"   # seconds between checkpoints (0: not by time)
 LETO_CHECKPOINT_FF_MTBF_S = "LETO_CHECKPOINT_FF_MTBF_S"   # seconds between non-HOF failures: Young's interval (0: not used)
 LETO_CHECKPOINT_KEEP = "LETO_CHECKPOINT_KEEP"     # complete checkpoints kept
-LETO_CHECKPOINT_WRITER = "LETO_CHECKPOINT_WRITER"   # auto (the shadow snapshots) | trainer
+LETO_CHECKPOINT_WRITER = "LETO_CHECKPOINT_WRITER"   # auto (the shadow snapshots) | shadow (waits for one) | trainer
 LETO_CHECKPOINT_LOAD = "LETO_CHECKPOINT_LOAD"     # a fallback: the complete checkpoint this attempt starts from
 CHECKPOINT_ENV_PREFIX = "LETO_CHECKPOINT_"        # every one of them is set by the agent alone
 

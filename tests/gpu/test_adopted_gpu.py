@@ -126,7 +126,7 @@ def test_the_shadow_s_checkpoint_from_gpu_memory_is_exact(tmp_path):
     p = run(leto_cmd("--standalone", "--nproc-per-node", "1", "--data-pages", "4", "--tier1",
                      "2", "--tier2", "1", "--chunk-pages", "2", "--hang-timeout", "30",
                      "--events", str(ev), "--no-status", "--checkpoint-dir", str(ck),
-                     "--checkpoint-every", "5",
+                     "--checkpoint-every", "5", "--checkpoint-writer", "shadow",
                      "--inject", "kill:rank=0:step=11:at=rmu.update:group=0:chunk=1:garbage=1",
                      "--inject", "pages:rank=0:count=3:tier=device:step=12:gen=1",
                      script, *args, "--step-time", "1.0", "--out", str(out)),

@@ -54,18 +54,21 @@ def reference(tmp_path_factory):
 def test_a_torn_checkpoint_is_skipped_and_page_losses_beyond_tolerance_fall_back_exactly(
         reference, tmp_path):
     """The checkpoints are the shadow's (rank 0's shadow copies retained memory while the active
-    computes).  The shadow is SIGKILLed while it writes the checkpoint of step 6 (its partial
+    computes; `--checkpoint-writer shadow`).  The shadow is SIGKILLed while it writes the checkpoint of step 6 (its partial
     directory stays; a new shadow is started), then 3 data pages of a group with tolerance 2
     are lost at step 8: the fallback skips the torn checkpoint, loads step 3, redoes 3.. and
-    ends bit-exact.  In that attempt the shadow is SIGKILLed after its copy of step 6 and
-    before its claim: the active sees it gone and takes the checkpoint itself; the one of step
-    9 is the new shadow's again, and it resumes under plain torchrun, bit-exactly."""
+    ends bit-exact.  In that attempt the checkpoint of step 6 is the shadow's again, and it
+    resumes under plain torchrun, bit-exactly; then the shadow is SIGKILLed after its copy of
+    step 9 and before its claim: the active sees it gone and takes the checkpoint itself."""
     out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
     out.mkdir()
     ref = reference(STEPS)
-    p = run(_leto(ev, ck, "--inject", "kill:rank=0:step=6:at=checkpoint.write:gen=1",
+    # writer "shadow": a due checkpoint waits for a shadow that is starting (after a fallback,
+    # after the shadows were restarted), so which checkpoint is whose does not depend on timing
+    p = run(_leto(ev, ck, "--checkpoint-keep", "3", "--checkpoint-writer", "shadow",
+                  "--inject", "kill:rank=0:step=6:at=checkpoint.write:gen=1",
                   "--inject", "pages:rank=0:count=3:tier=device:step=8",
-                  "--inject", "kill:rank=0:step=6:at=checkpoint.snapshot:gen=1:attempt=1",
+                  "--inject", "kill:rank=0:step=9:at=checkpoint.snapshot:gen=1:attempt=1",
                   SCRIPT, "--steps", str(STEPS), "--step-time", "1.0", "--out", str(out)),
             base_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -77,20 +80,20 @@ def test_a_torn_checkpoint_is_skipped_and_page_losses_beyond_tolerance_fall_back
     assert [e["action"] for e in of(evs, "decision")][-2:] == ["fall_back", "succeed"]
     written = {e["step"]: e["by"] for e in of(evs, "phase", phase="checkpoint") if e.get("path")
                and e["mono"] > fb["mono"]}
-    assert written == {6: "trainer", 9: "shadow", 12: "trainer"}, written
-    assert "checkpoint of step 6: the shadow did not take it" in p.stderr
-    assert sorted(os.listdir(ck)) == ["step_000000009", "step_000000012"]
+    assert written == {6: "shadow", 9: "trainer", 12: "trainer"}, written
+    assert "checkpoint of step 9: the shadow did not take it" in p.stderr
+    assert sorted(os.listdir(ck)) == ["step_000000006", "step_000000009", "step_000000012"]
     assert_nothing_left(evs)
-    # A user can leave Leto at any time: the checkpoint of step 9 (the shadow's, written after
+    # A user can leave Leto at any time: the checkpoint of step 6 (the shadow's, written after
     # the fallback) loads with stock torch.distributed.checkpoint into the same script under
-    # torchrun, which runs steps 9.. exactly as the uninterrupted run.
+    # torchrun, which runs steps 6.. exactly as the uninterrupted run.
     back = tmp_path / "back"
     back.mkdir()
     q = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps", str(STEPS),
-                         "--resume", "--ckpt", str(ck / "step_000000009"), "--out", str(back)),
+                         "--resume", "--ckpt", str(ck / "step_000000006"), "--out", str(back)),
             base_env(), timeout=300)
     assert q.returncode == 0, q.stderr[-4000:]
-    compare_runs(ref, back, 2, range(9, STEPS), q.stderr[-4000:])
+    compare_runs(ref, back, 2, range(6, STEPS), q.stderr[-4000:])
 
 
 def test_the_trainer_writer_survives_a_kill_during_its_write(reference, tmp_path):

@@ -166,8 +166,8 @@ def test_checkpoint_settings_reach_the_trainers_and_the_agent_s_own_do_not():
              "trainer").checkpoint
     assert dict(worker_env(t, None))[C.LETO_CHECKPOINT_WRITER] == "trainer"
     with pytest.raises(ConfigError) as e:
-        _cfg("--checkpoint-dir", "/c", "--checkpoint-every", "5", "--checkpoint-writer", "shadow")
-    assert e.value.key == "checkpoint.writer" and "'shadow'" in e.value.problem
+        _cfg("--checkpoint-dir", "/c", "--checkpoint-every", "5", "--checkpoint-writer", "active")
+    assert e.value.key == "checkpoint.writer" and "'active'" in e.value.problem
 
 
 def test_preflight_refuses_a_directory_of_an_earlier_run_and_one_under_a_file(tmp_path):
@@ -216,3 +216,25 @@ def test_the_agents_of_one_multi_node_job_share_the_directory_and_no_other_job_d
         DirLock(d, job="h:29400/run-a")                # held exclusively: refused in time
     assert f"pid {os.getpid()}" in e.value.problem
     single.release()
+
+
+def test_a_fallback_waits_only_for_a_newer_checkpoint_its_own_live_process_writes(tmp_path):
+    import subprocess
+    import sys
+    from leto_run.fallback import _alive, in_flight
+    _write(tmp_path, 3)
+    (tmp_path / F.partial_name(6, 4242)).mkdir()        # the shadow of this job writes step 6
+    (tmp_path / F.partial_name(2, 4343)).mkdir()        # older than the newest complete one
+    scan = F.scan(str(tmp_path))
+    assert in_flight(scan, {4242, 4343}).step == 6
+    assert in_flight(scan, {4343}) is None               # its writer is not ours, or is gone
+    assert in_flight(scan, set()) is None
+    _write(tmp_path, 9)
+    assert in_flight(F.scan(str(tmp_path)), {4242}) is None   # a newer complete one exists
+    assert F.partial_pid(str(tmp_path / F.partial_name(6, 4242))) == 4242
+    assert F.partial_pid(str(tmp_path / "step_000000003")) is None
+    z = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, z.pid, os.WEXITED | os.WNOWAIT)   # exited, not reaped: a zombie
+    assert _alive(os.getpid()) and not _alive(z.pid)
+    z.wait()
+    assert not _alive(z.pid)

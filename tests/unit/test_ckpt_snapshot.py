@@ -123,3 +123,23 @@ def test_the_staging_copy_goes_to_the_device_only_with_room_beside_the_active():
     assert place == "host" and "7.00 GiB" in why          # the margin: 5% of 140 GiB
     assert staging_place(free=3 * GiB, need=1 * GiB, total=16 * GiB)[0] == "device"
     assert staging_place(free=3 * GiB, need=int(1.5 * GiB), total=16 * GiB)[0] == "host"
+
+
+def test_a_shadow_that_dies_while_it_writes_does_not_stop_the_checkpoints(stores):
+    """The trainer sends no request while the shadow writes the last one it claimed; a shadow
+    that died before reporting its write (its partial directory is torn) must not keep it
+    waiting for good."""
+    import subprocess
+    from leto_runtime.ckpt_writer import ShadowPeer
+    _, trainer_hs, shadow_hs = stores
+    peer = ShadowPeer.__new__(ShadowPeer)
+    peer.hs, peer.last = trainer_hs(), (0, 0, os.getpid())
+    assert peer.writing() is True                      # alive, not reported: still writing
+    shadow_hs().report_written(0, 0, {"ok": True, "write_s": 2.0})
+    assert peer.writing() == {"ok": True, "write_s": 2.0} and peer.writing() is None
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    peer.last = (0, 1, gone.pid)
+    info = peer.writing()
+    assert info["ok"] is False and f"pid {gone.pid}" in info["error"]
+    assert peer.writing() is None                      # the next request may go out
