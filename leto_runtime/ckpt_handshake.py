@@ -79,14 +79,17 @@ class Handshake:
     def request(self, epoch: int, n: int, payload: dict) -> None:
         self.store.set(base(self.generation, epoch, self.rank, n) + "/req", pack(payload))
 
-    def verdict(self, epoch: int, n: int, timeout: float) -> str:
-        """Wait (bounded) for the shadow's claim, then settle it: the claim's value, or TRAINER
-        when the trainer set it (the shadow did not answer in time)."""
+    def verdict(self, epoch: int, n: int, timeout: float, settle: bool = True) -> str | None:
+        """Wait (bounded) for the shadow's claim; with `settle`, then settle it: the claim's
+        value, or TRAINER when the trainer set it (the shadow did not answer in time).
+        Without `settle`, None when the shadow has not claimed yet."""
         key = base(self.generation, epoch, self.rank, n) + "/claim"
         try:
             self.store.wait([key], datetime.timedelta(seconds=max(timeout, 0.001)))
         except Exception:
             self.fresh()            # a timed-out wait: this client is not used again
+            if not settle:
+                return None
         return self.claim(key, TRAINER)
 
     def written(self, epoch: int, n: int) -> dict | None:

@@ -199,12 +199,13 @@ class ShadowPeer:
         """Wait (bounded; cut short when the shadow's process is gone) for the verdict."""
         e, n, pid = self.asked
         t0, end = time.monotonic(), time.monotonic() + timeout
-        while True:
+        verdict = None
+        while verdict is None:
             left = end - time.monotonic()
-            verdict = self.hs.verdict(e, n, min(0.5, left)) if left > 0.5 and _alive(pid) \
-                else self.hs.verdict(e, n, 0.0)
-            if verdict != H.TRAINER or left <= 0.5 or not _alive(pid):
-                break
+            if left > 0.5 and _alive(pid):      # wait in slices; claim only at the end
+                verdict = self.hs.verdict(e, n, 0.5, settle=False)
+            else:
+                verdict = self.hs.verdict(e, n, 0.0)
         if verdict == H.TRAINER:
             self.dead.add(e)
         elif verdict == H.SHADOW_OK:

@@ -143,3 +143,20 @@ def test_a_shadow_that_dies_while_it_writes_does_not_stop_the_checkpoints(stores
     info = peer.writing()
     assert info["ok"] is False and f"pid {gone.pid}" in info["error"]
     assert peer.writing() is None                      # the next request may go out
+
+
+def test_the_active_waits_for_a_copy_slower_than_one_wait_slice(stores):
+    """A shadow that claims 1.5 s after the request (a host-staged copy of a large model) still
+    counts: the active waits in slices and claims only at its deadline."""
+    import time
+    from leto_runtime.ckpt_writer import ShadowPeer
+    _, trainer_hs, shadow_hs = stores
+    peer = ShadowPeer.__new__(ShadowPeer)
+    peer.hs, peer.dead, peer.last, peer.asked = trainer_hs(), set(), None, (0, 0, os.getpid())
+    shadow = shadow_hs()
+    t = threading.Thread(target=lambda: (time.sleep(1.5), shadow.answer(0, 0, H.SHADOW_OK)))
+    t.start()
+    verdict, waited = peer.settle(20.0)
+    t.join(10)
+    assert verdict == H.SHADOW_OK and 1.4 < waited < 15, (verdict, waited)
+    assert peer.dead == set() and peer.last == (0, 0, os.getpid())
