@@ -78,32 +78,44 @@ def test_byo_script_recovers_in_place_on_gpu_bit_exactly(case, tmp_path):
     assert {e["generation"] for e in events(ev) if e["event"] == "promote"} == {1, 2}
 
 
-def test_byo_script_falls_back_to_its_checkpoint_on_gpu_bit_exactly(tmp_path):
-    """On the GPU (NCCL, world size 1): a HOF inside an update is recovered in place, then 3
-    device pages of a group with tolerance 2 are lost: the job falls back to the checkpoint of
-    step 6 (written from CUDA state by rank 0 beside training), redoes the steps after it, and
-    ends bit-exact against torchrun on the same GPU."""
-    from leto_testing import (ROOT, base_env, compare_runs, events, leto_cmd, of, run,
+def _fallback_on_gpu(tmp_path, label: str, steps: int, every: int, injects, step_time: str,
+                     *leto_extra: str) -> list[dict]:
+    """examples/byo_train.py on one GPU (NCCL, world size 1): torchrun's fault-free run, then
+    leto-run with `--checkpoint-every every` and `injects`; every step and the final state
+    bit-exact against torchrun.  Returns the leto run's events."""
+    from leto_testing import (ROOT, base_env, compare_runs, events, leto_cmd, run,
                               torchrun_cmd)
     script = str(ROOT / "examples" / "byo_train.py")
     ref, out, ck, ev = tmp_path / "ref", tmp_path / "leto", tmp_path / "ck", tmp_path / "ev.jsonl"
     ref.mkdir()
     out.mkdir()
-    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "1", script, *BYO, "--out",
+    args = ["--steps", str(steps), *BYO[2:]]
+    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "1", script, *args, "--out",
                          str(ref)), base_env(), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
+    inject = [a for spec in injects for a in ("--inject", spec)]
     p = run(leto_cmd("--standalone", "--nproc-per-node", "1", "--data-pages", "4", "--tier1",
                      "2", "--tier2", "1", "--chunk-pages", "2", "--hang-timeout", "30",
                      "--events", str(ev), "--no-status", "--checkpoint-dir", str(ck),
-                     "--checkpoint-every", "3",
-                     "--inject", "kill:rank=0:step=4:at=rmu.update:group=0:chunk=1:garbage=1",
-                     "--inject", "pages:rank=0:count=3:tier=device:step=8:gen=1",
-                     script, *BYO, "--step-time", "0.3", "--out", str(out)),
+                     "--checkpoint-every", str(every), *leto_extra, *inject,
+                     script, *args, "--step-time", step_time, "--out", str(out)),
             base_env(), timeout=600)
-    print(f"\n=== byo fallback ===\n{p.stderr[p.stderr.find('Recovery report'):]}")
+    print(f"\n=== {label} ===\n{p.stderr[p.stderr.find('Recovery report'):]}")
     assert p.returncode == 0, p.stderr[-5000:]
-    compare_runs(ref, out, 1, range(10), p.stderr[-3000:])
-    [fb] = of(events(ev), "fallback")
+    compare_runs(ref, out, 1, range(steps), p.stderr[-3000:])
+    return events(ev)
+
+
+def test_byo_script_falls_back_to_its_checkpoint_on_gpu_bit_exactly(tmp_path):
+    """On the GPU (NCCL, world size 1): a HOF inside an update is recovered in place, then 3
+    device pages of a group with tolerance 2 are lost: the job falls back to the checkpoint of
+    step 6 (written from CUDA state by rank 0 beside training), redoes the steps after it, and
+    ends bit-exact against torchrun on the same GPU."""
+    from leto_testing import of
+    evs = _fallback_on_gpu(tmp_path, "byo fallback", 10, 3,
+                           ["kill:rank=0:step=4:at=rmu.update:group=0:chunk=1:garbage=1",
+                            "pages:rank=0:count=3:tier=device:step=8:gen=1"], "0.3")
+    [fb] = of(evs, "fallback")
     assert fb["step"] == 6, fb
 
 
@@ -113,28 +125,11 @@ def test_the_shadow_s_checkpoint_from_gpu_memory_is_exact(tmp_path):
     then wrote it from host memory); a HOF in step 11's update is recovered in place, 3 device
     pages of a group with tolerance 2 are lost at step 12, and the job falls back to the
     shadow's checkpoint, redoes 10.. and ends bit-exact against torchrun on the same GPU."""
-    from leto_testing import (ROOT, base_env, compare_runs, events, leto_cmd, of, run,
-                              torchrun_cmd)
-    script, steps = str(ROOT / "examples" / "byo_train.py"), 14
-    ref, out, ck, ev = tmp_path / "ref", tmp_path / "leto", tmp_path / "ck", tmp_path / "ev.jsonl"
-    ref.mkdir()
-    out.mkdir()
-    args = ["--steps", str(steps), *BYO[2:]]
-    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "1", script, *args, "--out",
-                         str(ref)), base_env(), timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    p = run(leto_cmd("--standalone", "--nproc-per-node", "1", "--data-pages", "4", "--tier1",
-                     "2", "--tier2", "1", "--chunk-pages", "2", "--hang-timeout", "30",
-                     "--events", str(ev), "--no-status", "--checkpoint-dir", str(ck),
-                     "--checkpoint-every", "5", "--checkpoint-writer", "shadow",
-                     "--inject", "kill:rank=0:step=11:at=rmu.update:group=0:chunk=1:garbage=1",
-                     "--inject", "pages:rank=0:count=3:tier=device:step=12:gen=1",
-                     script, *args, "--step-time", "1.0", "--out", str(out)),
-            base_env(), timeout=600)
-    print(f"\n=== shadow checkpoint ===\n{p.stderr[p.stderr.find('Recovery report'):]}")
-    assert p.returncode == 0, p.stderr[-5000:]
-    compare_runs(ref, out, 1, range(steps), p.stderr[-3000:])
-    evs = events(ev)
+    from leto_testing import of
+    evs = _fallback_on_gpu(tmp_path, "shadow checkpoint", 14, 5,
+                           ["kill:rank=0:step=11:at=rmu.update:group=0:chunk=1:garbage=1",
+                            "pages:rank=0:count=3:tier=device:step=12:gen=1"], "1.0",
+                           "--checkpoint-writer", "shadow")
     [fb] = of(evs, "fallback")
     assert fb["step"] == 10, fb
     [c10] = [e for e in of(evs, "phase", phase="checkpoint") if e.get("path") and
