@@ -72,6 +72,14 @@ def assemble(job, small: dict, flats: list[torch.Tensor]) -> dict:
             "scheduler": small["scheduler"], "step": int(small["step"])}
 
 
+def retained_copy(job, small: dict) -> dict:
+    """`job.state_dict()` as it was when `small` (`small_part`) was taken, on a trainer whose
+    retained states nothing has written since: host copies of those, and `small`."""
+    ss = job.ss
+    return assemble(job, small, [ss.flat(st)[:ss.layout.numel].detach().to("cpu", copy=True)
+                                 for st in ss.model])
+
+
 def optimizer_state(opt, flats: list[torch.Tensor], done: int, copy: bool = True) -> dict:
     """torch's `state` of the adopted optimizer from the flat optimizer states (CPU copies
     when `copy`, else views of `flats`)."""

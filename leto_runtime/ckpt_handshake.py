@@ -10,8 +10,8 @@ shadow's generation G and epoch E, so a request can only reach the shadow it was
                                        hold (torch.save bytes: group values, scheduler, buffers)
     .../n{N}/claim                     the verdict, first writer wins (`compare_set` on an
                                        absent key): "shadow:ok" (its copy of the state of
-                                       that step is complete), "shadow:skip <why>" or "shadow:busy",
-                                       or "trainer" (the trainer gave up waiting)
+                                       that step is complete), "shadow:skip <why>", or
+                                       "trainer" (the trainer gave up waiting)
     .../n{N}/written                   the shadow's write ended: JSON {"ok", "path"|"error", "write_s"}
 
 Why a claim and not two flags: the trainer must never write retained memory while the
@@ -19,6 +19,9 @@ shadow's copy could still count.  Whoever sets the claim first decides: a shadow
 "ok" has finished reading; a trainer that claims "trainer" makes a late copy worthless (the
 shadow sees the claim taken and discards it).  A forged value does not verify and is taken
 as "not copied" by both sides: forgery can cost a checkpoint, never make a torn one count.
+The trainer must *know* the claim before it updates: a store that does not answer its claim
+(after fresh clients, `SETTLE_S`) raises `ClaimUnsettled`, and the trainer stops before its
+update writes retained memory -- a shadow's claim that the trainer could not read may stand.
 
 Calling contract: each side owns its `Handshake` over its own store client (a TCPStore client
 whose wait timed out is not used again: `fresh()` makes a new one); every call is bounded by
@@ -29,8 +32,20 @@ from __future__ import annotations
 import datetime
 import io
 import json
+import time
 
-SHADOW_OK, SHADOW_BUSY, SHADOW_SKIP, TRAINER = "shadow:ok", "shadow:busy", "shadow:skip", "trainer"
+from leto_runtime.control_auth import ForgedControlKey
+
+SHADOW_OK, SHADOW_SKIP, TRAINER = "shadow:ok", "shadow:skip", "trainer"
+SETTLE_S = 10.0             # the trainer's bound on settling a claim over fresh clients
+
+
+class BadRequest(ValueError):
+    """A request that is there but cannot be served (forged, or not a request)."""
+
+
+class ClaimUnsettled(RuntimeError):
+    """The trainer could not learn the claim of a snapshot request: it must not update."""
 
 
 def server_key(generation: int, rank: int) -> str:
@@ -86,11 +101,39 @@ class Handshake:
         key = base(self.generation, epoch, self.rank, n) + "/claim"
         try:
             self.store.wait([key], datetime.timedelta(seconds=max(timeout, 0.001)))
-        except Exception:
-            self.fresh()            # a timed-out wait: this client is not used again
+        except Exception:           # a timed-out wait: this client is not used again
+            try:
+                self.fresh()
+            except Exception:
+                pass                # (the claim below retries on fresh clients)
             if not settle:
                 return None
-        return self.claim(key, TRAINER)
+        return self.settle_claim(key)
+
+    def settle_claim(self, key: str, bound: float | None = None) -> str:
+        """The trainer's claim: the value that stands, read for certain -- retried on fresh
+        clients for up to `bound` (SETTLE_S) s, else `ClaimUnsettled` (the shadow may have
+        claimed)."""
+        bound = SETTLE_S if bound is None else bound
+        end, err = time.monotonic() + bound, None
+        while True:
+            try:
+                out = self.store.compare_set(key, "", TRAINER)
+                return out.decode() if isinstance(out, bytes) else str(out)
+            except ForgedControlKey:        # the value is there and does not verify
+                return f"{SHADOW_SKIP} the claim does not verify"
+            except Exception as e:
+                err = e
+            if time.monotonic() >= end:
+                raise ClaimUnsettled(
+                    f"the job's store did not answer the checkpoint claim {key} for {bound:g} s "
+                    f"({type(err).__name__}: {err}); the trainer stops before its update, so "
+                    "a copy the shadow may have claimed cannot be torn")
+            time.sleep(0.2)
+            try:
+                self.fresh()
+            except Exception as e:
+                err = e
 
     def written(self, epoch: int, n: int) -> dict | None:
         """The shadow's report of request `n`'s write, or None while it is still writing."""
@@ -121,10 +164,16 @@ class Handshake:
         key = base(self.generation, epoch, self.rank, n) + "/req"
         try:
             self.store.wait([key], datetime.timedelta(seconds=slice_s))
-        except Exception:
+            data = self.store.get(key)
+        except ForgedControlKey as e:
+            raise BadRequest(f"request {n} does not verify ({e})") from None
+        except Exception:           # timed out, or the store is not answering: ask again
             self.fresh()
             return None
-        return unpack(self.store.get(key))
+        try:
+            return unpack(data)
+        except Exception as e:
+            raise BadRequest(f"request {n} does not unpack ({type(e).__name__}: {e})") from None
 
     def answer(self, epoch: int, n: int, verdict: str) -> bool:
         """The shadow's claim; True when it stands (the trainer has not given up)."""

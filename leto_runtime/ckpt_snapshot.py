@@ -24,8 +24,11 @@ and the shadow's late copy is discarded.  Exactness never depends on the shadow:
 counts only when it was complete before the active's update began.
 
 Calling contract: `serving(job)` is a context manager around the shadow's wait for promotion;
-leaving it (promotion, or the store gone) stops serving: a copy in flight finishes first
-(promotion then maps and writes the states), a write in flight goes on in its thread.
+leaving it (promotion, or the store gone) stops serving: a copy in flight is cut short (a
+device-staged one finishes: it is short) before promotion maps and writes the states; a write
+in flight goes on in its thread, and the page-locked host copies are unregistered after it.
+A page that loses its memory while the copy reads it may kill the shadow (SIGBUS on a host
+tier), as it would at promotion: the active then sees the shadow gone and copies the state.
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ from leto_runtime.trainer_log import log
 SLICE_S = 30.0              # a request wait's slice (a timed-out wait gets a fresh client)
 DEVICE_MARGIN = 2 << 30     # device memory left free beside a staging copy, at least ...
 DEVICE_MARGIN_SHARE = 0.05  # ... or this share of the device
+CUT_BYTES = 256 << 20       # a host-staged copy checks for a promotion this often
 
 
 def staging_place(free: int, need: int, total: int) -> tuple[str, str]:
@@ -73,7 +77,10 @@ class SnapshotServer:
         self.hs = H.Handshake(lambda: promotion.worker_store(ctx), ctx.generation, ctx.rank)
         self.lock = threading.Lock()           # held while the copy reads the mappings
         self.stopping = threading.Event()
+        self.stale: str | None = None          # the mappings no longer show retained memory
         self.host: dict = {}                   # page-locked host copies, by state-dict path
+        self.host_lock = threading.Lock()      # the host copies' owner: a write, or release
+        self.write_busy = False
         self.stream = None
         self.thread = threading.Thread(target=self._loop, name="leto-snapshot", daemon=True)
 
@@ -94,11 +101,16 @@ class SnapshotServer:
         return server
 
     def stop(self, timeout: float = 30.0) -> None:
+        """Stop serving: a copy in flight is cut short at its next slice; a write in flight
+        goes on (the page-locked host copies are given back when it ends)."""
         self.stopping.set()
         if not self.lock.acquire(timeout=timeout):
             raise RuntimeError(f"the checkpoint snapshot still reads retained memory after "
                                f"{timeout:g} s: this shadow cannot take over")
         self.lock.release()
+        with self.host_lock:
+            if not self.write_busy:
+                self._release_host()
 
     # ---- the serving thread ------------------------------------------------------------------
     def _loop(self) -> None:
@@ -109,10 +121,14 @@ class SnapshotServer:
         while not self.stopping.is_set():
             try:
                 req = self.hs.next_request(self.epoch, n, SLICE_S)
-            except Exception as e:          # a forged or unreadable request: never served
-                log(f"checkpoint request {n} refused ({type(e).__name__}: {e})")
-                self.hs.answer(self.epoch, n, f"{H.SHADOW_SKIP} unreadable request")
+            except H.BadRequest as e:      # a forged or unreadable request: never served
+                log(f"checkpoint {e}: refused")
+                self._answer(n, f"{H.SHADOW_SKIP} {e}")
                 n += 1
+                continue
+            except Exception as e:          # the store is not answering: the same request again
+                log(f"checkpoint requests: the store did not answer ({type(e).__name__}: {e})")
+                self.stopping.wait(1.0)
                 continue
             if req is None:
                 continue
@@ -121,75 +137,110 @@ class SnapshotServer:
             except Exception as e:
                 log(f"checkpoint snapshot of step {req.get('step')} failed ({type(e).__name__}: "
                     f"{e}); the active takes it")
-                self.hs.answer(self.epoch, n, f"{H.SHADOW_SKIP} {type(e).__name__}: {e}")
+                self._answer(n, f"{H.SHADOW_SKIP} {type(e).__name__}: {e}")
             n += 1
 
+    def _answer(self, n: int, verdict: str) -> bool:
+        try:
+            return self.hs.answer(self.epoch, n, verdict)
+        except Exception:
+            return False                    # the active settles the claim itself
+
     def _serve(self, n: int, req: dict) -> None:
-        t, job = int(req["step"]), self.job
+        t, job, box = int(req["step"]), self.job, []
+        place = "cpu"
         with self.lock:
             if self.stopping.is_set():
-                self.hs.answer(self.epoch, n, f"{H.SHADOW_SKIP} the shadow is taking over")
+                self._answer(n, f"{H.SHADOW_SKIP} the shadow is taking over")
                 return
             why = self._fresh_mappings()
             if why is None:
                 t0 = time.monotonic()
-                copy, place = self._copy(req)
+                place = self._copy(req, box)
                 copy_s = time.monotonic() - t0
                 why = self._pending_loss("during the copy")
         if why is None:
             job.faults.fire_in_thread("checkpoint.snapshot", t)    # copied, not yet claimed
         if why is not None:
-            self.hs.answer(self.epoch, n, f"{H.SHADOW_SKIP} {why}")
+            self._drop(box, place)
+            self._answer(n, f"{H.SHADOW_SKIP} {why}")
             log(f"checkpoint snapshot of step {t} not taken: {why}")
             return
-        if not self.hs.answer(self.epoch, n, H.SHADOW_OK):
+        if not self._answer(n, H.SHADOW_OK):
+            self._drop(box, place)
             log(f"checkpoint snapshot of step {t} discarded: the active stopped waiting for it")
             return
-        self._write(n, t, req, copy, place, copy_s)
+        self._write(n, t, req, box, place, copy_s)
+
+    def _drop(self, box: list, place: str) -> None:
+        box.clear()
+        if place == "device":
+            torch.cuda.empty_cache()        # the staging goes back to the device at once
 
     def _fresh_mappings(self) -> str | None:
-        """Bring the mappings up to date; a reason not to copy, or None."""
-        client = self.job.ss.client
-        rep = client.refresh()
-        if rep.views_invalid:
-            self.job.recovery_info["stale_views"] = True      # promotion maps afresh
-            return f"retained states re-created ({', '.join(rep.views_invalid)})"
-        if rep.dropped:
-            return f"pages without memory ({sum(rep.dropped.values())})"
+        """Bring the mappings up to date; a reason not to copy, or None.  A state re-created
+        under its name leaves this shadow's views stale for good: every later request too is
+        refused (promotion maps afresh)."""
+        if self.stale is None:
+            rep = self.job.ss.client.refresh()
+            if rep.views_invalid:
+                self.job.recovery_info["stale_views"] = True
+                self.stale = f"retained states re-created ({', '.join(rep.views_invalid)})"
+            elif rep.dropped:
+                return f"pages without memory ({sum(rep.dropped.values())})"
+        if self.stale is not None:
+            return self.stale
         return self._pending_loss("before the copy")
 
     def _pending_loss(self, when: str) -> str | None:
         lost = int(self.job.ss.client.status().get("pending_losses", 0))
         return f"{lost} page loss(es) pending {when}" if lost else None
 
-    def _copy(self, req: dict):
-        """The copy the claim vouches for: flat clones (CPU; GPU with room: device staging),
-        or, on a GPU without room, the state dict in pinned host memory."""
+    def _copy(self, req: dict, box: list) -> str:
+        """The copy the claim vouches for, into `box` (its only holder, so the staging can go):
+        flat clones (CPU; GPU with room: device staging), or, on a GPU without room, the state
+        dict in pinned host memory.  Returns where it went."""
         from leto_runtime import checkpoint
         ss = self.job.ss
         flats = [ss.flat(st)[:ss.layout.numel] for st in ss.model]
         if self.stream is None:
-            return [f.clone() for f in flats], "cpu"
+            for f in flats:
+                self._check_stopping()
+                box.append(f.clone())
+            return "cpu"
         need = sum(f.numel() * 4 for f in flats)
         free, total = torch.cuda.mem_get_info(self.job.device)
         place, _ = staging_place(free, need, total)
         if place == "host":
-            return self._pinned(checkpoint.assemble(self.job, req, flats)), place
+            box.append(self._pinned(checkpoint.assemble(self.job, req, flats), cut=True))
+            return place
         with torch.cuda.stream(self.stream):
-            out = [f.clone() for f in flats]
+            box.extend(f.clone() for f in flats)
         self.stream.synchronize()
-        return out, place
+        return place
 
-    def _pinned(self, state: dict) -> dict:
+    def _check_stopping(self) -> None:
+        if self.stopping.is_set():
+            raise RuntimeError("the shadow is taking over: the copy was cut short")
+
+    def _pinned(self, state: dict, cut: bool = False) -> dict:
         """`state` with every CUDA tensor copied into a host tensor of its own, page-locked
         once and reused by every checkpoint of the job (fast copies, and nothing for DCP to
-        copy again); pageable where the memory cannot be locked."""
+        copy again); pageable where the memory cannot be locked.  `cut`: a promotion stops
+        the copy within `CUT_BYTES` of it (it reads retained memory)."""
+        moved = [0]
+
         def walk(obj, path):
             if torch.is_tensor(obj) and obj.is_cuda:
                 h = self.host.get(path)
                 if h is None or h.shape != obj.shape or h.dtype != obj.dtype:
                     h = self.host[path] = _page_locked(torch.empty(obj.shape, dtype=obj.dtype))
                 h.copy_(obj, non_blocking=h.is_pinned())
+                moved[0] += obj.numel() * obj.element_size()
+                if cut and moved[0] >= CUT_BYTES:
+                    moved[0] = 0
+                    self.stream.synchronize()
+                    self._check_stopping()
                 return h
             if isinstance(obj, dict):
                 return {k: walk(v, path + (k,)) for k, v in obj.items()}
@@ -201,42 +252,88 @@ class SnapshotServer:
         self.stream.synchronize()
         return out
 
-    def _write(self, n: int, t: int, req: dict, copy, place: str, copy_s: float) -> None:
+    def _release_host(self) -> None:
+        """Give the page-locked host copies back (after the last write, on promotion)."""
+        from torch.cuda import _pin_memory_utils as pin
+        for h in self.host.values():
+            if getattr(h, "_leto_locked", False):
+                try:
+                    pin.unpin_memory(h.data_ptr())
+                except Exception:
+                    pass
+        self.host.clear()
+
+    def _write(self, n: int, t: int, req: dict, box: list, place: str, copy_s: float) -> None:
         """After the claim: host copies, the checkpoint, the report -- in a thread of lowest
-        CPU priority, so the write competes as little as it can with the active's CPU work."""
-        w = threading.Thread(target=self._write_now, args=(n, t, req, copy, place, copy_s),
+        CPU priority, so the write competes as little as it can with the active's CPU work.
+        The active sends no request before this one's write is reported; a promotion stops
+        waiting for it (the write goes on)."""
+        with self.host_lock:
+            self.write_busy = True
+        w = threading.Thread(target=self._write_now, args=(n, t, req, box, place, copy_s),
                              name=f"leto-snapshot-write-{t}", daemon=True)
         w.start()
-        w.join()        # (the active sends no request before this one's write is reported)
+        while w.is_alive() and not self.stopping.is_set():
+            w.join(1.0)
 
-    def _write_now(self, n: int, t: int, req: dict, copy, place: str, copy_s: float) -> None:
-        from leto_runtime import checkpoint, ckpt_writer
+    def _write_now(self, n: int, t: int, req: dict, box: list, place: str,
+                   copy_s: float) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError:
             pass
         t0 = time.monotonic()
+        try:
+            info = self._write_state(t, req, box, place, copy_s, t0)
+        except Exception as e:
+            log(f"checkpoint of step {t}: the shadow's write failed ({type(e).__name__}: {e})")
+            info = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                    "write_s": time.monotonic() - t0}
+        finally:
+            self._drop(box, place)
+            with self.host_lock:
+                self.write_busy = False
+                if self.stopping.is_set():
+                    self._release_host()
+        self._report(n, info)
+
+    def _write_state(self, t: int, req: dict, box: list, place: str, copy_s: float,
+                     t0: float) -> dict:
+        from leto_runtime import checkpoint, ckpt_writer
         if place == "device":
-            state = self._pinned(checkpoint.assemble(self.job, req, copy))
-            del copy
-            torch.cuda.empty_cache()         # the staging goes back to the device at once
+            state = self._pinned(checkpoint.assemble(self.job, req, box))
+            self._drop(box, place)
         elif place == "cpu":
-            state = checkpoint.assemble(self.job, req, copy)
+            state = checkpoint.assemble(self.job, req, box)
         else:
-            state = copy                      # pinned already, before the claim
+            state = box[0]                    # pinned already, before the claim
         host_s = time.monotonic() - t0
-        info = ckpt_writer.write(state, t, self.settings, self.job.world_size,
+        return ckpt_writer.write(state, t, self.settings, self.job.world_size,
                                  self.job._report_phase, self.job.faults.fire_in_thread,
                                  stall=None, why=req.get("why", ""),
                                  extra={"by": "shadow", "staging": place, "copy_s": copy_s,
                                         "host_s": host_s, "host_at": t0})
-        self.hs.report_written(self.epoch, n, info)
+
+    def _report(self, n: int, info: dict) -> None:
+        """The write's report, which the active waits for before its next request: retried on
+        fresh clients (a shadow whose report is lost keeps the active's checkpoints off)."""
+        for attempt in range(5):
+            try:
+                if attempt:
+                    self.hs.fresh()
+                self.hs.report_written(self.epoch, n, info)
+                return
+            except Exception as e:
+                log(f"checkpoint write report {n}: the store did not take it "
+                    f"({type(e).__name__}: {e})")
+                time.sleep(0.5 * (attempt + 1))
 
 
 def _page_locked(t: torch.Tensor) -> torch.Tensor:
     try:
         from torch.cuda import _pin_memory_utils as pin
         pin.pin_memory(t.data_ptr(), t.numel() * t.element_size())
+        t._leto_locked = True       # registered here: unregistered by `_release_host`
     except Exception:
         pass                # pageable: slower copies, the same bytes
     return t

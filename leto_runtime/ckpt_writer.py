@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import threading
 import time
 import warnings
@@ -72,7 +73,7 @@ class Checkpointer:
         self.cost: float | None = None
         self.write_s = 0.0                 # the last write's duration (auto's floor)
         self.thread: threading.Thread | None = None
-        self.pending: tuple[int, str] | None = None   # (step, why) asked of the shadow
+        self.pending: tuple[int, str, dict] | None = None  # (step, why, small part) asked
 
     @classmethod
     def for_job(cls, job) -> "Checkpointer | None":
@@ -95,8 +96,9 @@ class Checkpointer:
             return
         self.last_step, self.last_time = t, time.monotonic()
         # The last one is taken here: the shadow may be stopped as soon as training ends.
-        if not final and self.peer is not None and self.peer.ask(job, t, why):
-            self.pending = (t, why)
+        small = None if final or self.peer is None else self.peer.ask(job, t, why)
+        if small is not None:
+            self.pending = (t, why, small)
             return
         self._take(job, t, why)
 
@@ -105,21 +107,30 @@ class Checkpointer:
         shadow's snapshot of step t must be complete now, or the trainer takes it itself."""
         if self.pending is None:
             return
-        step, why = self.pending
+        step, why, small = self.pending
         self.pending = None
         if step != t:
             return
-        verdict, waited = self.peer.settle(self.s.snapshot_wait_s)
+        try:
+            verdict, waited = self.peer.settle(self.s.snapshot_wait_s)
+        except H.ClaimUnsettled as e:
+            log(f"checkpoint of step {t}: {e}")
+            raise
         if verdict == H.SHADOW_OK:
             self.cost = waited
             self.report("checkpoint_snapshot", waited, step=t, by="shadow")
             return
         log(f"checkpoint of step {t}: the shadow did not take it ({verdict}); taking it here")
-        self._take(job, t, why)
+        self._take(job, t, why, small)
 
-    def _take(self, job, t: int, why: str) -> None:
+    def _take(self, job, t: int, why: str, small: dict | None = None) -> None:
+        """Copy the state of step t to host memory (the step waits for this part only) and
+        write it from a thread.  `small`: the part taken at the top of step t (buffers, the
+        groups' values, the scheduler -- the forward may have changed them since), beside the
+        retained states, which nothing has written since."""
+        from leto_runtime import checkpoint
         t0 = time.monotonic()
-        state = job.state_dict()           # host copies: the step waits for this part only
+        state = job.state_dict() if small is None else checkpoint.retained_copy(job, small)
         stall = time.monotonic() - t0
         self.cost = stall
         self.thread = threading.Thread(target=self._own_write, args=(state, t, stall, why),
@@ -163,35 +174,56 @@ class ShadowPeer:
         self.wait_s = wait_s                       # writer "shadow": wait for one to serve
         self.hs = H.Handshake(lambda: promotion.worker_store(ctx), ctx.generation + 1, ctx.rank)
         self.next: dict[int, int] = {}            # epoch -> next request number
+        self.waited = False                       # writer "shadow" waited in vain already
         self.dead: set[int] = set()               # epochs that did not answer in time
         self.asked: tuple[int, int, int] | None = None   # (epoch, n, pid) of the request
         self.last: tuple[int, int, int] | None = None   # (epoch, n, pid): write not reported
 
-    def ask(self, job, t: int, why: str) -> bool:
-        """Send the request for the state of step t; False when no shadow serves."""
+    def ask(self, job, t: int, why: str) -> dict | None:
+        """Send the request for the state of step t: the small part sent, or None when no
+        shadow serves or the request could not be sent (the trainer copies the state)."""
         from leto_runtime import checkpoint
         srv = self._server()
         if srv is None:
-            return False
+            return None
         e = int(srv["epoch"])
         n = self.next.get(e, 0)
         if job.device.type == "cuda":
             import torch
             torch.cuda.synchronize(job.device)    # the shadow reads what the GPU has written
-        self.hs.request(e, n, {**checkpoint.small_part(job), "why": why})
-        self.next[e] = n + 1
+        small = checkpoint.small_part(job)
+        self.next[e] = n + 1                      # (a request half sent is never reused)
+        try:
+            self.hs.request(e, n, {**small, "why": why})
+        except Exception as err:
+            log(f"checkpoint request of step {t} not sent ({type(err).__name__}: {err}); "
+                "the trainer copies the state")
+            self._fresh()
+            return None
         self.asked = (e, n, int(srv.get("pid", 0)))
-        return True
+        return small
+
+    def _fresh(self) -> None:
+        try:
+            self.hs.fresh()
+        except Exception:
+            pass                                  # the next call tries again
 
     def _server(self) -> dict | None:
         """The serving shadow (a new epoch's after one that failed), waiting up to `wait_s`
-        for one to start serving (writer "shadow": a shadow starting up or being replaced)."""
-        end = time.monotonic() + self.wait_s
+        for one to start serving (writer "shadow": a shadow starting up or being replaced) --
+        once: while none serves, later due steps do not wait again."""
+        end = time.monotonic() + (0.0 if self.waited else self.wait_s)
         while True:
             srv = self.hs.server()
             if srv is not None and int(srv.get("epoch", -1)) not in self.dead:
+                self.waited = False
                 return srv
             if time.monotonic() >= end:
+                self.waited = self.wait_s > 0
+                if self.waited:
+                    log(f"no shadow serves checkpoint snapshots after {self.wait_s:g} s; the "
+                        "trainer copies the state until one does")
                 return None
             time.sleep(0.05)
 
@@ -237,9 +269,12 @@ def _alive(pid: int) -> bool:
 def write(state: dict, t: int, s: Settings, world_size: int, report, fault, *,
           stall: float | None, why: str, extra: dict) -> dict:
     """Store `state` as the checkpoint of step t (the module docstring's layout); never raises:
-    a failure is logged and reported.  Returns {"ok", "path" | "error", "write_s"}."""
+    a failure is logged and reported.  Returns {"ok", "path" | "error", "write_s"}.
+    Two writers of one step (a promoted shadow's write in flight, its redone step's) each fill
+    a partial directory of their own; the first rename wins and the other counts as written."""
     d = s.directory
-    tmp = os.path.join(d, F.partial_name(t, os.getpid()))
+    tmp = os.path.join(d, F.partial_name(t, os.getpid(), secrets.token_hex(4)))
+    final = os.path.join(d, F.name(t))
     t0 = time.monotonic()
     try:
         os.makedirs(d, exist_ok=True)
@@ -248,12 +283,14 @@ def write(state: dict, t: int, s: Settings, world_size: int, report, fault, *,
         man = F.manifest(t, world_size, tmp)
         _write_synced(os.path.join(tmp, F.MANIFEST), man)
         F.fsync_dir(tmp)
-        final = os.path.join(d, F.name(t))
         os.rename(tmp, final)
         F.fsync_dir(d)
     except Exception as e:                  # never fatal: training goes on
         import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)        # this write's own directory only
+        if F.check(final).complete:
+            log(f"checkpoint of step {t}: {final} was written by another writer meanwhile")
+            return {"ok": True, "path": final, "write_s": time.monotonic() - t0}
         log(f"warning: checkpoint of step {t} into {d} failed ({type(e).__name__}: {e}); "
             "training goes on, the next due step tries again")
         report("checkpoint", 0.0, step=t, error=f"{type(e).__name__}: {e}", dir=d, **extra)

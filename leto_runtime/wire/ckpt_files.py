@@ -5,7 +5,7 @@ agent reads it too).
 job resumes at), each a `torch.distributed.checkpoint` directory (`.metadata` and the
 `__N_M.distcp` files) that stock `dcp.load` reads, plus Leto's manifest `leto_checkpoint.json`:
 the step, the world size, and the size of every file of the checkpoint.  A checkpoint is written
-into a hidden sibling (`.partial-step_000000120-PID`), every file fsynced, the manifest written
+into a hidden sibling (`.partial-step_000000120-PID-TOKEN`), every file fsynced, the manifest written
 and fsynced last, and the directory renamed into place (then the parent fsynced): a kill or a
 full disk at any moment leaves either a hidden partial directory or a complete checkpoint.
 
@@ -28,21 +28,23 @@ from dataclasses import dataclass
 MANIFEST = "leto_checkpoint.json"
 FORMAT = 1
 _NAME = re.compile(r"^step_(\d{9})$")
-_PARTIAL = re.compile(r"^\.partial-step_(\d{9})-\d+$")
+_PARTIAL = re.compile(r"^\.partial-step_(\d{9})-(\d+)(?:-[0-9a-f]+)?$")
 
 
 def name(step: int) -> str:
     return f"step_{step:09d}"
 
 
-def partial_name(step: int, pid: int) -> str:
-    return f".partial-{name(step)}-{pid}"
+def partial_name(step: int, pid: int, token: str = "") -> str:
+    """The hidden directory one write fills; `token` (hex) tells apart two writes of one
+    process (a promoted shadow's write in flight and its own write of the redone step)."""
+    return f".partial-{name(step)}-{pid}" + (f"-{token}" if token else "")
 
 
 def partial_pid(path: str) -> int | None:
     """The writer's pid in a partial directory's name (None: not a partial)."""
     m = _PARTIAL.match(os.path.basename(path))
-    return int(path.rsplit("-", 1)[1]) if m else None
+    return int(m.group(2)) if m else None
 
 
 @dataclass(frozen=True)
