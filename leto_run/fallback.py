@@ -160,6 +160,9 @@ class FallbackPolicy:
         node's retained state for it (a fallback of its own, counted); None, or why it
         cannot."""
         g = self.group
+        found = F.check(path)
+        if not found.complete:      # (a shared directory this node sees otherwise, or torn since)
+            return f"the agreed checkpoint {path} is not complete on this node: {found.reason}"
         if inplace:
             if self.used >= self.cfg.max_fallbacks:
                 return f"all {self.cfg.max_fallbacks} checkpoint fallbacks used (--max-fallbacks)"
@@ -167,7 +170,7 @@ class FallbackPolicy:
                 self.sms.reset()
             self.used += 1
             g.events.emit("fallback", g.generation, reason=why, path=path,
-                          step=F.check(path).step, failed_step=None, used=self.used, by="peer")
+                          step=found.step, failed_step=None, used=self.used, by="peer")
         g.checkpoint_load = path
         g.log(f"the nodes agreed: {why}")
         return None

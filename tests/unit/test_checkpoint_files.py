@@ -238,3 +238,25 @@ def test_a_fallback_waits_only_for_a_newer_checkpoint_its_own_live_process_write
     assert _alive(os.getpid()) and not _alive(z.pid)
     z.wait()
     assert not _alive(z.pid)
+
+
+def test_a_node_refuses_to_follow_a_checkpoint_it_does_not_see_complete(tmp_path):
+    """The round agreed on a checkpoint this node's view of the directory does not hold
+    complete: the node stops and says why instead of starting trainers that cannot load it."""
+    import types
+    from leto_run.config_checkpoint import CheckpointConfig
+    from leto_run.fallback import FallbackPolicy
+    events, logs = [], []
+    group = types.SimpleNamespace(generation=2, log=logs.append, checkpoint_load=None,
+                                  events=types.SimpleNamespace(emit=lambda *a, **k: events.append(
+                                      (a, k))))
+    policy = FallbackPolicy(group, CheckpointConfig(dir=str(tmp_path), every="3"), sms=None)
+    good = _write(tmp_path, 6)
+    torn = _write(tmp_path, 9)
+    os.remove(os.path.join(torn, F.MANIFEST))
+    why = policy.follow(torn, "node 1 fell back", inplace=True)
+    assert why is not None and "not complete on this node" in why and F.MANIFEST in why
+    assert group.checkpoint_load is None and policy.used == 0 and events == []
+    assert policy.follow(good, "node 1 fell back", inplace=True) is None
+    assert group.checkpoint_load == good and policy.used == 1
+    assert events[0][1]["step"] == 6 and events[0][1]["by"] == "peer"
