@@ -20,6 +20,8 @@ per-parameter `step` must equal the checkpoint's `step` (one step count for all)
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from leto_runtime.trainer_log import log
@@ -45,8 +47,10 @@ def small_part(job) -> dict:
     sd = job.model.state_dict()
     return {"step": int(opt.done), "keys": list(sd),
             "buffers": {k: v.detach().cpu().clone() for k, v in sd.items() if k not in params},
-            "param_groups": opt.torch_opt.state_dict()["param_groups"],
-            "scheduler": opt.scheduler.state_dict() if opt.scheduler is not None else None}
+            # deep copies: torch's state dicts share the live lists (a scheduler's base_lrs)
+            "param_groups": copy.deepcopy(opt.torch_opt.state_dict()["param_groups"]),
+            "scheduler": (copy.deepcopy(opt.scheduler.state_dict())
+                          if opt.scheduler is not None else None)}
 
 
 def assemble(job, small: dict, flats: list[torch.Tensor]) -> dict:

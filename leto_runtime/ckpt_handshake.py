@@ -23,29 +23,49 @@ The trainer must *know* the claim before it updates: a store that does not answe
 (after fresh clients, `SETTLE_S`) raises `ClaimUnsettled`, and the trainer stops before its
 update writes retained memory -- a shadow's claim that the trainer could not read may stand.
 
-Calling contract: each side owns its `Handshake` over its own store client (a TCPStore client
-whose wait timed out is not used again: `fresh()` makes a new one); every call is bounded by
-the timeout it is given.
+Request numbers stay in step: a request the trainer may not have delivered is claimed by it
+("trainer") and then voided (`void`: the request key gets a void value), so the shadow moves
+on to the next number instead of waiting for one that never comes; a void that cannot be
+written retires the epoch (the trainer copies the state until a new shadow serves).
+
+Calling contract: each side owns its `Handshake` (a store client of its own, made on first
+use; one that failed or timed out is dropped and the next call connects anew).  Every call
+is bounded: a TCPStore call to a store that stopped answering never returns, whatever its
+client's timeout, so each runs in a thread of its own that is abandoned at its bound.
 """
 from __future__ import annotations
 
 import datetime
 import io
 import json
+import threading
 import time
 
 from leto_runtime.control_auth import ForgedControlKey
 
 SHADOW_OK, SHADOW_SKIP, TRAINER = "shadow:ok", "shadow:skip", "trainer"
-SETTLE_S = 10.0             # the trainer's bound on settling a claim over fresh clients
+SETTLE_S = 10.0             # the bound on settling a claim over fresh clients
+CALL_S = 5.0                # one store call's bound (a wait: its own timeout plus this)
+MAX_VALUE = (8 << 20) - (64 << 10)   # TCPStore's server refuses a value over 8 MiB
 
 
 class BadRequest(ValueError):
     """A request that is there but cannot be served (forged, or not a request)."""
 
 
-class ClaimUnsettled(RuntimeError):
-    """The trainer could not learn the claim of a snapshot request: it must not update."""
+class ClaimUnsettled(BaseException):
+    """The claim of a snapshot request could not be read: the trainer must not update (the
+    shadow's "ok" may stand).  A BaseException, like `demotion.Demoted`: a script's
+    `except Exception` retry loop must not swallow it and update anyway."""
+
+
+class StoreTimeout(TimeoutError):
+    """A store call that did not return within its bound; its client is dropped."""
+
+
+class NotSent(ConnectionError):
+    """A store call that certainly never reached the store (no connection, or abandoned
+    before it began): nothing it would have written is there, or ever will be."""
 
 
 def server_key(generation: int, rank: int) -> str:
@@ -75,110 +95,148 @@ class Handshake:
 
     def __init__(self, connect, generation: int, rank: int):
         self.connect, self.generation, self.rank = connect, generation, rank
-        self.store = connect()
+        self.store = None                   # connected by the first call
 
     def fresh(self) -> None:
-        self.store = self.connect()
+        self.store = None                   # the next call connects anew
 
-    # ---- the trainer's side ------------------------------------------------------------------
-    def server(self) -> dict | None:
-        """The serving shadow's {"epoch", "pid"}, or None (no shadow serves, or a forged value)."""
-        key = server_key(self.generation, self.rank)
-        try:
-            if not self.store.check([key]):
-                return None
-            return json.loads(self.store.get(key))
-        except Exception:
-            return None
+    def _call(self, fn, bound: float | None = None):
+        """`fn(store)` in a thread of its own, abandoned after `bound` s (`StoreTimeout`;
+        `NotSent` when `fn` never began: the connection failed or was not made in time)."""
+        bound = CALL_S if bound is None else bound
+        box: dict = {}
+        gate = threading.Lock()
 
-    def request(self, epoch: int, n: int, payload: dict) -> None:
-        self.store.set(base(self.generation, epoch, self.rank, n) + "/req", pack(payload))
-
-    def verdict(self, epoch: int, n: int, timeout: float, settle: bool = True) -> str | None:
-        """Wait (bounded) for the shadow's claim; with `settle`, then settle it: the claim's
-        value, or TRAINER when the trainer set it (the shadow did not answer in time).
-        Without `settle`, None when the shadow has not claimed yet."""
-        key = base(self.generation, epoch, self.rank, n) + "/claim"
-        try:
-            self.store.wait([key], datetime.timedelta(seconds=max(timeout, 0.001)))
-        except Exception:           # a timed-out wait: this client is not used again
+        def run():
             try:
-                self.fresh()
-            except Exception:
-                pass                # (the claim below retries on fresh clients)
-            if not settle:
-                return None
-        return self.settle_claim(key)
+                st = self.store if self.store is not None else self.connect()
+            except BaseException as e:
+                box["e"] = NotSent(f"no connection to the job's store ({type(e).__name__}: {e})")
+                return
+            self.store = st
+            with gate:
+                if box.get("cancelled"):
+                    return
+                box["started"] = True
+            try:
+                box["v"] = fn(st)
+            except BaseException as e:      # handed to the caller
+                box["e"] = e
+        th = threading.Thread(target=run, name="leto-ckpt-store", daemon=True)
+        th.start()
+        th.join(max(bound, 0.001))
+        if th.is_alive():
+            self.store = None
+            with gate:
+                box["cancelled"] = True
+                began = box.get("started", False)
+            if not began:
+                raise NotSent(f"the job's store did not take a connection within {bound:g} s")
+            raise StoreTimeout(f"the job's store did not answer within {bound:g} s")
+        if "e" in box:
+            if not isinstance(box["e"], ForgedControlKey):
+                self.store = None           # a client that failed is not used again
+            raise box["e"]
+        return box.get("v")
 
-    def settle_claim(self, key: str, bound: float | None = None) -> str:
-        """The trainer's claim: the value that stands, read for certain -- retried on fresh
-        clients for up to `bound` (SETTLE_S) s, else `ClaimUnsettled` (the shadow may have
-        claimed)."""
-        bound = SETTLE_S if bound is None else bound
+    def _settle(self, key: str, value: str, bound: float) -> str:
+        """Set `key` to `value` unless it is set, and read the value that stands for certain:
+        retried on fresh clients (after a lost reply it is unknown whose claim stood) for up
+        to `bound` s, else `ClaimUnsettled`.  A forged value: SKIP (it counts for no one)."""
         end, err = time.monotonic() + bound, None
         while True:
+            left = end - time.monotonic()
             try:
-                out = self.store.compare_set(key, "", TRAINER)
+                out = self._call(lambda s: s.compare_set(key, "", value),
+                                 min(CALL_S, max(left, 0.05)))
                 return out.decode() if isinstance(out, bytes) else str(out)
             except ForgedControlKey:        # the value is there and does not verify
                 return f"{SHADOW_SKIP} the claim does not verify"
             except Exception as e:
                 err = e
-            if time.monotonic() >= end:
+            if time.monotonic() + 0.2 >= end:
                 raise ClaimUnsettled(
                     f"the job's store did not answer the checkpoint claim {key} for {bound:g} s "
-                    f"({type(err).__name__}: {err}); the trainer stops before its update, so "
-                    "a copy the shadow may have claimed cannot be torn")
+                    f"({type(err).__name__}: {err})")
             time.sleep(0.2)
-            try:
-                self.fresh()
-            except Exception as e:
-                err = e
+
+    # ---- the trainer's side ------------------------------------------------------------------
+    def server(self) -> dict | None:
+        """The serving shadow's {"epoch", "pid"}, or None (no shadow serves, or a forged value,
+        or the store did not answer)."""
+        key = server_key(self.generation, self.rank)
+        try:
+            return self._call(lambda s: json.loads(s.get(key)) if s.check([key]) else None)
+        except Exception:
+            return None
+
+    def request(self, epoch: int, n: int, payload: dict) -> None:
+        """Send request n; `NotSent` when it is too large for the store (its buffers)."""
+        data = pack(payload)
+        if len(data) > MAX_VALUE:
+            raise NotSent(f"the request is {len(data)} bytes, more than the store takes "
+                          f"({MAX_VALUE}): the buffers and the scheduler's state are too large")
+        self._call(lambda s: s.set(base(self.generation, epoch, self.rank, n) + "/req", data))
+
+    def void(self, epoch: int, n: int, why: str) -> None:
+        """Request `n` was claimed by the trainer and may never have arrived: mark it void, so
+        the shadow goes on to n + 1.  Raises when the store does not take it."""
+        data = pack({"void": why})
+        self._call(lambda s: s.set(base(self.generation, epoch, self.rank, n) + "/req", data))
+
+    def verdict(self, epoch: int, n: int, timeout: float, settle: bool = True) -> str | None:
+        """Wait (bounded) for the shadow's claim; with `settle`, then settle it: the claim's
+        value, or TRAINER when the trainer set it (the shadow did not answer in time); raises
+        `ClaimUnsettled` when the store does not tell (`SETTLE_S`).  Without `settle`, None
+        when the shadow has not claimed yet."""
+        key = base(self.generation, epoch, self.rank, n) + "/claim"
+        wait = datetime.timedelta(seconds=max(timeout, 0.001))
+        try:
+            self._call(lambda s: s.wait([key], wait), timeout + CALL_S)
+        except Exception:           # timed out (the client is dropped), or no store
+            if not settle:
+                return None
+        return self._settle(key, TRAINER, SETTLE_S)
 
     def written(self, epoch: int, n: int) -> dict | None:
-        """The shadow's report of request `n`'s write, or None while it is still writing."""
+        """The shadow's report of request `n`'s write; None while it is still writing or when
+        the store did not answer (ask again); a forged report: not ok."""
         key = base(self.generation, epoch, self.rank, n) + "/written"
         try:
-            if not self.store.check([key]):
-                return None
-            return json.loads(self.store.get(key))
-        except Exception:
+            return self._call(lambda s: json.loads(s.get(key)) if s.check([key]) else None)
+        except ForgedControlKey:
             return {"ok": False, "error": "the write's report did not verify"}
-
-    # ---- both sides ---------------------------------------------------------------------------
-    def claim(self, key: str, value: str) -> str:
-        """Set `key` to `value` unless it is set: the value that stands (a forged one: SKIP)."""
-        try:
-            out = self.store.compare_set(key, "", value)
-        except Exception as e:
-            return f"{SHADOW_SKIP} the claim could not be read ({type(e).__name__})"
-        return out.decode() if isinstance(out, bytes) else str(out)
+        except Exception:
+            return None
 
     # ---- the shadow's side --------------------------------------------------------------------
     def serve(self, epoch: int, pid: int) -> None:
-        self.store.set(server_key(self.generation, self.rank), json.dumps({"epoch": epoch,
-                                                                          "pid": pid}))
+        value = json.dumps({"epoch": epoch, "pid": pid})
+        self._call(lambda s: s.set(server_key(self.generation, self.rank), value))
 
     def next_request(self, epoch: int, n: int, slice_s: float) -> dict | None:
-        """Request `n`, waiting at most `slice_s` (None: not yet)."""
+        """Request `n` ({"void": why}: claimed by the trainer, never to be served), waiting at
+        most `slice_s` (None: not yet, or the store did not answer)."""
         key = base(self.generation, epoch, self.rank, n) + "/req"
+        wait = datetime.timedelta(seconds=slice_s)
         try:
-            self.store.wait([key], datetime.timedelta(seconds=slice_s))
-            data = self.store.get(key)
+            data = self._call(lambda s: (s.wait([key], wait), s.get(key))[1], slice_s + CALL_S)
         except ForgedControlKey as e:
             raise BadRequest(f"request {n} does not verify ({e})") from None
         except Exception:           # timed out, or the store is not answering: ask again
-            self.fresh()
             return None
         try:
             return unpack(data)
         except Exception as e:
             raise BadRequest(f"request {n} does not unpack ({type(e).__name__}: {e})") from None
 
-    def answer(self, epoch: int, n: int, verdict: str) -> bool:
-        """The shadow's claim; True when it stands (the trainer has not given up)."""
-        return self.claim(base(self.generation, epoch, self.rank, n) + "/claim",
-                          verdict) == verdict
+    def answer(self, epoch: int, n: int, verdict: str, bound: float | None = None) -> bool:
+        """The shadow's claim; True when it stands (the trainer has not given up).  Raises
+        `ClaimUnsettled` when the store does not tell within `bound` (`SETTLE_S`)."""
+        key = base(self.generation, epoch, self.rank, n) + "/claim"
+        return self._settle(key, verdict, SETTLE_S if bound is None else bound) == verdict
 
     def report_written(self, epoch: int, n: int, info: dict) -> None:
-        self.store.set(base(self.generation, epoch, self.rank, n) + "/written", json.dumps(info))
+        value = json.dumps(info)
+        self._call(lambda s: s.set(base(self.generation, epoch, self.rank, n) + "/written",
+                                   value))

@@ -74,7 +74,8 @@ class SnapshotServer:
         from leto_runtime import promotion
         self.job, ctx = job, job.ctx
         self.epoch, self.settings = ctx.shadow_epoch, ctx.checkpoint
-        self.hs = H.Handshake(lambda: promotion.worker_store(ctx), ctx.generation, ctx.rank)
+        self.hs = H.Handshake(lambda: promotion.worker_store(ctx, timeout=H.CALL_S),
+                              ctx.generation, ctx.rank)
         self.lock = threading.Lock()           # held while the copy reads the mappings
         self.stopping = threading.Event()
         self.stale: str | None = None          # the mappings no longer show retained memory
@@ -132,6 +133,9 @@ class SnapshotServer:
                 continue
             if req is None:
                 continue
+            if "void" in req:               # claimed by the trainer, never to be served
+                n += 1
+                continue
             try:
                 self._serve(n, req)
             except Exception as e:
@@ -140,39 +144,59 @@ class SnapshotServer:
                 self._answer(n, f"{H.SHADOW_SKIP} {type(e).__name__}: {e}")
             n += 1
 
-    def _answer(self, n: int, verdict: str) -> bool:
+    def _answer(self, n: int, verdict: str) -> bool | None:
+        """Claim request n; True when the claim stands, False when the trainer's does, None
+        when the store did not tell (`ClaimUnsettled`)."""
         try:
             return self.hs.answer(self.epoch, n, verdict)
+        except H.ClaimUnsettled as e:
+            log(f"checkpoint request {n}: {e}")
+            return None
         except Exception:
             return False                    # the active settles the claim itself
 
     def _serve(self, n: int, req: dict) -> None:
-        t, job, box = int(req["step"]), self.job, []
-        place = "cpu"
+        t, box, place = int(req["step"]), [], "cpu"
+        try:
+            why, place, copy_s = self._copy_locked(req, box)
+            if why is None:
+                self.job.faults.fire_in_thread("checkpoint.snapshot", t)  # copied, not claimed
+            if why is not None:
+                self._answer(n, f"{H.SHADOW_SKIP} {why}")
+                log(f"checkpoint snapshot of step {t} not taken: {why}")
+                return
+            stood = self._answer(n, H.SHADOW_OK)
+            if stood is None:       # the trainer may have read "ok": it waits for a report
+                self._report(n, {"ok": False, "error": "the shadow could not read its claim"})
+            if not stood:
+                log(f"checkpoint snapshot of step {t} discarded: the active stopped waiting "
+                    "for it, or the claim could not be read")
+                return
+            try:
+                self._write(n, t, req, box, place, copy_s)
+            except Exception as e:  # after a claim that stands: the active waits for a report
+                self._report(n, {"ok": False, "error": f"{type(e).__name__}: {e}"})
+                raise
+        finally:
+            self._drop(box, place)  # (the write's thread took the copy, if it started)
+
+    def _copy_locked(self, req: dict, box: list) -> tuple[str | None, str, float]:
+        """Under `lock` (a promotion waits for it before it maps the states): the copy into
+        `box`, or why not.  Returns (why not | None, where it went, seconds)."""
         with self.lock:
             if self.stopping.is_set():
-                self._answer(n, f"{H.SHADOW_SKIP} the shadow is taking over")
-                return
+                return "the shadow is taking over", "cpu", 0.0
             why = self._fresh_mappings()
-            if why is None:
-                t0 = time.monotonic()
-                place = self._copy(req, box)
-                copy_s = time.monotonic() - t0
-                why = self._pending_loss("during the copy")
-        if why is None:
-            job.faults.fire_in_thread("checkpoint.snapshot", t)    # copied, not yet claimed
-        if why is not None:
-            self._drop(box, place)
-            self._answer(n, f"{H.SHADOW_SKIP} {why}")
-            log(f"checkpoint snapshot of step {t} not taken: {why}")
-            return
-        if not self._answer(n, H.SHADOW_OK):
-            self._drop(box, place)
-            log(f"checkpoint snapshot of step {t} discarded: the active stopped waiting for it")
-            return
-        self._write(n, t, req, box, place, copy_s)
+            if why is not None:
+                return why, "cpu", 0.0
+            t0 = time.monotonic()
+            place = self._copy(req, box)
+            copy_s = time.monotonic() - t0
+            return self._pending_loss("during the copy"), place, copy_s
 
     def _drop(self, box: list, place: str) -> None:
+        if not box:
+            return
         box.clear()
         if place == "device":
             torch.cuda.empty_cache()        # the staging goes back to the device at once
@@ -234,6 +258,8 @@ class SnapshotServer:
             if torch.is_tensor(obj) and obj.is_cuda:
                 h = self.host.get(path)
                 if h is None or h.shape != obj.shape or h.dtype != obj.dtype:
+                    if h is not None:
+                        _unlock(h)
                     h = self.host[path] = _page_locked(torch.empty(obj.shape, dtype=obj.dtype))
                 h.copy_(obj, non_blocking=h.is_pinned())
                 moved[0] += obj.numel() * obj.element_size()
@@ -254,13 +280,8 @@ class SnapshotServer:
 
     def _release_host(self) -> None:
         """Give the page-locked host copies back (after the last write, on promotion)."""
-        from torch.cuda import _pin_memory_utils as pin
         for h in self.host.values():
-            if getattr(h, "_leto_locked", False):
-                try:
-                    pin.unpin_memory(h.data_ptr())
-                except Exception:
-                    pass
+            _unlock(h)
         self.host.clear()
 
     def _write(self, n: int, t: int, req: dict, box: list, place: str, copy_s: float) -> None:
@@ -270,9 +291,16 @@ class SnapshotServer:
         waiting for it (the write goes on)."""
         with self.host_lock:
             self.write_busy = True
-        w = threading.Thread(target=self._write_now, args=(n, t, req, box, place, copy_s),
+        mine = list(box)                    # the write's thread owns the copy from here
+        box.clear()
+        w = threading.Thread(target=self._write_now, args=(n, t, req, mine, place, copy_s),
                              name=f"leto-snapshot-write-{t}", daemon=True)
-        w.start()
+        try:
+            w.start()
+        except BaseException:
+            with self.host_lock:
+                self.write_busy = False
+            raise
         while w.is_alive() and not self.stopping.is_set():
             w.join(1.0)
 
@@ -319,14 +347,14 @@ class SnapshotServer:
         fresh clients (a shadow whose report is lost keeps the active's checkpoints off)."""
         for attempt in range(5):
             try:
-                if attempt:
-                    self.hs.fresh()
-                self.hs.report_written(self.epoch, n, info)
+                self.hs.report_written(self.epoch, n, info)     # (a fresh client after a fail)
                 return
             except Exception as e:
                 log(f"checkpoint write report {n}: the store did not take it "
                     f"({type(e).__name__}: {e})")
                 time.sleep(0.5 * (attempt + 1))
+        log(f"checkpoint write report {n} lost: the active gives up waiting for it after its "
+            "cap and copies the state itself")
 
 
 def _page_locked(t: torch.Tensor) -> torch.Tensor:
@@ -337,3 +365,13 @@ def _page_locked(t: torch.Tensor) -> torch.Tensor:
     except Exception:
         pass                # pageable: slower copies, the same bytes
     return t
+
+
+def _unlock(t: torch.Tensor) -> None:
+    if getattr(t, "_leto_locked", False):
+        from torch.cuda import _pin_memory_utils as pin
+        try:
+            pin.unpin_memory(t.data_ptr())
+        except Exception:
+            pass
+        t._leto_locked = False

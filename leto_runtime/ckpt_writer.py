@@ -39,10 +39,13 @@ import secrets
 import threading
 import time
 import warnings
+
 from leto_runtime import ckpt_handshake as H
 from leto_runtime.trainer_log import log
 from leto_runtime.wire import ckpt_files as F
 from leto_runtime.wire.ckpt_files import Settings
+
+REPORT_CAP_S = 300.0        # a shadow's write report is given up on after this (or 10 writes)
 
 
 def due(t: int, start: int, s: Settings, *, last_step: int | None, since_last: float,
@@ -74,6 +77,7 @@ class Checkpointer:
         self.write_s = 0.0                 # the last write's duration (auto's floor)
         self.thread: threading.Thread | None = None
         self.pending: tuple[int, str, dict] | None = None  # (step, why, small part) asked
+        self.unsettled: str | None = None  # a claim this trainer could not read: it stops
 
     @classmethod
     def for_job(cls, job) -> "Checkpointer | None":
@@ -81,11 +85,12 @@ class Checkpointer:
         s, ctx = job.ctx.checkpoint, job.ctx
         if s is None or job.rank != 0:
             return None
-        peer = (ShadowPeer(ctx, s.snapshot_wait_s if s.writer == "shadow" else 0.0)
+        peer = (ShadowPeer.of(ctx, s.snapshot_wait_s if s.writer == "shadow" else 0.0)
                 if job.inplace and s.writer in ("auto", "shadow") else None)
         return cls(s, ctx.world_size, job._report_phase, job.faults.fire_in_thread, peer)
 
     def maybe_save(self, job, t: int, final: bool = False) -> None:
+        self._refuse_unsettled()
         yes, why = due(t, job.start_step, self.s, last_step=self.last_step,
                        since_last=time.monotonic() - self.last_time, cost=self.cost,
                        min_interval=2.0 * self.write_s)
@@ -105,23 +110,33 @@ class Checkpointer:
     def before_update(self, job, t: int) -> None:
         """At the start of step t's update, before anything writes the retained states: the
         shadow's snapshot of step t must be complete now, or the trainer takes it itself."""
+        self._refuse_unsettled()
         if self.pending is None:
             return
         step, why, small = self.pending
-        self.pending = None
         if step != t:
+            self.pending = None
             return
         try:
             verdict, waited = self.peer.settle(self.s.snapshot_wait_s)
         except H.ClaimUnsettled as e:
-            log(f"checkpoint of step {t}: {e}")
-            raise
+            self.unsettled = (f"checkpoint of step {t}: {e}; the trainer stops before its "
+                              "update, so a copy the shadow may have claimed cannot be torn")
+            log(self.unsettled)
+            raise H.ClaimUnsettled(self.unsettled) from None
+        self.pending = None
         if verdict == H.SHADOW_OK:
             self.cost = waited
             self.report("checkpoint_snapshot", waited, step=t, by="shadow")
             return
         log(f"checkpoint of step {t}: the shadow did not take it ({verdict}); taking it here")
         self._take(job, t, why, small)
+
+    def _refuse_unsettled(self) -> None:
+        """Once a claim went unread, every later step refuses too (a script that caught the
+        exception must not update under a copy that may count)."""
+        if self.unsettled is not None:
+            raise H.ClaimUnsettled(self.unsettled)
 
     def _take(self, job, t: int, why: str, small: dict | None = None) -> None:
         """Copy the state of step t to host memory (the step waits for this part only) and
@@ -141,6 +156,8 @@ class Checkpointer:
         info = write(state, t, self.s, self.world_size, self.report, self.fault, stall=stall,
                      why=why, extra={"by": "trainer"})
         self.write_s = info.get("write_s", 0.0)
+        if self.peer is not None:
+            self.peer.longest = max(self.peer.longest, self.write_s)
 
     def _writing(self) -> bool:
         if self.thread is not None and self.thread.is_alive():
@@ -150,8 +167,9 @@ class Checkpointer:
         info = self.peer.writing()
         if info is True:
             return True
-        if isinstance(info, dict):
-            self.write_s = float(info.get("write_s", 0.0))
+        if isinstance(info, dict) and "write_s" in info:
+            self.write_s = float(info["write_s"])
+            self.peer.longest = max(self.peer.longest, self.write_s)
         return False
 
     def close(self, timeout: float) -> None:
@@ -169,15 +187,23 @@ class Checkpointer:
 class ShadowPeer:
     """The trainer's side of the handshake with the shadow of its rank (`ckpt_handshake`)."""
 
-    def __init__(self, ctx, wait_s: float = 0.0):
-        from leto_runtime import promotion
+    def __init__(self, hs: H.Handshake, wait_s: float = 0.0):
         self.wait_s = wait_s                       # writer "shadow": wait for one to serve
-        self.hs = H.Handshake(lambda: promotion.worker_store(ctx), ctx.generation + 1, ctx.rank)
+        self.hs = hs
         self.next: dict[int, int] = {}            # epoch -> next request number
         self.waited = False                       # writer "shadow" waited in vain already
         self.dead: set[int] = set()               # epochs that did not answer in time
         self.asked: tuple[int, int, int] | None = None   # (epoch, n, pid) of the request
-        self.last: tuple[int, int, int] | None = None   # (epoch, n, pid): write not reported
+        self.unsent = False                       # ... which may not have reached the store
+        self.last: tuple[int, int, int, float] | None = None  # (e, n, pid, since): unreported
+        self.longest = 0.0                        # the longest write seen (the report's cap)
+
+    @classmethod
+    def of(cls, ctx, wait_s: float = 0.0) -> "ShadowPeer":
+        """The peer of this rank's shadow (the next generation's), over the job's store."""
+        from leto_runtime import promotion
+        return cls(H.Handshake(lambda: promotion.worker_store(ctx, timeout=H.CALL_S),
+                               ctx.generation + 1, ctx.rank), wait_s)
 
     def ask(self, job, t: int, why: str) -> dict | None:
         """Send the request for the state of step t: the small part sent, or None when no
@@ -193,21 +219,20 @@ class ShadowPeer:
             torch.cuda.synchronize(job.device)    # the shadow reads what the GPU has written
         small = checkpoint.small_part(job)
         self.next[e] = n + 1                      # (a request half sent is never reused)
+        self.asked, self.unsent = (e, n, int(srv.get("pid", 0))), False
         try:
             self.hs.request(e, n, {**small, "why": why})
-        except Exception as err:
-            log(f"checkpoint request of step {t} not sent ({type(err).__name__}: {err}); "
-                "the trainer copies the state")
-            self._fresh()
+        except H.NotSent as err:                  # it never reached the store: n is free
+            self.next[e], self.asked = n, None
+            log(f"checkpoint request of step {t} not sent ({err}); the trainer copies the state")
             return None
-        self.asked = (e, n, int(srv.get("pid", 0)))
+        except Exception as err:
+            # It may have arrived all the same: the shadow could be copying now.  The trainer
+            # claims it before its update (`settle`), as for a shadow that did not answer.
+            log(f"checkpoint request of step {t} may not have been sent ({type(err).__name__}:"
+                f" {err}); the trainer claims it at its update and copies the state")
+            self.unsent = True
         return small
-
-    def _fresh(self) -> None:
-        try:
-            self.hs.fresh()
-        except Exception:
-            pass                                  # the next call tries again
 
     def _server(self) -> dict | None:
         """The serving shadow (a new epoch's after one that failed), waiting up to `wait_s`
@@ -228,9 +253,10 @@ class ShadowPeer:
             time.sleep(0.05)
 
     def settle(self, timeout: float) -> tuple[str, float]:
-        """Wait (bounded; cut short when the shadow's process is gone) for the verdict."""
+        """Wait (bounded; cut short when the shadow's process is gone, or the request may not
+        have been sent) for the verdict; raises `H.ClaimUnsettled` when it cannot be read."""
         e, n, pid = self.asked
-        t0, end = time.monotonic(), time.monotonic() + timeout
+        t0, end = time.monotonic(), time.monotonic() + (0.0 if self.unsent else timeout)
         verdict = None
         while verdict is None:
             left = end - time.monotonic()
@@ -238,22 +264,45 @@ class ShadowPeer:
                 verdict = self.hs.verdict(e, n, 0.5, settle=False)
             else:
                 verdict = self.hs.verdict(e, n, 0.0)
-        if verdict == H.TRAINER:
+        if verdict == H.TRAINER and self.unsent:
+            self._void(e, n)
+        elif verdict == H.TRAINER:
             self.dead.add(e)
         elif verdict == H.SHADOW_OK:
-            self.last = (e, n, pid)
+            self.last = (e, n, pid, time.monotonic())
         return verdict, time.monotonic() - t0
 
+    def _void(self, e: int, n: int) -> None:
+        """Request n was claimed by the trainer and may never have arrived: void it, so the
+        shadow's numbers stay in step with ours -- or, failing that, stop asking this epoch."""
+        try:
+            self.hs.void(e, n, "claimed by the trainer; the request may not have arrived")
+        except Exception as err:
+            log(f"checkpoint request {n} could not be voided ({type(err).__name__}: {err}); "
+                "no more snapshots from this shadow")
+            self.dead.add(e)
+
     def writing(self):
-        """True while the shadow writes the last snapshot it took; else its report (or None)."""
+        """True while the shadow writes the last snapshot it took; else its report (or None).
+        A shadow alive that has not reported after `report_cap()` s is given up on (its report
+        was lost): no more snapshots from its epoch, the trainer copies the state."""
         if self.last is None:
             return None
-        e, n, pid = self.last
+        e, n, pid, since = self.last
         info = self.hs.written(e, n)
         if info is None and _alive(pid):
-            return True
+            cap = self.report_cap()
+            if time.monotonic() - since < cap:
+                return True
+            self.dead.add(e)
+            info = {"ok": False, "error": f"the shadow (pid {pid}) did not report its write of "
+                    f"request {n} within {cap:g} s; no more snapshots from it"}
+            log(f"checkpoint: {info['error']}")
         self.last = None       # reported, or the shadow died writing (its partial is torn)
         return info or {"ok": False, "error": f"the shadow (pid {pid}) ended before its write"}
+
+    def report_cap(self) -> float:
+        return max(REPORT_CAP_S, 10.0 * self.longest)
 
 
 def _alive(pid: int) -> bool:
@@ -273,7 +322,7 @@ def write(state: dict, t: int, s: Settings, world_size: int, report, fault, *,
     Two writers of one step (a promoted shadow's write in flight, its redone step's) each fill
     a partial directory of their own; the first rename wins and the other counts as written."""
     d = s.directory
-    tmp = os.path.join(d, F.partial_name(t, os.getpid(), secrets.token_hex(4)))
+    tmp = os.path.join(d, F.partial_name(t, os.getpid(), F.pid_space() + secrets.token_hex(4)))
     final = os.path.join(d, F.name(t))
     t0 = time.monotonic()
     try:

@@ -23,12 +23,13 @@ import json
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 
 MANIFEST = "leto_checkpoint.json"
 FORMAT = 1
 _NAME = re.compile(r"^step_(\d{9})$")
-_PARTIAL = re.compile(r"^\.partial-step_(\d{9})-(\d+)(?:-[0-9a-f]+)?$")
+_PARTIAL = re.compile(r"^\.partial-step_(\d{9})-(\d+)(?:-([0-9a-f]+))?$")
 
 
 def name(step: int) -> str:
@@ -39,6 +40,18 @@ def partial_name(step: int, pid: int, token: str = "") -> str:
     """The hidden directory one write fills; `token` (hex) tells apart two writes of one
     process (a promoted shadow's write in flight and its own write of the redone step)."""
     return f".partial-{name(step)}-{pid}" + (f"-{token}" if token else "")
+
+
+def pid_space() -> str:
+    """8 hex digits naming this process's pid namespace on this host: a partial directory's
+    token starts with them, so a rotation knows whether the writer's pid can be checked here."""
+    import hashlib
+    import socket
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return hashlib.sha1(f"{socket.gethostname()}/{ns}".encode()).hexdigest()[:8]
 
 
 def partial_pid(path: str) -> int | None:
@@ -129,19 +142,47 @@ def newest(directory: str) -> Found | None:
 
 def rotate(directory: str, keep: int, busy: str | None = None) -> list[Found]:
     """Remove all but the newest `keep` complete checkpoints, and every torn one older than the
-    newest complete one (`busy`: a partial being written now, kept).  Returns what it removed."""
+    newest complete one -- but never a partial that may still be written (`busy`, one of a
+    live writer, one touched recently).  Returns what it removed."""
     found = scan(directory)
     done = [f for f in found if f.complete]
     keep_paths = {f.path for f in done[-keep:]} if keep > 0 else set()
     top = done[-1].step if done else None
     removed = []
     for f in found:
-        if f.path in keep_paths or f.path == busy:
+        if f.path in keep_paths or f.path == busy or _maybe_being_written(f.path):
             continue
         if f.complete or (top is not None and f.step <= top):
             shutil.rmtree(f.path, ignore_errors=True)
             removed.append(f)
     return removed
+
+
+PARTIAL_IDLE_S = 300.0      # a partial untouched this long has no writer (any host)
+
+
+def _maybe_being_written(path: str) -> bool:
+    """A partial directory whose writer may still fill and rename it: removing it then could
+    tear the checkpoint it becomes.  Its writer's pid is alive here; or it was not written in
+    this pid namespace (`pid_space`: another node of a shared directory) and something in it
+    changed within `PARTIAL_IDLE_S`."""
+    m = _PARTIAL.match(os.path.basename(path))
+    if m is None:
+        return False
+    try:
+        os.kill(int(m.group(2)), 0)
+        return True
+    except ProcessLookupError:
+        if (m.group(3) or "").startswith(pid_space()):
+            return False            # written here, by a process that is gone
+    except OSError:
+        return True                 # alive, another user's
+    try:
+        with os.scandir(path) as it:
+            newest_m = max([os.stat(path).st_mtime] + [e.stat().st_mtime for e in it])
+    except OSError:
+        return False                # gone already
+    return time.time() - newest_m < PARTIAL_IDLE_S
 
 
 def fsync_dir(path: str) -> None:

@@ -74,19 +74,62 @@ def test_every_kind_of_torn_checkpoint_is_never_the_newest(tmp_path, damage, rea
     assert F.newest(str(tmp_path)).step == 3
 
 
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _age(path, seconds: float) -> None:
+    import time
+    for root, dirs, files in os.walk(path):
+        for e in [root] + [os.path.join(root, f) for f in files]:
+            os.utime(e, (time.time() - seconds, time.time() - seconds))
+
+
 def test_partials_are_torn_and_rotation_keeps_the_newest_complete(tmp_path):
     for s in (3, 6, 9):
         _write(tmp_path, s)
-    os.makedirs(tmp_path / F.partial_name(4, 77))
+    dead = _dead_pid()
+    os.makedirs(tmp_path / F.partial_name(4, dead))
+    _age(tmp_path / F.partial_name(4, dead), 2 * F.PARTIAL_IDLE_S)   # its writer is gone
     os.makedirs(tmp_path / F.partial_name(12, 78))           # being written now
     (tmp_path / "notes.txt").write_text("the user's")
     removed = F.rotate(str(tmp_path), keep=2, busy=str(tmp_path / F.partial_name(12, 78)))
-    assert sorted(os.path.basename(f.path) for f in removed) == [F.partial_name(4, 77),
+    assert sorted(os.path.basename(f.path) for f in removed) == [F.partial_name(4, dead),
                                                                  F.name(3)]
     assert sorted(os.listdir(tmp_path)) == sorted([F.partial_name(12, 78), F.name(6), F.name(9),
                                                    "notes.txt"])
     assert F.newest(str(tmp_path)).step == 9
     assert F.newest(str(tmp_path / "missing")) is None
+
+
+def test_rotation_never_removes_a_partial_its_writer_may_still_rename(tmp_path):
+    """A partial older than the newest complete checkpoint is another writer's (a promoted
+    shadow's write in flight, the agent of another node of a shared directory): removed while
+    its writer renames it, it would tear the checkpoint it becomes.  Kept while its writer's
+    pid lives here; one written elsewhere (another pid namespace) while anything in it changed
+    within PARTIAL_IDLE_S; one of a dead writer of this pid namespace goes at once."""
+    _write(tmp_path, 9)
+    dead = _dead_pid()
+    live = tmp_path / F.partial_name(5, os.getpid(), "ab12")        # a live writer
+    recent = tmp_path / F.partial_name(6, dead, "cd34")             # another host's, active
+    (recent / "sub").mkdir(parents=True)
+    live.mkdir()
+    (recent / "__0_0.distcp").write_bytes(b"x")
+    _age(recent, 2 * F.PARTIAL_IDLE_S)
+    os.utime(recent / "__0_0.distcp")                               # ... written to just now
+    idle = tmp_path / F.partial_name(7, dead, "ef56")               # nobody's, long idle
+    idle.mkdir()
+    _age(idle, 2 * F.PARTIAL_IDLE_S)
+    here = tmp_path / F.partial_name(8, dead, F.pid_space() + "0a0b")   # a dead writer here
+    (here / "__0_0.distcp").parent.mkdir()
+    (here / "__0_0.distcp").write_bytes(b"x")                       # (just now)
+    removed = F.rotate(str(tmp_path), keep=2)
+    assert [os.path.basename(f.path) for f in removed] == [idle.name, here.name]
+    assert live.is_dir() and recent.is_dir() and F.newest(str(tmp_path)).step == 9
 
 
 def test_the_interval_rule():

@@ -130,16 +130,17 @@ def test_a_shadow_that_dies_while_it_writes_does_not_stop_the_checkpoints(stores
     that died before reporting its write (its partial directory is torn) must not keep it
     waiting for good."""
     import subprocess
+    import time
     from leto_runtime.ckpt_writer import ShadowPeer
     _, trainer_hs, shadow_hs = stores
-    peer = ShadowPeer.__new__(ShadowPeer)
-    peer.hs, peer.last = trainer_hs(), (0, 0, os.getpid())
+    peer = ShadowPeer(trainer_hs())
+    peer.last = (0, 0, os.getpid(), time.monotonic())
     assert peer.writing() is True                      # alive, not reported: still writing
     shadow_hs().report_written(0, 0, {"ok": True, "write_s": 2.0})
     assert peer.writing() == {"ok": True, "write_s": 2.0} and peer.writing() is None
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    peer.last = (0, 1, gone.pid)
+    peer.last = (0, 1, gone.pid, time.monotonic())
     info = peer.writing()
     assert info["ok"] is False and f"pid {gone.pid}" in info["error"]
     assert peer.writing() is None                      # the next request may go out
@@ -151,12 +152,12 @@ def test_the_active_waits_for_a_copy_slower_than_one_wait_slice(stores):
     import time
     from leto_runtime.ckpt_writer import ShadowPeer
     _, trainer_hs, shadow_hs = stores
-    peer = ShadowPeer.__new__(ShadowPeer)
-    peer.hs, peer.dead, peer.last, peer.asked = trainer_hs(), set(), None, (0, 0, os.getpid())
+    peer = ShadowPeer(trainer_hs())
+    peer.asked = (0, 0, os.getpid())
     shadow = shadow_hs()
     t = threading.Thread(target=lambda: (time.sleep(1.5), shadow.answer(0, 0, H.SHADOW_OK)))
     t.start()
     verdict, waited = peer.settle(20.0)
     t.join(10)
     assert verdict == H.SHADOW_OK and 1.4 < waited < 15, (verdict, waited)
-    assert peer.dead == set() and peer.last == (0, 0, os.getpid())
+    assert peer.dead == set() and peer.last[:3] == (0, 0, os.getpid())
