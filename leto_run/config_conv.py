@@ -32,6 +32,13 @@ def conv_opt_str(raw) -> str | None:
     return None if raw is None or conv_str(raw).strip() == "" else raw
 
 
+def conv_opt_str_or_int(raw) -> str | None:
+    """STEPS|DURATION settings: YAML may say `100` (a number) or `"10m"`; "" means unset."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return str(raw)
+    return conv_opt_str(raw)
+
+
 def conv_str_or_int(raw) -> str:
     """nnodes / nproc_per_node / redirects: YAML may say `4` or `"1:4"`."""
     if isinstance(raw, int) and not isinstance(raw, bool):

@@ -23,9 +23,9 @@ from typing import Any, Callable, Mapping
 
 from leto_run import config as C
 from leto_run.config_conv import (conv_bool, conv_conf, conv_filters, conv_float,  # noqa: F401
-                                  conv_int, conv_opt_str, conv_ranks, conv_script_args,
-                                  conv_signals, conv_status, conv_std, conv_str,
-                                  conv_str_or_int)
+                                  conv_int, conv_opt_str, conv_opt_str_or_int, conv_ranks,
+                                  conv_script_args, conv_signals, conv_status, conv_std,
+                                  conv_str, conv_str_or_int)
 from leto_run.errors import ConfigError
 from leto_run.inject import GRAMMAR, parse_inject, parse_inject_mapping
 from leto_run.yaml_source import YamlDoc, load_yaml
@@ -209,10 +209,10 @@ OPTIONS: tuple[Option, ...] = (
           "Directory of periodic torch.distributed.checkpoint checkpoints; a failure in-place "
           "recovery cannot take falls back to the newest complete one (unset: off).", "DIR",
           env="LETO_CHECKPOINT_DIR"),
-    _leto("checkpoint.every", ("--checkpoint-every",), conv_opt_str,
+    _leto("checkpoint.every", ("--checkpoint-every",), conv_opt_str_or_int,
           "Checkpoint interval: STEPS, a DURATION (90s, 10m, 2h) or auto (Young's interval "
           "from --ff-mtbf).", "STEPS|DURATION|auto", env="LETO_CHECKPOINT_EVERY"),
-    _leto("checkpoint.ff_mtbf", ("--ff-mtbf",), conv_opt_str,
+    _leto("checkpoint.ff_mtbf", ("--ff-mtbf",), conv_opt_str_or_int,
           "Mean time between failures that are not HOFs (for --checkpoint-every auto).",
           "DURATION", env="LETO_FF_MTBF"),
     _leto("checkpoint.keep", ("--checkpoint-keep",), conv_int,

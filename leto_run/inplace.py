@@ -149,12 +149,6 @@ class InplaceRecovery:
                 raise job_secret.not_granted(slot.rank, beat.pid, sp.role.value, sp.generation)
         elif beat.kind == "demoted":
             sp.demoted = detail
-        elif beat.kind == "phase":
-            reserved = {"event", "mono", "wall", "node", "generation", "rank", "local_rank",
-                        "role", "pid"}
-            fields = {(f"detail_{k}" if k in reserved else k): v for k, v in detail.items()}
-            ev.emit("phase", sp.generation, rank=slot.rank, pid=beat.pid,
-                          mono=beat.mono, **fields)
 
     def _spawn_shadow(self, slot: RankSlot) -> None:
         gen = self.g.generation + 1

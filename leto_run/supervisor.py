@@ -101,7 +101,9 @@ class Supervisor:
                 raise job_secret.forged_report(slot.rank, sp.role.value, beat.pid,
                                                sp.generation, beat.detail,
                                                self.cfg.launch.max_nodes > 1)
-            if beat.kind in ("inplace", "promoted", "phase", "demoted"):
+            if beat.kind == "phase":         # a trainer's phase (checkpoint, recovery, ...)
+                emit_phase(self.events, slot, sp, beat)
+            elif beat.kind in ("inplace", "promoted", "demoted"):
                 if self.observer:
                     self.observer.on_datagram(slot, sp, beat)
             elif beat.kind == "inject":
@@ -260,3 +262,21 @@ class Supervisor:
                 # Frozen before its first heartbeat (or a script that never beats): this agent
                 # knows it hangs, so its hang clock starts now -- it must not wait forever.
                 sp.last_beat, sp.hang_deadline = time.monotonic(), time.monotonic() + timeout
+
+
+RESERVED = frozenset({"event", "mono", "wall", "node", "generation", "rank", "local_rank",
+                      "role", "pid"})
+
+
+def emit_phase(events, slot: RankSlot, sp: SlotProcess, beat) -> None:
+    """Datagram `phase` -> event `phase`, in every recovery mode (a restart-mode trainer's
+    checkpoint writes and loads are reported as an in-place one's); the trainer's fields that
+    would shadow the event's own are renamed detail_<name>."""
+    try:
+        detail = json.loads(beat.detail or "{}")
+    except ValueError:
+        detail = None
+    if not isinstance(detail, dict):
+        return
+    fields = {(f"detail_{k}" if k in RESERVED else k): v for k, v in detail.items()}
+    events.emit("phase", sp.generation, rank=slot.rank, pid=beat.pid, mono=beat.mono, **fields)

@@ -147,14 +147,15 @@ def test_a_state_manager_gone_for_good_falls_back_to_the_checkpoint_exactly(refe
     assert_nothing_left(evs)
 
 
-def test_a_failed_checkpoint_write_warns_and_training_goes_on(reference, tmp_path):
+@pytest.mark.parametrize("mode", ["inplace", "restart"])
+def test_a_failed_checkpoint_write_warns_and_training_goes_on(reference, tmp_path, mode):
     """The checkpoint directory is replaced by a file after the start (as a full or vanished
-    file system would fail the write): each due checkpoint fails with a warning event, training goes
-    on and ends exactly, and no partial directory is left."""
+    file system would fail the write): each due checkpoint fails with a warning event (in both
+    recovery modes), training goes on and ends exactly, and no partial directory is left."""
     out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
     out.mkdir()
-    p = subprocess.Popen(_leto(ev, ck, SCRIPT, "--steps", str(STEPS), "--step-time", "0.1",
-                               "--out", str(out)),
+    p = subprocess.Popen(_leto(ev, ck, "--recovery", mode, SCRIPT, "--steps", str(STEPS),
+                               "--step-time", "0.1", "--out", str(out)),
                          env=base_env(), cwd=str(ROOT), text=True, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE)
     try:

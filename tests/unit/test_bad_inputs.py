@@ -10,6 +10,7 @@ clean environment (no PET_*/LETO_* of the caller).
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,17 @@ CASES = [
      ["inject[0] (--inject)", "max_inplace_recoveries 0"]),
     ("inj-recovery-point-gen0", ["--inject", "kill:rank=0:step=0:at=recovery.localize", "{s}"],
      {}, {}, ["inject[0] (--inject)", "recover nothing"]),
+    # ---- checkpoints (issue 20): a directory that cannot take them, settings that contradict
+    ("cli-ckpt-dir-unwritable", ["--checkpoint-dir", "/proc/leto-bad-input/ck",
+                                 "--checkpoint-every", "3", "{s}"], {}, {},
+     ["checkpoint.dir (--checkpoint-dir)", "/proc/leto-bad-input/ck", "not writable"]),
+    ("cli-ckpt-every-0", ["--checkpoint-dir", "{d}/ck", "--checkpoint-every", "0", "{s}"], {},
+     {}, ["checkpoint.every (--checkpoint-every)", "at least one step"]),
+    ("cli-ckpt-every-and-mtbf", ["--checkpoint-dir", "{d}/ck", "--checkpoint-every", "10",
+                                 "--ff-mtbf", "6h", "{s}"], {}, {},
+     ["checkpoint.ff_mtbf", "contradicts"]),
+    ("yaml-ckpt-every-no-dir", ["--config", "{d}/job.yaml", "{s}"], {},
+     {"job.yaml": b"checkpoint:\n  every: 10\n"}, ["checkpoint.every", "checkpoint.dir is not"]),
     ("inj-yaml-pages-restart", ["--config", "{d}/job.yaml", "{s}"], {},
      {"job.yaml": b"recovery:\n  mode: restart\ninject:\n  - {kind: pages, rank: 0, tier: host, "
                   b"count: 1, step: 2}\n"}, ["inject[0] ({d}/job.yaml:4)", "in-place recovery"]),
@@ -217,3 +229,27 @@ def test_bad_input_exits_2_before_anything_starts(tmp_path, case):
 def test_table_covers_every_surface():
     kinds = {c[0].split("-")[0] for c in CASES}
     assert kinds == {"cli", "yaml", "env", "inj"} and len(CASES) >= 30
+
+
+def test_a_checkpoint_dir_on_a_full_file_system_exits_2(tmp_path):
+    """A real full file system: a 64 KiB tmpfs, filled, mounted in a private mount namespace
+    (unshare), so nothing outside this test sees it."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to mount a private tmpfs")
+    full, tmpdir = tmp_path / "full", tmp_path / "tmp"
+    full.mkdir()
+    tmpdir.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(MARKER_SCRIPT)
+    inner = (f"mount -t tmpfs -o size=64k tmpfs {full} && "
+             f"(dd if=/dev/zero of={full}/fill bs=4k 2>/dev/null; true) && "
+             f"exec {sys.executable} -m leto_run --checkpoint-dir {full}/ck "
+             f"--checkpoint-every 3 {script}")
+    r = subprocess.run(["unshare", "-rm", "sh", "-c", inner], env=_clean_env(tmpdir, {}),
+                       cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+    if "mount" in r.stderr and "leto-run" not in r.stderr:
+        pytest.skip(f"no private tmpfs here: {r.stderr.strip()}")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("leto-run: error: checkpoint.dir (--checkpoint-dir)"), r.stderr
+    assert "full file system" in r.stderr and " -- fix: " in r.stderr, r.stderr
+    assert not (tmp_path / "STARTED").exists() and os.listdir(tmpdir) == []
