@@ -173,6 +173,20 @@ def reclaim_plan(request: int, obs: MemoryObservation, costs: LevelCosts,
                          "active's own")
 
 
+def generation_levels(chosen: Sequence[Level]) -> tuple[list[Level], str]:
+    """The levels the shadows of one generation take, from each device's choice (rank order).
+    L3 is the generation's process group, which forms only when every rank's shadow joins: with
+    one shadow below L3 the others would wait in the group's formation (and time out), so then
+    no shadow goes beyond L2; L1 and L2 are each device's own."""
+    low = [r for r, lv in enumerate(chosen) if lv < Level.L3]
+    if not low or len(low) == len(chosen):
+        return [Level(lv) for lv in chosen], "every shadow at its device's level"
+    out = [Level(min(lv, Level.L2)) for lv in chosen]
+    shown = ", ".join(str(r) for r in low[:8]) + (" ..." if len(low) > 8 else "")
+    return out, (f"L3 needs every rank's shadow in the generation's group; rank(s) {shown} "
+                 "cannot hold it, so every shadow stays at L2 at most")
+
+
 def cap_after_reclaim(cap: Level, relaunched_at: Level) -> Level:
     """Further reclamations can only lower the level until the next recovery."""
     return Level(min(cap, relaunched_at))

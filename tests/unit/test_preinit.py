@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from leto_run.preinit import (Level, LevelCosts, MemoryObservation, PreinitPolicy,
-                              cap_after_reclaim, cap_after_recovery, choose_level, peak_trend,
-                              reclaim_plan)
+                              cap_after_reclaim, cap_after_recovery, choose_level,
+                              generation_levels, peak_trend, reclaim_plan)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -148,3 +148,11 @@ def test_the_peak_trend_is_numpy_s_least_squares_slope():
 def test_impossible_inputs_are_refused(make):
     with pytest.raises(ValueError):
         make()
+
+
+def test_l3_is_the_whole_generation_s_or_no_one_s():
+    L1, L2, L3 = Level.L1, Level.L2, Level.L3
+    assert generation_levels([L3, L3, L3])[0] == [L3, L3, L3]
+    out, why = generation_levels([L3, L1, L3, L2])
+    assert out == [L2, L1, L2, L2] and "rank(s) 1, 3" in why, why
+    assert generation_levels([L2, L1])[0] == [L2, L1]
