@@ -10,9 +10,11 @@ two one-shot faults are armed by the bytes a client sends:
   reply, and close the client's connection -- the request was carried out, its answer is lost.
 
 `StoreServer()` runs a TCPStore server in a process of its own (`stop()`/`cont()` SIGSTOP and
-SIGCONT it: a store that hangs; `kill()`)."""
+SIGCONT it: a store that hangs; `kill()`).  `connect(port, timeout_s)`: a client as the
+checkpoint handshake has one (an AuthStore with the tests' job key)."""
 from __future__ import annotations
 
+import datetime
 import os
 import select
 import signal
@@ -22,11 +24,20 @@ import sys
 import threading
 import time
 
+KEY = bytes(range(32))
 _SERVER = ("import sys, time, datetime, torch.distributed as dist\n"
            "s = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False,\n"
            "                  timeout=datetime.timedelta(seconds=30))\n"
            "print(s.port, flush=True)\n"
            "time.sleep(600)\n")
+
+
+def connect(port: int, timeout_s: float = 2.0):
+    import torch.distributed as dist
+    from leto_runtime.auth_store import AuthStore
+    raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=timeout_s))
+    return AuthStore(raw, KEY)
 
 
 class StoreServer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -23,40 +22,30 @@ import torch.distributed as dist
 
 from leto_runtime import checkpoint, runtime
 from leto_runtime import ckpt_handshake as H
-from leto_runtime.auth_store import AuthStore
 from leto_runtime.ckpt_snapshot import SnapshotServer
 from leto_runtime.ckpt_writer import ShadowPeer, write
 from leto_runtime.wire import ckpt_files as F
 from leto_runtime.wire.ckpt_files import Settings
 from leto_testing import plain_job
+from store_faults import StoreServer, connect
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from byo_model import ByoNet, byo_init, groups, make_optimizer, tokens  # noqa: E402
 
-KEY = bytes(range(32))
-_SERVER = ("import sys, time, datetime, torch.distributed as dist\n"
-           "s = dist.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False,\n"
-           "                  timeout=datetime.timedelta(seconds=30))\n"
-           "print(s.port, flush=True)\n"
-           "time.sleep(600)\n")
 
 
 def _connect(port: int):
-    raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                        timeout=datetime.timedelta(seconds=1))
-    return AuthStore(raw, KEY)
+    return connect(port, timeout_s=1.0)
 
 
 @pytest.fixture
 def store_process():
     """A TCPStore server in a process of its own: (port, process); killed at the end."""
-    proc = subprocess.Popen([sys.executable, "-c", _SERVER], stdout=subprocess.PIPE, text=True)
+    server = StoreServer()
     try:
-        port = int(proc.stdout.readline())
-        yield port, proc
+        yield server.port, server.proc
     finally:
-        proc.kill()
-        proc.wait(30)
+        server.kill()
 
 
 @pytest.fixture

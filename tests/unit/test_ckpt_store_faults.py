@@ -10,28 +10,18 @@ shadow's copy counts only when it was claimed before the trainer's update, and n
 hangs on the store or loses step with the other's request numbers."""
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 import time
 
 import pytest
-import torch.distributed as dist
 
 from leto_runtime import ckpt_handshake as H
 from leto_runtime import ckpt_writer as W
 from leto_runtime import runtime
-from leto_runtime.auth_store import AuthStore
 from leto_runtime.wire.ckpt_files import Settings
 from store_faults import StoreProxy, StoreServer
-
-KEY = bytes(range(32))
-
-
-def _connect(port: int):
-    raw = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
-                        timeout=datetime.timedelta(seconds=2))
-    return AuthStore(raw, KEY)
+from store_faults import connect as _connect
 
 
 @pytest.fixture
