@@ -310,6 +310,8 @@ class Agent:
             now = time.monotonic()
             self.sup.check_hangs(now)
             self.sup.fire_timers(now)
+            if self.inplace:
+                self.inplace.tick(now)             # the shadows' preinit levels
             reap_orphans(g.known_pids())
             nodes_waiting = self._nodes_waiting(now) if multi_node else 0
             self.status.refresh()

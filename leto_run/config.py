@@ -326,6 +326,7 @@ class LogsConfig:
 
 
 DEMOTE_MODES = ("replace", "release")
+PREINIT_POLICIES = ("auto", "L1", "L2", "L3")   # leto_run.preinit.POLICIES
 
 
 @dataclass(frozen=True)
@@ -354,6 +355,8 @@ class RecoveryConfig:
     inplace_window: float = 3600.0           # seconds: the sliding window of that budget
     scrub_budget: float = 0.002              # share of the step time the scrub may take (0: off)
     peer_timeout: float = 5.0                # seconds a peer agent may go silent: its node is lost
+    preinit: str = "auto"                    # auto | L1 | L2 | L3: the shadows' preinit level (docs/PREINIT.md)
+    preinit_margin: int = 1024               # MiB the device keeps free beyond the active's projected peak
 
     def __post_init__(self) -> None:
         if self.mode not in RECOVERY_MODES:
@@ -389,6 +392,11 @@ class RecoveryConfig:
         _check_number("recovery.scrub_budget", self.scrub_budget, minimum=0,
                       example="0.002 (0.2% of the step time; 0 turns the scrub off)",
                       maximum=L.MAX_SCRUB_BUDGET)
+        if self.preinit not in PREINIT_POLICIES:
+            raise _err("recovery.preinit", f"{self.preinit!r} is not a preinitialization policy",
+                       f"use one of {', '.join(PREINIT_POLICIES)} (auto: as high as memory allows)")
+        _check_number("recovery.preinit_margin", self.preinit_margin, minimum=0, integer=True,
+                      example="1024 (MiB)", maximum=L.MAX_MIB)
         if self.demote not in DEMOTE_MODES:
             raise _err("recovery.demote", f"{self.demote!r} is not a demotion mode",
                        "use replace (survivors are killed, fresh shadows start) or release "

@@ -193,6 +193,15 @@ OPTIONS: tuple[Option, ...] = (
            "What happens to surviving actives of a HOF: replace (killed, fresh shadows) or "
            "release (they release GPU memory and become shadows in process).",
            "replace|release", fix="use replace or release"),
+    _leto("recovery.preinit", ("--preinit",), conv_str,
+          "How far shadows preinitialize: auto (as high as the device's memory allows, moved "
+          "down before the active would run out), or a pinned L1 (imports), L2 (+ CUDA "
+          "context) or L3 (+ process group).", "auto|L1|L2|L3", env="LETO_PREINIT",
+          fix="use auto, L1, L2 or L3"),
+    _leto("recovery.preinit_margin", ("--preinit-margin",), conv_int,
+          "MiB of device memory kept free beyond the active's projected peak before a shadow "
+          "may hold a level.", "MIB", env="LETO_PREINIT_MARGIN",
+          fix="use an integer number of MiB >= 0, e.g. 1024"),
     _leto("recovery.max_inplace_recoveries", ("--max-inplace-recoveries",), conv_int,
           "In-place recoveries allowed within --inplace-window; past it, failures follow "
           "--max-restarts (0: every failure restarts).", "N",

@@ -24,6 +24,8 @@ nothing: the policies (`leto_run.restart`, `leto_run.inplace`) and the agent's p
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import selectors
 import signal
@@ -135,10 +137,11 @@ class WorkerGroup:
 
     # ---- processes -----------------------------------------------------------------------
     def spawn(self, slot: RankSlot, role: SlotRole, generation: int | None = None,
-              epoch: int = 0) -> SlotProcess:
-        """Start the slot's trainer in `role` (a shadow: of `generation`, shadow `epoch`)."""
+              epoch: int = 0, level: str | None = None) -> SlotProcess:
+        """Start the slot's trainer in `role` (a shadow: of `generation`, shadow `epoch`, at
+        preinit `level`)."""
         gen = self.generation if generation is None else generation
-        es = self._env_spec(slot, role, gen, epoch)
+        es = dataclasses.replace(self._env_spec(slot, role, gen, epoch), preinit_level=level)
         env = build_worker_env(os.environ, es)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -159,12 +162,14 @@ class WorkerGroup:
                                        prefix, stream, prefix_file=role == SlotRole.SHADOW)
                       for fd, stream in ((out_r, "stdout"), (err_r, "stderr")))
         sp = SlotProcess(role=role, generation=gen, attempt=self.restart_count, proc=proc,
-                         error_file=es.error_file, epoch=epoch, pipes=pipes)
+                         error_file=es.error_file, epoch=epoch, pipes=pipes,
+                         level=level or "L3")
         slot.procs[role] = sp
         self.io.sel.register(proc.pidfd, selectors.EVENT_READ, (slot, sp))
         self.events.emit("spawn", gen, rank=ident.global_rank, local_rank=ident.local_rank,
                          role=role.value, pid=proc.pid, mono=proc.started_mono,
-                         restart_count=self.restart_count, epoch=epoch)
+                         restart_count=self.restart_count, epoch=epoch,
+                         **({"level": level} if level else {}))
         return sp
 
     def _env_spec(self, slot: RankSlot, role: SlotRole, gen: int, epoch: int) -> WorkerEnvSpec:

@@ -82,6 +82,7 @@ class InjectKind(str, enum.Enum):
     HANG = "hang"
     SIGNAL = "signal"
     PAGES = "pages"
+    PREINIT = "preinit"
 
 
 # ---- the kind registry --------------------------------------------------------------------------
@@ -127,6 +128,16 @@ RMU_KEYS: dict[str, KeyRule] = {
     "garbage": KeyRule(_flag01, "garbage=1 (overwrite the chunk before the signal) or 0"),
 }
 _AT_RMU = (InjectKind.KILL, InjectKind.SIGNAL)
+def _level(v: str) -> str:
+    if v.upper() not in ("L1", "L2", "L3"):
+        raise ValueError(f"{v!r} is not one of L1, L2, L3")
+    return v.upper()
+
+
+# `preinit`: the level the controller pins the shadows to from then on (docs/PREINIT.md).
+PREINIT_KEYS: dict[str, KeyRule] = {
+    "level": KeyRule(_level, "level=L1, L2 or L3"),
+}
 
 KINDS: dict[str, KindRule] = {
     r.kind.value: r
@@ -138,6 +149,9 @@ KINDS: dict[str, KindRule] = {
                  arg="signal", parse_arg=_inject_signal, extra_keys=RMU_KEYS),
         KindRule(InjectKind.PAGES, "destroy retained memory pages and make them unavailable", 0,
                  extra_keys=PAGES_KEYS, required_extra=frozenset({"tier"})),
+        KindRule(InjectKind.PREINIT, "move the shadows to preinit level `level` (the agent "
+                 "relaunches them; the active waits in that step until they are ready)", 0,
+                 extra_keys=PREINIT_KEYS, required_extra=frozenset({"level"})),
     )
 }
 # Keys every kind accepts; `rank` is required and exactly one of TRIGGERS must be given.

@@ -24,8 +24,9 @@ def _restart_mode(spec: InjectSpec, job) -> tuple[str, str] | None:
     if spec.attempt > la.max_restarts:
         return (f"attempt {spec.attempt} never happens with max_restarts {la.max_restarts}",
                 f"use attempt <= {la.max_restarts} or raise --max-restarts")
-    if spec.kind == InjectKind.PAGES:
-        return ("page losses need the retained memory pool, which only in-place recovery has "
+    if spec.kind in (InjectKind.PAGES, InjectKind.PREINIT):
+        what = "page losses need" if spec.kind == InjectKind.PAGES else "preinit levels are of"
+        return (f"{what} the retained memory pool's shadows, which only in-place recovery has "
                 "(--recovery restart)", _RESTART_FIX)
     if spec.gen > 0:
         return (f"gen={spec.gen} never comes: generations after 0 are in-place recoveries, and "
@@ -48,6 +49,8 @@ def _inplace_mode(spec: InjectSpec, job) -> tuple[str, str] | None:
                 "retained state, they recover nothing",
                 "use gen=1 (the first in-place recovery) or attempt=1 (after a restart)")
     params = dict(spec.params)
+    if spec.kind == InjectKind.PREINIT:
+        return _preinit(spec, job)
     if spec.kind == InjectKind.PAGES:
         part = params.get("part") or ("data" if params["tier"] == "device" else "p1")
         size = {"data": rc.data_pages, "p1": rc.tier1, "p2": rc.tier2}[part]
@@ -68,6 +71,19 @@ def _inplace_mode(spec: InjectSpec, job) -> tuple[str, str] | None:
                    if c > 0 else f"a group of data_pages={d} has at most {d} chunks")
             return (f"chunk={params['chunk']} never comes: {how}",
                     f"use chunk=0..{chunks - 1}")
+    return None
+
+
+def _preinit(spec: InjectSpec, job) -> tuple[str, str] | None:
+    if spec.step is None or spec.at != "step":
+        return ("a preinit change is fired by the active at the start of a step (it waits "
+                "there for the relaunched shadows)", "use step=N and no at=")
+    if job.launch.max_nodes > 1:
+        return ("shadows change level only where every shadow of the generation is restarted "
+                "together, which one agent of several cannot do",
+                "use a single node (--nnodes 1), or drop it")
+    if job.recovery.max_inplace_recoveries == 0:
+        return ("max_inplace_recoveries 0 starts no shadow", "raise --max-inplace-recoveries")
     return None
 
 

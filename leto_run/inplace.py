@@ -59,6 +59,8 @@ from leto_run import errors as E, job_secret
 from leto_run.decisions import Action, Decision, SlotView, decide_inplace
 from leto_run.group import WorkerGroup
 from leto_run.hof_watch import STORE_TIMEOUT_S, HofWatcher
+from leto_run.preinit import Level, PreinitPolicy
+from leto_run.preinit_control import MIB, ShadowLevels
 from leto_run.procs import ExitStatus
 from leto_run.recovery_policy import FailurePolicy
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
@@ -95,6 +97,11 @@ class InplaceRecovery:
         self.declared: set[int] = set()      # generations whose HOF this node recovered
         self.demoted: list = []              # (slot, sp): survivors demoted in process, to adopt
         self.policy = FailurePolicy(recovery.max_inplace_recoveries, recovery.inplace_window)
+        from leto_run.nvml import Nvml
+        self.levels = ShadowLevels(PreinitPolicy(mode=recovery.preinit,
+                                                 margin=recovery.preinit_margin * MIB),
+                                   nvml=Nvml.open())
+        self.acks: list[tuple[int, int, int]] = []   # injected level changes to confirm
 
     # ---- round lifecycle -----------------------------------------------------------------
     def new_round(self) -> None:
@@ -137,9 +144,12 @@ class InplaceRecovery:
         elif beat.kind == "inplace":
             sp.ready = True
             sp.wake = bool(detail.get("wake"))
+            if detail.get("level") in C.PREINIT_LEVELS:
+                sp.level = detail["level"]
             ev.emit("shadow_ready", sp.generation, rank=slot.rank, pid=beat.pid,
                     role=sp.role.value, epoch=sp.epoch, level=detail.get("level"),
                           seconds=detail.get("seconds"), mono=beat.mono)
+            self._confirm_levels()
         elif beat.kind == "promoted":
             granted = sp.role == SlotRole.ACTIVE     # else it woke without the go key _promote sets
             ev.emit("promoted", sp.generation, rank=slot.rank, pid=beat.pid,
@@ -150,11 +160,12 @@ class InplaceRecovery:
         elif beat.kind == "demoted":
             sp.demoted = detail
 
-    def _spawn_shadow(self, slot: RankSlot) -> None:
+    def _spawn_shadow(self, slot: RankSlot, level: Level | None = None) -> None:
         gen = self.g.generation + 1
-        sp = self.g.spawn(slot, SlotRole.SHADOW, generation=gen, epoch=self.epoch)
+        lv = self.levels.start_level(slot.rank) if level is None else level
+        sp = self.g.spawn(slot, SlotRole.SHADOW, generation=gen, epoch=self.epoch, level=lv.name)
         self.log(f"rank {slot.rank}: shadow of generation {gen} started (pid {sp.proc.pid}, "
-                 f"epoch {self.epoch})")
+                 f"epoch {self.epoch}, level {lv.name})")
 
     def _ensure_watcher(self) -> None:
         # One node needs no watcher: every HOF is its own (and a timed-out wait prints c10d
@@ -243,8 +254,14 @@ class InplaceRecovery:
         self._declare(g, failures)
         self._demote(g)
         self._promote(g + 1)
+        self.levels.after_recovery()
+        held = [Level[sp.level] for _, sp in self.demoted]
         self._adopt_demoted(g + 2)
-        self._spawn_next_shadows()
+        # The demoted survivors re-initialize at the level they were started with; the fresh
+        # shadows of the same generation must match them at L3 (the group forms only with every
+        # rank).  `tick` moves them all to the controller's level afterwards.
+        self._spawn_next_shadows(Level.L3 if Level.L3 in held else
+                                 Level.L2 if held else None)
         self.events.emit("inplace_done", g + 1, seconds=time.monotonic() - t0)
 
     def _declare(self, g: int, failures) -> None:
@@ -352,7 +369,8 @@ class InplaceRecovery:
             slot.procs[SlotRole.ACTIVE] = sp
             self.g.relabel(slot, sp)
             self.events.emit("promote", gen, rank=slot.rank, local_rank=slot.local_rank,
-                             pid=sp.proc.pid, epoch=sp.epoch, ready=sp.ready, mono=woke)
+                             pid=sp.proc.pid, epoch=sp.epoch, ready=sp.ready, level=sp.level,
+                             mono=woke)
         self.g.advance(gen, "shadows promoted on ranks "
                        f"{', '.join(str(s.rank) for s in slots)}")
         self.remote, self.epoch, self.respawns = None, 0, 0
@@ -360,10 +378,60 @@ class InplaceRecovery:
             self.watcher.advanced.set()
         self.g.arm(woke)
 
-    def _spawn_next_shadows(self) -> None:
+    def _spawn_next_shadows(self, like: Level | None = None) -> None:
         for slot in self.g.slots:
             if slot.shadow is None:
-                self._spawn_shadow(slot)
+                lv = self.levels.start_level(slot.rank)
+                self._spawn_shadow(slot, like if like == Level.L3 else
+                                   Level(min(lv, like)) if like is not None else lv)
+
+    # ---- preinitialization levels (leto_run.preinit_control) ------------------------------
+    def tick(self, now: float) -> None:
+        """Once a loop turn: move the shadows to the controller's levels.  Only where one agent
+        restarts every shadow of the generation together (one node): elsewhere they keep the
+        level they were started at (docs/PREINIT.md)."""
+        r = self.g.round
+        if (self.unusable or not self.policy.inplace_enabled or r is None
+                or r.group_world_size > 1 or not all(s.inplace for s in self.g.slots)):
+            return
+        d = self.levels.decide(now, self.g.slots)
+        if d is not None:
+            self._relevel(*d)
+        self._confirm_levels()
+
+    def _relevel(self, target: dict[int, Level], reason: str, warning: bool) -> None:
+        gen = self.g.generation + 1
+        was = {s.rank: s.shadow.level for s in self.g.slots if s.shadow is not None}
+        self.log(("warning: " if warning else "") + f"shadows of generation {gen}: "
+                 f"{', '.join(sorted(set(was.values())))} -> "
+                 f"{', '.join(sorted({lv.name for lv in target.values()}))} ({reason})")
+        self.events.emit("preinit", gen, levels={r: lv.name for r, lv in target.items()},
+                         was=was, reason=reason, warning=warning, epoch=self.epoch + 1)
+        self._kill_shadows()
+        self.epoch += 1
+        for s in self.g.slots:
+            self._spawn_shadow(s, target[s.rank])
+
+    def on_preinit_inject(self, slot: RankSlot, sp: SlotProcess, level: str, step: int) -> None:
+        """An injected `preinit`: pin the level, confirm once the shadows are ready at it."""
+        self.levels.pin(Level[level])
+        self.acks.append((sp.generation, slot.rank, step))
+
+    def _confirm_levels(self) -> None:
+        if not self.acks:
+            return
+        shadows = [(s.rank, s.shadow) for s in self.g.slots]
+        if any(sp is None or not sp.ready or Level[sp.level] != self.levels.start_level(r)
+               for r, sp in shadows):
+            return
+        for g, rank, step in self.acks:
+            try:
+                self._client().set(C.preinit_ack_key(g, rank, step),
+                                   json.dumps({"levels": {r: sp.level for r, sp in shadows}}))
+            except Exception as e:      # the active gives up waiting (bounded) and goes on
+                self.log(f"cannot confirm the preinit change of rank {rank}: "
+                         f"{type(e).__name__}: {e}")
+        self.acks = []
 
     # ---- shadows that die ------------------------------------------------------------------
     def on_shadow_exit(self, slot: RankSlot, sp: SlotProcess, status: ExitStatus) -> None:

@@ -26,6 +26,7 @@ MAX_WORLD_SIZE = MAX_NODES * MAX_NPROC_PER_NODE
 MAX_COUNT = 1_000_000
 MAX_SCRUB_BUDGET = 0.5            # share of the step time: the scrub never takes most of it
 MAX_PAGE_BYTES = 1 << 30
+MAX_MIB = 1 << 24                 # device memory in MiB (16 TiB): beyond any device
 MAX_STEP = 10 ** 12               # trainer steps (the runtime gathers them as int64)
 MAX_GROUP_PAGES = 65535           # GF(2^16): no protection group holds more pages
 MAX_INDEX = 2 ** 31 - 1           # protection-group and chunk numbers

@@ -12,7 +12,8 @@ checkpoint; in-place recovery makes this zero).
 An in-place recovery (a `promote` event of generation g+1 follows the failure of generation g)
 has its own phases (`InplaceRecovery`):
 
-  injected -> detected -> shadows awake (last `promoted` of g+1) -> attach, localize,
+  injected -> detected -> shadows awake (last `promoted` of g+1) -> [shadows below L3:
+  the levels they lacked brought up, `bringup`: "from L1, L2 69 ms, L3 32 ms"] -> attach, localize,
   reconstruct, agree (resume point: finish t / redo t), finish (runtime `phase` events, the
   slowest rank) -> first heartbeat of g+1 (training resumed) -> back at the pre-failure step
 
@@ -72,6 +73,8 @@ class InplaceRecovery:
     recomputed_steps: int | None
     caught_up_s: float | None       # detection -> back at the failed step
     total_s: float | None           # injection (or detection) -> training resumed
+    level: str | None = None        # the lowest preinit level a promoted shadow started from
+    bringup: tuple = ()             # (level name, seconds of the slowest rank) brought up after
 
 
 PHASES = ("attach", "localize", "reconstruct", "agree", "finish", "resume")
@@ -106,6 +109,13 @@ def _inplace(index: int, f: dict, inj: dict | None, events: list[dict]) -> Inpla
             phases[e["phase"]] = max(phases.get(e["phase"], 0.0), float(e["seconds"]))
         if e.get("resume") is not None and resume is None:
             resume, resume_step = e["resume"], e.get("step")
+    levels = sorted({e["level"] for e in nxt if e["event"] == "promote" and e.get("level")})
+    up = {}
+    for e in nxt:
+        if e["event"] == "phase" and e.get("phase") == "bringup":
+            for k in ("l2_s", "l3_s"):
+                if e.get(k) is not None:
+                    up[k] = max(up.get(k, 0.0), float(e[k]))
     resumed = _first(nxt, lambda e: e["event"] == "resumed")
     caught = _first(nxt, lambda e: e["event"] == "caught_up")
     modes = {("replace" if e.get("reason") else e.get("mode")) for e in events
@@ -127,7 +137,9 @@ def _inplace(index: int, f: dict, inj: dict | None, events: list[dict]) -> Inpla
         resume_step=resume_step, resume_s=resumed["mono"] - t if resumed else None,
         resumed_step=resumed.get("step") if resumed else None, recomputed_steps=recomputed,
         caught_up_s=caught["mono"] - t if caught else None,
-        total_s=resumed["mono"] - start if resumed else None)
+        total_s=resumed["mono"] - start if resumed else None,
+        level=levels[0] if levels else None,
+        bringup=tuple((k[:2].upper(), up[k]) for k in ("l2_s", "l3_s") if k in up))
 
 
 def recoveries(events: list[dict]) -> list:
@@ -218,7 +230,10 @@ def _inplace_lines(r: InplaceRecovery) -> list[str]:
         demote = f" | demotion {_ms(r.demote_s)} ({r.demote}, in process)"
     elif r.demote:
         demote = f" | demotion: {r.demote}"
-    body = (f"     detection {_ms(r.detect_s)}{demote} | promotion +{_ms(r.promote_s)} | attach "
+    level = ""
+    if r.level:
+        level = f" | from {r.level}" + "".join(f", {name} {_ms(sec)}" for name, sec in r.bringup)
+    body = (f"     detection {_ms(r.detect_s)}{demote} | promotion +{_ms(r.promote_s)}{level} | attach "
             f"{_ms(ph('attach'))} | localization {_ms(ph('localize'))} | reconstruction "
             f"{_ms(ph('reconstruct'))} | agreement {_ms(ph('agree'))}{point} | finish "
             f"{_ms(ph('finish'))} | training resumed +{_ms(r.resume_s)}"

@@ -72,6 +72,7 @@ class SlotProcess:
     fired_injections: set[str] = field(default_factory=set)
     epoch: int = 0                          # shadows: LETO_SHADOW_EPOCH it was started with
     ready: bool = False                     # shadows: reached its preinit level
+    level: str = "L3"                       # shadows: its preinit level (asked, then reported)
     wake: bool = False                      # shadows: handle PROMOTE_SIGNAL (said when ready)
     demoted: dict | None = None             # demote=release: its `demoted` datagram's detail
     in_collective: bool = False             # its last beat: entering a collective (blame_hangs)

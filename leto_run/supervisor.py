@@ -40,6 +40,7 @@ class InplaceObserver(Protocol):
     def on_datagram(self, slot: RankSlot, sp: SlotProcess, beat) -> None: ...
     def on_shadow_exit(self, slot: RankSlot, sp: SlotProcess, status) -> None: ...
     def collateral(self, sp: SlotProcess) -> bool: ...
+    def on_preinit_inject(self, slot: RankSlot, sp: SlotProcess, level: str, step: int) -> None: ...
 
 
 class Supervisor:
@@ -127,6 +128,10 @@ class Supervisor:
         self.events.emit("inject", sp.generation, rank=slot.rank, role=sp.role.value,
                          pid=beat.pid, spec=beat.detail, step=beat.step, by="runtime")
         self.log(f"injecting '{beat.detail}' into rank {slot.rank} at step {beat.step}")
+        spec = next((i for i in self.cfg.inject if i.text == beat.detail), None)
+        if spec is not None and spec.kind == InjectKind.PREINIT and self.observer \
+                and beat.step is not None:
+            self.observer.on_preinit_inject(slot, sp, dict(spec.params)["level"], beat.step)
 
     def _on_unfired_beat(self, slot: RankSlot, sp: SlotProcess, beat) -> None:
         """The runtime found that one of its injections can never fire (`leto_runtime.faults`)."""

@@ -61,6 +61,7 @@ class WorkerEnvSpec:
     pg_timeout: float = 600.0             # trainers' process-group / store waits, seconds
     chunk_pages: int = 0                  # RMU transaction size in pages (0: the runtime picks)
     demote: str = "replace"               # replace | release (recovery.demote)
+    preinit_level: str | None = None      # shadows: L1 | L2 | L3 (leto_run.preinit_control)
     scrub_budget: float = 0.002           # share of the step time for the scrub (recovery.scrub_budget)
     job_key: str = field(default="", repr=False)   # hex MAC key of the stores' control values
     checkpoint_env: tuple[tuple[str, str], ...] = ()   # LETO_CHECKPOINT_* (config_checkpoint)
@@ -116,6 +117,10 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
         C.LETO_SCRUB_BUDGET: repr(float(spec.scrub_budget)),
     })
     env.update(spec.checkpoint_env)
+    if spec.preinit_level:
+        env[C.LETO_PREINIT_LEVEL] = spec.preinit_level
+    else:
+        env.pop(C.LETO_PREINIT_LEVEL, None)      # (not the agent's own environment's)
     if spec.sm_socket:
         env[C.LETO_SM_SOCKET] = spec.sm_socket
     if spec.job_key:

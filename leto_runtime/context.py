@@ -44,6 +44,7 @@ class Context:
     pg_timeout: float = 600.0       # seconds for process-group formation and store waits
     chunk_pages: int = 0            # RMU transaction size in pages (0: the runtime picks)
     demote: str = "replace"         # replace | release (what this active does when it survives a HOF)
+    preinit_level: str = "L3"       # a shadow's preinitialization level (contract.PREINIT_LEVELS)
     scrub_budget: float = 0.002     # share of the step time the background scrub may take (0: off)
     master_addr: str | None = None
     master_port: int | None = None
@@ -83,6 +84,7 @@ class Context:
             chunk_pages=i(C.LETO_CHUNK_PAGES),
             error_file=env.get(C.TORCHELASTIC_ERROR_FILE) or None,
             demote=env.get(C.LETO_DEMOTE, "replace") if under else "replace",
+            preinit_level=_preinit_level(env) if under else "L3",
             scrub_budget=float(env.get(C.LETO_SCRUB_BUDGET, 0.002) or 0) if under else 0.0,
             master_addr=env.get(C.MASTER_ADDR),
             master_port=int(env[C.MASTER_PORT]) if env.get(C.MASTER_PORT) else None,
@@ -101,6 +103,15 @@ def _checkpoint(env: Mapping[str, str]) -> Settings | None:
                     ff_mtbf=float(env.get(C.LETO_CHECKPOINT_FF_MTBF_S, 0) or 0),
                     keep=int(env.get(C.LETO_CHECKPOINT_KEEP, 2) or 2),
                     writer=env.get(C.LETO_CHECKPOINT_WRITER, "auto") or "auto")
+
+
+def _preinit_level(env: Mapping[str, str]) -> str:
+    level = env.get(C.LETO_PREINIT_LEVEL) or "L3"
+    if level not in C.PREINIT_LEVELS:
+        raise ContractError(f"{C.LETO_PREINIT_LEVEL}={level!r} is not one of "
+                            f"{', '.join(C.PREINIT_LEVELS)}: the agent sets it; install the same "
+                            "Leto version for the launcher and the trainers")
+    return level
 
 
 def _job_key(env: Mapping[str, str]) -> bytes | None:

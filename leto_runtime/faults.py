@@ -37,6 +37,8 @@ import sys
 from leto_runtime import beats, demotion
 from leto_runtime.context import Context
 
+PREINIT_ACK_S = 300.0        # an injected level change: the longest the active waits for it
+
 
 def _settle() -> None:
     """Wait for queued CUDA work of this process (nothing to do without CUDA in use)."""
@@ -142,6 +144,11 @@ class Faults:
                     self._fire_pages(inj, step)
             return
         inj = hofs[0]
+        if inj.get("kind") == "preinit":
+            self.plan.remove(inj)
+            self.beats.send("inject", step, inj.get("text") or "preinit")
+            self._wait_preinit(inj, step)
+            return
         for pages in self._pages_with(inj):
             self._fire_pages(pages, step)
         self.plan.remove(inj)
@@ -157,6 +164,29 @@ class Faults:
         os.kill(os.getpid(), int(inj.get("signal") or signal.SIGKILL))
         import time
         time.sleep(1.0)    # a catchable signal with a handler may return; the kill stands
+
+    def _wait_preinit(self, inj: dict, step) -> None:
+        """An injected level change: the agent relaunches the shadows at the level and sets
+        `contract.preinit_ack_key` once they are ready; this active waits for it (beating, so
+        it is not taken for hung), at most PREINIT_ACK_S, so a kill injected at a later step
+        meets the new shadows."""
+        import time
+        from leto_runtime import promotion
+        from leto_runtime.wire import contract as C
+        key = C.preinit_ack_key(self.ctx.generation, self.ctx.rank, int(step))
+        store = promotion.worker_store(self.ctx, timeout=min(30.0, self.ctx.pg_timeout))
+        t0 = next_beat = time.monotonic()
+        while not store.check([key]):
+            now = time.monotonic()
+            if now > t0 + PREINIT_ACK_S:
+                sys.stderr.write(f"[leto_runtime] warning: the agent did not confirm "
+                                 f"'{inj.get('text')}' within {PREINIT_ACK_S:g} s; going on\n")
+                return
+            if now >= next_beat:
+                beats.heartbeat(step)
+                next_beat = now + 1.0
+            time.sleep(0.05)
+        store.get(key)              # verified (a forged value raises, the job stops)
 
     # ---- injections that can no longer fire ------------------------------------------------
     def _saw(self, point: str, step: int, group: int, chunk) -> None:

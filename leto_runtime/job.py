@@ -2,7 +2,7 @@
 
     import leto_runtime as leto
 
-    job = leto.init()                              # env contract; shadows preinitialize here (L3)
+    job = leto.init()                              # env contract; shadows preinitialize here
     with job.meta_init():                          # no second copy of the model state
         model = GPT(cfg)
     model = job.retain(model, init=init_weights)   # parameters become views of retained memory
@@ -20,9 +20,12 @@ Roles (from the env contract, `leto_runtime.context`):
   every later trainer -- a promoted shadow, or a restarted one -- attaches to what is retained,
   localizes and rebuilds lost pages, agrees with the other ranks where to resume (finish the
   interrupted update, or redo the iteration) and continues.
-* **shadow**: `init()` preinitializes (imports done, device context, process group of its
-  generation -- level L3) and tells the agent; `steps()` blocks until the agent promotes it
-  (rank 0's takes the checkpoints meanwhile: `ckpt_snapshot`), then recovers as above.
+* **shadow**: `init()` preinitializes to its level (LETO_PREINIT_LEVEL, docs/PREINIT.md) and
+  tells the agent.  At L3 (imports, device context, process group of its generation)
+  `steps()` blocks until the agent promotes it (rank 0's takes the checkpoints meanwhile:
+  `ckpt_snapshot`); at L1 (imports only) or L2 (+ device context) `init()` itself blocks, so
+  the script's set-up (model, optimizer, DDP) runs after the promotion, once the missing
+  levels are up.  Then it recovers as above.
 * **plain** (`torchrun`, or no state manager): the same code on ordinary tensors.  Nothing
   survives the process, but the arithmetic is identical, so a plain run is the fault-free
   reference of an in-place run.
@@ -53,7 +56,7 @@ import torch.distributed as dist
 
 from leto_runtime import beats as hb
 from leto_runtime.wire import contract as C
-from leto_runtime import binding, demotion, errors, modules, resume, runtime
+from leto_runtime import binding, demotion, errors, levels, modules, resume, runtime
 from leto_runtime.context import Context
 from leto_runtime.faults import Faults
 from leto_runtime.optimizer import Optimizer
@@ -96,24 +99,11 @@ class Job:
         self.inplace = bool(ctx.under_leto and ctx.sm_socket and ctx.recovery == "inplace")
         self.role = ctx.role if self.inplace else "plain"
         self.device = _pick_device(ctx, device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.zeros(1, device=self.device)      # the CUDA context now (level L2), not later
-        # Retained states are protected by parity; a run that retains nothing (plain torchrun)
-        # protects nothing: parity backend "none", so on CPU it uses no native kernel at all --
-        # it never builds one nor needs a compiler -- and on CUDA its update kernels load on
-        # first use.  Under leto-run the kernels it uses are built (first run on a machine:
-        # minutes) before the first heartbeat arms the launcher's hang detection, and before any
-        # peer waits on this rank in the process group (leto_runtime/kernels.py).
-        self.parity = "auto" if self.inplace else "none"
-        from leto_runtime import kernels
-        if self.device.type == "cuda":
-            # A setting only the first opt.step() would read is checked here, before the
-            # process group: a typo is a start-up error, not a crash of every promoted shadow.
-            from leto_runtime.rmu import fused
-            fused.layout()
-        if self.inplace or (ctx.under_leto and self.device.type == "cuda"):
-            kernels.prepare(self.device, retained=self.inplace)
+        self.parity = "auto" if self.inplace else "none"    # what retains nothing protects nothing
+        # A shadow preinitializes to its level (LETO_PREINIT_LEVEL; leto_runtime.levels).
+        self.level = ctx.preinit_level if self.role == "shadow" else "L3"
+        self._woke_early: float | None = None     # promoted inside init() (a shadow below L3)
+        levels.device_up(self) if self.level != "L1" else None
         per_gpu = torch.cuda.device_count() >= ctx.local_world_size if self.device.type == "cuda" else False
         self.backend = backend or ("nccl" if per_gpu else "gloo")
         self.faults = Faults(ctx)
@@ -138,18 +128,18 @@ class Job:
         self.step_t: int | None = None
         self._stepped = True
         self.recovery_info: dict = {}
-        self._init_pg()
+        if self.level == "L3":
+            self._init_pg()
+        else:
+            levels.wait_below_l3(self, t0)
         if self.inplace and ctx.demote == "release":
             demotion.install(ctx)
             if self.role == "active":
                 demotion.arm(self)
-        if self.inplace:
-            from leto_runtime import promotion
-            detail = None
-            if self.role == "shadow":
-                promotion.install_wake()
-                detail = {"level": "L3", "seconds": time.monotonic() - t0}
-            promotion.announce_inplace(detail)
+        self._t0 = t0
+        if self.inplace and self.level == "L3":
+            from leto_runtime import promotion      # a shadow: ready once it waits, in steps()
+            promotion.install_wake() if self.role == "shadow" else promotion.announce_inplace(None)
         hb.heartbeat(None) if self.role != "shadow" else None
 
     # ---- process group -------------------------------------------------------------------
@@ -163,7 +153,8 @@ class Job:
             self._adopt_pg()
         elif self.inplace:
             from leto_runtime import promotion
-            self.store = promotion.worker_store(ctx)
+            if self.store is None:
+                self.store = promotion.worker_store(ctx)
             prefix = dist.PrefixStore(C.pg_prefix(ctx.generation, ctx.shadow_epoch), self.store)
             dist.init_process_group(self.backend, store=prefix, rank=ctx.rank,
                                     world_size=ctx.world_size, timeout=timeout, **kw)
@@ -232,8 +223,8 @@ class Job:
         self.param_order = param_order
         if self.role != "shadow":
             binding.materialize(self)
-        elif self.inplace:
-            binding.preattach(self)
+        elif self.inplace and self._woke_early is None:
+            binding.preattach(self)         # (promoted already: attach_at_promotion attaches)
 
     def _inject(self, point: str, **where) -> None:
         """The updater's points: injection, and around the global synchronization (a
@@ -358,9 +349,16 @@ class Job:
         self.start_step = start
         if self.role == "shadow":
             from leto_runtime import promotion
-            self._prepare_lending()
-            with ckpt_snapshot.serving(self):     # rank 0's: checkpoints while it waits
-                self.recovery_info["woke"] = promotion.wait_for_promotion(self.ctx, self.store)
+            if self._woke_early is not None:      # below L3: promoted in init() already
+                self.recovery_info["woke"] = self._woke_early
+            else:
+                self._prepare_lending()
+                with ckpt_snapshot.serving(self):     # rank 0's: checkpoints while it waits
+                    # Ready at L3: the script's set-up done, the retained state pre-attached.
+                    promotion.announce_inplace({"level": "L3",
+                                                "seconds": time.monotonic() - self._t0})
+                    self.recovery_info["woke"] = promotion.wait_for_promotion(self.ctx,
+                                                                              self.store)
             self.role = "active"
             demotion.arm(self)
             hb.heartbeat(None)

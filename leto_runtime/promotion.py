@@ -7,8 +7,9 @@ call in this order:
     ctx = Context.from_env()
     store = worker_store(ctx)                         # the job's worker store (an AuthStore)
     announce_inplace()                                # active: "my slot runs in place"
-    ... shadow: form the process group of generation ctx.generation over
-        PrefixStore(contract.pg_prefix(ctx.generation, ctx.shadow_epoch), store)  (level L3) ...
+    ... shadow at L3: form the process group of generation ctx.generation over
+        PrefixStore(contract.pg_prefix(ctx.generation, ctx.shadow_epoch), store), the script's
+        set-up, pre-attach (below L3 none of it: leto_runtime.levels) ...
     announce_inplace({"level": "L3", "seconds": s})   # shadow: ready at its preinit level
     t = wait_for_promotion(ctx, store)                # shadow: blocks until the agent says go
     ... attach, localize, reconstruct, agree, finish/redo ...

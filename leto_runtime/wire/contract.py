@@ -63,6 +63,7 @@ LETO_SHADOW_EPOCH = "LETO_SHADOW_EPOCH"           # shadows of one generation re
 LETO_PG_TIMEOUT = "LETO_PG_TIMEOUT"               # seconds: process-group / store waits of the runtime
 LETO_CHUNK_PAGES = "LETO_CHUNK_PAGES"             # RMU transaction size in pages (0: the runtime picks)
 LETO_DEMOTE = "LETO_DEMOTE"                       # replace | release: what a surviving active of a HOF does
+LETO_PREINIT_LEVEL = "LETO_PREINIT_LEVEL"         # L1 | L2 | L3: how far a shadow preinitializes before its promotion
 LETO_JOB_KEY = "LETO_JOB_KEY"                     # hex, 32 bytes: MAC key of the control values in the job's stores (leto_runtime.control_auth)
 LETO_SCRUB_BUDGET = "LETO_SCRUB_BUDGET"           # share of the step time the background scrub may take (0: off)
 LETO_CHECKPOINT_DIR = "LETO_CHECKPOINT_DIR"       # --checkpoint-dir: where rank 0 writes periodic checkpoints (unset: off)
@@ -109,6 +110,18 @@ def demoted_env(generation: int) -> dict[str, str]:
 #                             again); the shadow of generation G waits for it, then takes over.
 def pg_prefix(generation: int, epoch: int = 0) -> str:
     return f"leto/g{generation}/e{epoch}/pg"
+
+
+# How far a shadow preinitializes (docs/PREINIT.md): L1 imports (no CUDA context), L2 + the
+# device context, L3 + the process group of its generation.  Below L3 it waits for its go key in
+# `leto_runtime.init()` and brings the missing levels up after it.
+PREINIT_LEVELS = ("L1", "L2", "L3")
+
+
+def preinit_ack_key(generation: int, rank: int, step: int) -> str:
+    """Set by the agent once the shadows an injected `preinit` level change (fired by the active
+    of `generation`, `rank` at `step`) started are ready; the active waits for it."""
+    return f"leto/inject/preinit/{generation}/{rank}/{step}"
 
 
 def hof_key(generation: int) -> str:

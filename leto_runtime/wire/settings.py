@@ -211,3 +211,9 @@ def get() -> Settings:
     if hit is None or hit[0] != raw:
         hit = _last = (raw, Settings.from_env(os.environ))
     return hit[1]
+
+
+def visible_devices() -> str | None:
+    """CUDA_VISIBLE_DEVICES as the process sees it (the agent maps a local rank's device to the
+    driver's index with it: `leto_run.nvml`)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,0 +1,74 @@
+"""A shadow's preinitialization levels, inside the trainer (docs/PREINIT.md; the agent's
+controller that picks them: `leto_run.preinit`, `leto_run.preinit_control`).
+
+| level | the process has                                               | GPU memory        |
+|-------|---------------------------------------------------------------|-------------------|
+| L1    | started, Python and torch imported, the script's code so far  | none              |
+| L2    | + the device context and Leto's native kernels loaded          | context + modules |
+| L3    | + the process group of its generation (NCCL communicators)     | + communicators   |
+
+A shadow at L3 waits in `job.steps()`, with its model, optimizer and pre-attached retained
+state (`leto_runtime.job`).  Below L3 it waits inside `leto_runtime.init()`, before the process
+group: the group is formed by the shadows of one generation together, and a script builds DDP
+over it right after `init()`, so nothing after `init()` can run without it.  Once promoted, it
+brings up the levels it lacks -- on the recovery's critical path, which is the price of the
+memory it did not hold -- and the script's set-up (model on meta, optimizer, DDP) runs as an
+active's would.  The phase datagram `bringup` says the level it started from and the seconds of
+each level it brought up (`l2_s`, `l3_s`); the report shows them.
+
+Calling contract: `device_up(job)` once per process (the job's device, inplace and ctx are
+set); `wait_below_l3(job, t0)` from `Job.__init__` for a shadow whose level is below L3,
+after the job's fields exist; it returns promoted, with the process group formed and
+`job._woke_early` set to the wake time.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from leto_runtime import beats as hb
+
+
+def device_up(job) -> None:
+    """Level L2: the device context, and the native kernels this job uses loaded (built first,
+    on a machine's first run: minutes, before any heartbeat arms hang detection or any peer
+    waits on this rank in the process group; leto_runtime/kernels.py)."""
+    from leto_runtime import kernels
+    if job.device.type == "cuda":
+        torch.cuda.set_device(job.device)
+        torch.zeros(1, device=job.device)      # the CUDA context now, not at the first kernel
+        # A setting only the first opt.step() would read is checked here, before the process
+        # group: a typo is a start-up error, not a crash of every promoted shadow.
+        from leto_runtime.rmu import fused
+        fused.layout()
+    # Retained states are protected by parity; a run that retains nothing (plain torchrun)
+    # protects nothing (parity backend "none": no native kernel is built or loaded on CPU, and
+    # on CUDA its update kernels load on first use).
+    if job.inplace or (job.ctx.under_leto and job.device.type == "cuda"):
+        kernels.prepare(job.device, retained=job.inplace)
+
+
+def wait_below_l3(job, t0: float) -> None:
+    """A shadow at L1 or L2: ready now, promoted here, then up through the missing levels.  A
+    process that already holds a CUDA context (a survivor demoted in process) is at L2, whatever
+    L1 asked for."""
+    from leto_runtime import promotion
+    ctx = job.ctx
+    if job.level == "L1" and job.device.type == "cuda" and torch.cuda.is_initialized():
+        job.level = "L2"
+    job.store = promotion.worker_store(ctx)
+    promotion.install_wake()
+    promotion.announce_inplace({"level": job.level, "seconds": time.monotonic() - t0})
+    job._woke_early = promotion.wait_for_promotion(ctx, job.store)
+    hb.heartbeat(None)              # an active now: its hang detection runs from here
+    times = {}
+    if job.level == "L1":
+        t = time.monotonic()
+        device_up(job)
+        times["l2_s"] = time.monotonic() - t
+    t = time.monotonic()
+    job._init_pg()
+    times["l3_s"] = time.monotonic() - t
+    hb.heartbeat(None)
+    promotion.report_phase("bringup", sum(times.values()), level=job.level, **times)

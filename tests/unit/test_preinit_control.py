@@ -1,0 +1,121 @@
+"""The agent's preinitialization controller (`leto_run.preinit_control.ShadowLevels`) over the
+driver's figures, against a device simulator that keeps its own books (the same oracle as
+tests/unit/test_preinit.py): the active's memory grows towards the device's size and back; the
+controller's levels, applied to the simulated shadows, never let the device run out, and a fixed
+L3 shadow does.  Also: what a shadow at a level holds refines the level costs; a lost sample
+decides nothing; a pinned (injected) level applies at once; without a driver (CPU) the shadows
+run at the policy's level.  The NVML binding itself runs on the GPU (tests/gpu/test_preinit_gpu.py).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+from leto_run.nvml import NvmlError
+from leto_run.preinit import Level, PreinitPolicy
+from leto_run.preinit_control import DEFAULT_COSTS, ShadowLevels
+
+GIB = 1 << 30
+
+
+class Device:
+    """Simulated GPUs, one per local rank: what each pid holds on each; the figures NVML would
+    report."""
+
+    def __init__(self, total: int = 80 * GIB) -> None:
+        self.total, self.held, self.fail = total, {0: {}}, False
+
+    def physical(self, local_rank: int) -> int:
+        return local_rank
+
+    def memory(self, index: int):
+        if self.fail:
+            raise NvmlError("GPU is lost")
+        return self.total, max(0, self.total - sum(self.held[index].values()))
+
+    def process_bytes(self, index: int):
+        return dict(self.held[index])
+
+    def oom(self) -> bool:
+        return any(sum(h.values()) > self.total for h in self.held.values())
+
+
+def _slots(levels: dict[int, str]):
+    return [NS(rank=r, local_rank=r, active=NS(proc=NS(pid=100 + r)),
+               shadow=NS(proc=NS(pid=200 + r), level=lv, ready=True))
+            for r, lv in levels.items()]
+
+
+def test_the_shadow_steps_down_before_the_active_s_peak_and_back_after():
+    dev, now = Device(), 0.0
+    ctl = ShadowLevels(PreinitPolicy(margin=GIB, horizon_s=10, raise_hold_s=20), nvml=dev)
+    slots = _slots({0: "L3"})
+    fixed_oom = False
+    seen = []
+    for k in range(400):
+        now = k * 1.0
+        active = int((70 + 9.2 * min(k, 200 - k if k < 200 else 0) / 100) * GIB) if k < 200 \
+            else 70 * GIB
+        dev.held = {0: {100: active, 200: DEFAULT_COSTS.of(Level[slots[0].shadow.level])}}
+        fixed_oom |= active + DEFAULT_COSTS.l3 > dev.total
+        assert not dev.oom(), f"t={now}: the device ran out with the shadow at {slots[0].shadow.level}"
+        d = ctl.decide(now, slots)
+        if d is not None:
+            levels, reason, _ = d
+            assert reason
+            slots[0].shadow.level = levels[0].name
+            seen.append(levels[0].name)
+    assert fixed_oom, "the workload must not fit beside a fixed L3 shadow"
+    assert "L1" in seen or "L2" in seen, seen
+    assert slots[0].shadow.level == "L3", f"back up after the peak: {seen}"
+
+
+def test_what_a_shadow_holds_refines_the_costs_and_a_lost_sample_decides_nothing():
+    dev = Device()
+    ctl = ShadowLevels(PreinitPolicy(), nvml=dev)
+    slots = _slots({0: "L3"})
+    dev.held = {0: {100: 10 * GIB, 200: 2 * GIB}}
+    assert ctl.decide(0.0, slots) is None
+    assert ctl.costs.l3 == 2 * GIB and ctl.costs.l2 == DEFAULT_COSTS.l2
+    dev.fail = True
+    assert ctl.decide(10.0, slots) is None
+
+
+def test_one_device_below_l3_keeps_every_shadow_below_it():
+    dev = Device()
+    l3 = DEFAULT_COSTS.l3                                    # rank 0's device is nearly full
+    dev.held = {0: {100: int(78.5 * GIB), 200: l3}, 1: {101: 10 * GIB, 201: l3}}
+    ctl = ShadowLevels(PreinitPolicy(), nvml=dev)
+    levels, reason, warn = ctl.decide(0.0, _slots({0: "L3", 1: "L3"}))
+    assert levels[0] == Level.L1 and levels[1] == Level.L2, levels
+    assert "every shadow stays at L2 at most" in reason and not warn
+
+
+def test_a_pinned_level_applies_at_once_and_without_a_driver_the_policy_s():
+    ctl = ShadowLevels(PreinitPolicy(mode="auto"), nvml=None)
+    slots = _slots({0: "L3", 1: "L3"})
+    assert ctl.decide(0.0, slots) is None and ctl.start_level(0) == Level.L3
+    ctl.pin(Level.L1)
+    levels, reason, warn = ctl.decide(0.0, slots)
+    assert levels == {0: Level.L1, 1: Level.L1} and "policy L1" in reason and not warn
+    assert ctl.start_level(1) == Level.L1
+
+
+def test_a_pinned_l3_that_does_not_fit_runs_lower_with_a_warning():
+    dev = Device()
+    dev.held = {0: {100: int(79.5 * GIB)}}
+    ctl = ShadowLevels(PreinitPolicy(mode="L3"), nvml=dev)
+    levels, reason, warn = ctl.decide(0.0, _slots({0: "L3"}))
+    assert levels[0] < Level.L3 and warn and "does not fit" in reason
+
+
+def test_a_pinned_raise_is_not_held_back_by_the_last_automatic_step_down():
+    dev = Device()
+    dev.held = {0: {100: 10 * GIB}}
+    ctl = ShadowLevels(PreinitPolicy(raise_hold_s=600), nvml=dev)
+    slots = _slots({0: "L3"})
+    ctl.pin(Level.L1)
+    levels, _, _ = ctl.decide(0.0, slots)
+    slots[0].shadow.level = levels[0].name
+    ctl.pin(Level.L2)
+    levels, reason, _ = ctl.decide(1.0, slots)
+    assert levels == {0: Level.L2}, reason
