@@ -28,9 +28,26 @@
 //
 // Thread safety: one mutex; the caching allocator may call from the autograd engine's threads.
 // Everything is host bookkeeping except the overflow cudaMalloc/cudaFree.
+//
+// Reclaim before OOM (issue 21; docs/PREINIT.md, "Reclaim before OOM"): with a hook armed
+// (`lend_set_reclaim`), an overflow cudaMalloc that fails a second time for the same size --
+// the caching allocator's retry after it released its own cached blocks -- asks the agent to
+// lower the local shadows (one `reclaim` datagram on the agent's heartbeat socket, the same
+// JSON a Python `beats.send` writes) and polls cudaMemGetInfo until the request fits with
+// `reclaim_slack` to spare, at most `reclaim_wait_s`, then retries once.  No Python and no GIL
+// on this path: a Python thread that allocates while holding the GIL would deadlock a callback
+// that needed it.  Reference: the same request through torch's default pool would OOM.
 #include <cuda_runtime_api.h>
 
+#include <sys/socket.h>
 #include <sys/types.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <string>
+#include <thread>
 
 #include <cstdint>
 #include <cstddef>
@@ -64,6 +81,12 @@ int enabled = 1;
 // statistics (bytes unless named otherwise)
 int64_t region_in_use = 0, region_peak = 0, overflow_in_use = 0, overflow_peak = 0;
 int64_t n_region_allocs = 0, n_overflow_allocs = 0, n_region_misses = 0, n_failed = 0;
+// the reclaim hook (empty path: off)
+std::string reclaim_path, reclaim_head, reclaim_tail;
+double reclaim_wait_s = 3.0;
+size_t reclaim_slack = 64u << 20;
+size_t last_failed = 0;                 // size of the failed request torch may ask again
+int64_t n_reclaim_asked = 0, n_reclaim_served = 0;
 
 uintptr_t align_up(uintptr_t x) { return (x + kAlign - 1) & ~(uintptr_t)(kAlign - 1); }
 
@@ -105,6 +128,34 @@ void give_back(Region& R, uintptr_t p, size_t size) {
   R.free.emplace(p, size);
 }
 
+void send_reclaim(size_t size) {
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return;
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  if (reclaim_path.size() < sizeof(a.sun_path)) {
+    std::memcpy(a.sun_path, reclaim_path.c_str(), reclaim_path.size() + 1);
+    std::string msg = reclaim_head + std::to_string(size) + reclaim_tail;
+    sendto(fd, msg.data(), msg.size(), 0, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  }
+  close(fd);
+}
+
+// Ask, then wait until `size` fits (bounded).  The device is already `device`.
+bool reclaim(size_t size) {
+  using namespace std::chrono;
+  ++n_reclaim_asked;
+  send_reclaim(size);
+  auto deadline = steady_clock::now() + duration<double>(reclaim_wait_s);
+  while (steady_clock::now() < deadline) {
+    size_t f = 0, t = 0;
+    if (cudaMemGetInfo(&f, &t) == cudaSuccess && f >= size + reclaim_slack) return true;
+    cudaGetLastError();
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  return false;
+}
+
 }  // namespace
 
 extern "C" {
@@ -122,12 +173,25 @@ void* lend_alloc(ssize_t size, int device, cudaStream_t /*stream*/) {
   cudaGetDevice(&prev);
   if (prev != device) cudaSetDevice(device);
   cudaError_t err = cudaMalloc(&p, (size_t)size);
+  if (err == cudaErrorMemoryAllocation && !reclaim_path.empty()) {
+    cudaGetLastError();
+    if (last_failed == (size_t)size) {  // torch's retry after its own cache release
+      last_failed = 0;
+      if (reclaim((size_t)size)) {
+        err = cudaMalloc(&p, (size_t)size);
+        if (err == cudaSuccess) ++n_reclaim_served;
+      }
+    } else {
+      last_failed = (size_t)size;
+    }
+  }
   if (prev != device && prev >= 0) cudaSetDevice(prev);
   if (err != cudaSuccess) {
     cudaGetLastError();                 // clear the sticky-free error; PyTorch handles the OOM
     ++n_failed;
     return nullptr;
   }
+  last_failed = 0;
   live.emplace(reinterpret_cast<uintptr_t>(p), Seg{(size_t)size, -1});
   overflow_in_use += size;
   if (overflow_in_use > overflow_peak) overflow_peak = overflow_in_use;
@@ -179,6 +243,17 @@ int64_t lend_clear_regions() {
   return 0;
 }
 
+// Arm the reclaim hook: datagrams to `path` read `head` + the request's bytes + `tail`; wait at
+// most `wait_s` for the memory.  An empty path disarms it.
+void lend_set_reclaim(const char* path, const char* head, const char* tail, double wait_s) {
+  std::lock_guard<std::mutex> g(mu);
+  reclaim_path = path ? path : "";
+  reclaim_head = head ? head : "";
+  reclaim_tail = tail ? tail : "";
+  reclaim_wait_s = wait_s;
+  last_failed = 0;
+}
+
 void lend_set_small_limit(size_t bytes) { std::lock_guard<std::mutex> g(mu); small_limit = bytes; }
 void lend_set_enabled(int on) { std::lock_guard<std::mutex> g(mu); enabled = on; }
 
@@ -191,7 +266,8 @@ int lend_in_region(uintptr_t p) {
 }
 
 // out[0..10]: region bytes, region in use, region peak, overflow in use, overflow peak,
-// region allocs, overflow allocs, region misses, failed allocs, live segments, regions.
+// region allocs, overflow allocs, region misses, failed allocs, live segments, regions,
+// reclaims asked, reclaims that made the retry succeed.
 void lend_stats(int64_t* out) {
   std::lock_guard<std::mutex> g(mu);
   int64_t total = 0;
@@ -199,7 +275,7 @@ void lend_stats(int64_t* out) {
   out[0] = total; out[1] = region_in_use; out[2] = region_peak; out[3] = overflow_in_use;
   out[4] = overflow_peak; out[5] = n_region_allocs; out[6] = n_overflow_allocs;
   out[7] = n_region_misses; out[8] = n_failed; out[9] = (int64_t)live.size();
-  out[10] = (int64_t)regions.size();
+  out[10] = (int64_t)regions.size(); out[11] = n_reclaim_asked; out[12] = n_reclaim_served;
 }
 
 void lend_reset_peaks() {

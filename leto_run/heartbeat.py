@@ -22,7 +22,7 @@ from leto_runtime.wire import contract as C
 _UCRED = struct.Struct("3i")
 # Datagram kinds (leto_runtime.wire.contract, "Heartbeat datagram"); anything else is dropped.
 KINDS = frozenset({"beat", "register", "inject", "unfired", "bye", "inplace", "promoted",
-                   "phase", "demoted", "forged"})
+                   "phase", "demoted", "forged", "reclaim"})
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from leto_run import errors as E, job_secret
 from leto_run.decisions import Action, Decision, SlotView, decide_inplace
 from leto_run.group import WorkerGroup
 from leto_run.hof_watch import STORE_TIMEOUT_S, HofWatcher
+from leto_run.inplace_levels import ShadowLevelMoves
 from leto_run.preinit import Level, PreinitPolicy
 from leto_run.preinit_control import MIB, ShadowLevels
 from leto_run.procs import ExitStatus
@@ -73,7 +74,7 @@ DEMOTE_RELEASE_S = 10.0     # demote=release: a survivor reaches a safe point in
 MAX_SHADOW_RESPAWNS = 3     # per generation: a shadow that keeps dying is a script bug
 
 
-class InplaceRecovery:
+class InplaceRecovery(ShadowLevelMoves):
     """See the module docstring.  `group` is the node's worker group; `recovery` the job's
     `RecoveryConfig`; `retained_lost()` says why some slot's retained state cannot be served
     any more (None: every slot can)."""
@@ -384,54 +385,6 @@ class InplaceRecovery:
                 lv = self.levels.start_level(slot.rank)
                 self._spawn_shadow(slot, like if like == Level.L3 else
                                    Level(min(lv, like)) if like is not None else lv)
-
-    # ---- preinitialization levels (leto_run.preinit_control) ------------------------------
-    def tick(self, now: float) -> None:
-        """Once a loop turn: move the shadows to the controller's levels.  Only where one agent
-        restarts every shadow of the generation together (one node): elsewhere they keep the
-        level they were started at (docs/PREINIT.md)."""
-        r = self.g.round
-        if (self.unusable or not self.policy.inplace_enabled or r is None
-                or r.group_world_size > 1 or not all(s.inplace for s in self.g.slots)):
-            return
-        d = self.levels.decide(now, self.g.slots)
-        if d is not None:
-            self._relevel(*d)
-        self._confirm_levels()
-
-    def _relevel(self, target: dict[int, Level], reason: str, warning: bool) -> None:
-        gen = self.g.generation + 1
-        was = {s.rank: s.shadow.level for s in self.g.slots if s.shadow is not None}
-        self.log(("warning: " if warning else "") + f"shadows of generation {gen}: "
-                 f"{', '.join(sorted(set(was.values())))} -> "
-                 f"{', '.join(sorted({lv.name for lv in target.values()}))} ({reason})")
-        self.events.emit("preinit", gen, levels={r: lv.name for r, lv in target.items()},
-                         was=was, reason=reason, warning=warning, epoch=self.epoch + 1)
-        self._kill_shadows()
-        self.epoch += 1
-        for s in self.g.slots:
-            self._spawn_shadow(s, target[s.rank])
-
-    def on_preinit_inject(self, slot: RankSlot, sp: SlotProcess, level: str, step: int) -> None:
-        """An injected `preinit`: pin the level, confirm once the shadows are ready at it."""
-        self.levels.pin(Level[level])
-        self.acks.append((sp.generation, slot.rank, step))
-
-    def _confirm_levels(self) -> None:
-        if not self.acks:
-            return
-        shadows = [(s.rank, s.shadow) for s in self.g.slots]
-        if any(sp is None or not sp.ready or Level[sp.level] != self.levels.start_level(r)
-               for r, sp in shadows):
-            return
-        for g, rank, step in self.acks:
-            try:
-                self._client().set(C.preinit_ack_key(g, rank, step),
-                                   json.dumps({"levels": {r: sp.level for r, sp in shadows}}))
-            except Exception as e:      # the active gives up waiting (bounded) and goes on
-                self.log(f"cannot confirm the preinit change of rank {rank}: "
-                         f"{type(e).__name__}: {e}")
-        self.acks = []
 
     # ---- shadows that die ------------------------------------------------------------------
     def on_shadow_exit(self, slot: RankSlot, sp: SlotProcess, status: ExitStatus) -> None:

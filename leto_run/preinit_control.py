@@ -30,13 +30,15 @@ import math
 from collections import deque
 
 from leto_run.preinit import (Level, LevelCosts, MemoryObservation, PreinitPolicy,
-                              cap_after_recovery, choose_level, generation_levels, peak_trend)
+                              cap_after_reclaim, cap_after_recovery, choose_level,
+                              generation_levels, peak_trend, reclaim_plan)
 from leto_run.slot import RankSlot
 
 TICK_S = 0.5                 # how often the devices are sampled
 WINDOW_S = 30.0              # the active's peak and trend are taken over this window
 MIB = 1 << 20
 DEFAULT_COSTS = LevelCosts(l2=612 * MIB, l3=1170 * MIB)   # H200, docs/BENCHMARKS.md
+RECLAIM_SLACK = 64 * MIB     # what cuda/lend_alloc.cpp waits for beyond the request (reclaim_slack)
 
 
 class ShadowLevels:
@@ -99,6 +101,31 @@ class ShadowLevels:
         if joint != "every shadow at its device's level":
             reason += f"; {joint}"
         return target, reason, any(warn[r] for r in changed)
+
+    def reclaim(self, now: float, slots: list[RankSlot], rank: int, request: int):
+        """The active of `rank` could not allocate `request` bytes after torch released its
+        cache: (levels by rank, reason) that free enough on its device, or (None, reason) when
+        no level would (the OOM is the active's own) or nothing can be observed."""
+        slot = next((s for s in slots if s.rank == rank), None)
+        if self.nvml is None or slot is None or slot.shadow is None:
+            return None, "no shadow on this device, or no driver to observe it"
+        from leto_run.nvml import NvmlError
+        try:
+            dev = self.nvml.physical(slot.local_rank)
+            total, free = self.nvml.memory(dev)
+            obs = self._one(now, slot, total, free, self.nvml.process_bytes(dev))
+        except NvmlError as e:
+            return None, f"the device cannot be observed ({e})"
+        current = {s.rank: Level[s.shadow.level] for s in slots if s.shadow is not None}
+        d = reclaim_plan(request + RECLAIM_SLACK, obs, self.costs, current[rank])
+        if d.change != "down":
+            return None, d.reason
+        ranks = sorted(current)
+        levels, _ = generation_levels([d.level if r == rank else current[r] for r in ranks])
+        self.cap = cap_after_reclaim(self.cap, d.level)
+        self.last_down = now
+        self.chosen = dict(zip(ranks, levels))
+        return dict(self.chosen), d.reason
 
     def _observe(self, now: float, slots: list[RankSlot]) -> dict[int, MemoryObservation] | None:
         from leto_run.nvml import NvmlError

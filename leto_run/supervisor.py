@@ -41,6 +41,7 @@ class InplaceObserver(Protocol):
     def on_shadow_exit(self, slot: RankSlot, sp: SlotProcess, status) -> None: ...
     def collateral(self, sp: SlotProcess) -> bool: ...
     def on_preinit_inject(self, slot: RankSlot, sp: SlotProcess, level: str, step: int) -> None: ...
+    def on_reclaim(self, slot: RankSlot, sp: SlotProcess, detail: str | None) -> None: ...
 
 
 class Supervisor:
@@ -107,6 +108,9 @@ class Supervisor:
             elif beat.kind in ("inplace", "promoted", "demoted"):
                 if self.observer:
                     self.observer.on_datagram(slot, sp, beat)
+            elif beat.kind == "reclaim":
+                if self.observer and sp.role == SlotRole.ACTIVE:
+                    self.observer.on_reclaim(slot, sp, beat.detail)
             elif beat.kind == "inject":
                 self._on_inject_beat(slot, sp, beat)
             elif beat.kind == "unfired":

@@ -56,6 +56,7 @@ CUDA and not applicable on CPU.  Calling contract: `Lender(ranges, device)`; `en
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 from pathlib import Path
@@ -71,7 +72,8 @@ NAME = "leto_lend_alloc"
 SRC = "lend_alloc.cpp"         # in the kernel sources (leto_runtime.wire.kernel_cache.source_dir())
 _STATS = ("region_bytes", "region_in_use", "region_peak", "overflow_in_use", "overflow_peak",
           "region_allocs", "overflow_allocs", "region_misses", "failed_allocs", "live_segments",
-          "regions")
+          "regions", "reclaims_asked", "reclaims_served")
+RECLAIM_WAIT_S = 3.0       # how long a failed allocation waits for the agent to lower the shadows
 
 
 class LendingError(ScriptError, RuntimeError):
@@ -142,8 +144,37 @@ def lib() -> ctypes.CDLL:
         L.lend_alloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
         L.lend_alloc.restype = ctypes.c_void_p
         L.lend_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        L.lend_set_reclaim.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p,
+                                       ctypes.c_double]
         _LIB = L
     return _LIB
+
+
+def reclaim_message(ctx) -> tuple[str, str]:
+    """The `reclaim` datagram this process sends, around the request's decimal bytes."""
+    from leto_runtime.wire import contract as C
+    msg = json.dumps({"v": C.HEARTBEAT_VERSION, "kind": "reclaim", "rank": ctx.rank,
+                      "role": "active", "gen": ctx.generation, "pid": os.getpid(),
+                      "step": None, "detail": "@BYTES@"}, separators=(",", ":"))
+    head, tail = msg.split("@BYTES@")
+    return head, tail
+
+
+def arm_reclaim(L) -> None:
+    """Under leto-run in place (and LETO_RECLAIM not 0): a lent allocation that would fail
+    after torch's own cache release asks the agent to lower the local shadows, waits for
+    the memory (at most RECLAIM_WAIT_S) and retries (cuda/lend_alloc.cpp).  The datagram is
+    the one `beats.send("reclaim", None, str(bytes))` would write."""
+    from leto_runtime.context import Context
+    ctx = Context.from_env()
+    on = (settings.get().reclaim and ctx.under_leto and ctx.recovery == "inplace"
+          and ctx.heartbeat_socket)
+    if not on:
+        L.lend_set_reclaim(b"", b"", b"", 0.0)
+        return
+    head, tail = reclaim_message(ctx)
+    L.lend_set_reclaim(ctx.heartbeat_socket.encode(), head.encode(), tail.encode(),
+                       RECLAIM_WAIT_S)
 
 
 def raw_stats() -> dict:
@@ -203,6 +234,7 @@ class Lender:
             _ALLOC = torch.cuda.memory.CUDAPluggableAllocator(str(build()), "lend_alloc",
                                                               "lend_free")
         self.pool = torch.cuda.MemPool(_ALLOC.allocator())
+        arm_reclaim(L)
         prewarm(self.device)
         torch.cuda.empty_cache()
 

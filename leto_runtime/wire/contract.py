@@ -157,10 +157,13 @@ UNRECOVERABLE_EXIT = 86
 #   unfired   an injection of this trainer's plan can never fire (detail JSON {"spec": text,
 #             "reason": why}, e.g. an rmu.* point naming a group or chunk the model lacks)
 #   inplace   the trainer called leto_runtime.init(): in-place mode for its slot (detail: JSON
-#             {"level": "L3", "seconds": preinit seconds} from a shadow that is ready)
+#             {"level": "L1"|"L2"|"L3", "seconds": preinit seconds} from a shadow that is ready)
+#   reclaim   an active's allocation would run out of device memory after torch released its
+#             cache (detail: the request's bytes, decimal); sent by cuda/lend_alloc.cpp, which
+#             waits for the agent to lower the local shadows (docs/PREINIT.md)
 #   promoted  a shadow woke up as the active of its generation (detail JSON {"mono": wake time})
 #   phase     one recovery phase finished (detail JSON {"phase": NAME, "seconds": s, ...});
-#             NAME in attach | localize | reconstruct | agree | finish | resume
+#             NAME in bringup | attach | localize | reconstruct | agree | finish | resume
 #   demoted   (demote=release) a surviving active released its GPU memory and process group and
 #             is now the shadow of generation g+2 (detail JSON {"seconds": signal to released,
 #             "mono", "generation", "gpu_reserved_before", "gpu_reserved_after", "views_alive"})

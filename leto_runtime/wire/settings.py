@@ -108,6 +108,8 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "plain_rmu": ("LETO_PLAIN_RMU", _flag, False),      # job.optimizer in plain mode: RMU, not torch
     "lend": ("LETO_LEND", _flag, True),
     "lend_warmup": ("LETO_LEND_WARMUP", _count(0, 1 << 20), 0),
+    # a lent allocation that would OOM asks the agent to lower the shadows first (docs/PREINIT.md)
+    "reclaim": ("LETO_RECLAIM", _flag, True),
     # parity codec (leto_runtime/parity): docs/PARITY.md
     "parity_delta": ("LETO_PARITY_DELTA", _choice("auto", "pagewise", "syndrome"), "auto"),
     "parity_cuda_variant": ("LETO_PARITY_CUDA_VARIANT", _text, "auto"),  # checked by the extension
@@ -149,6 +151,7 @@ class Settings:
     plain_rmu: bool
     lend: bool
     lend_warmup: int
+    reclaim: bool
     parity_delta: str
     parity_cuda_variant: str
     rmp_map: str

@@ -71,3 +71,75 @@ def test_shadows_at_every_level_recover_bit_exactly_and_hold_their_level_s_memor
     print(f"shadow GPU memory by level (MiB, NVML): {held}")
     assert held.get("L1") and max(held["L1"]) == 0, held
     assert held.get("L2") and held.get("L3") and 0 < max(held["L2"]) < min(held["L3"]), held
+
+
+SPIKE_MIB = 4096
+
+
+def _spike_run(tmp_path, reclaim: bool):
+    """examples' model under leto-run (shadow at L3, auto); the device filled by this process
+    so that the active's 4 GiB spike fits only once the shadow's memory is given back."""
+    import json
+    import subprocess
+    import time
+    from leto_testing import ROOT, base_env, leto_cmd
+    out, go, ev = tmp_path / "out", tmp_path / "go", tmp_path / "events.jsonl"
+    out.mkdir(parents=True)
+    env = base_env()
+    if not reclaim:
+        env["LETO_RECLAIM"] = "0"
+    cmd = leto_cmd("--standalone", "--nproc-per-node", "1", "--no-status", "--events", str(ev),
+                   "--hang-timeout", "120", str(ROOT / "tests" / "gpu" / "scripts" /
+                                                "spike_train.py"),
+                   "--go", str(go), "--out", str(out), "--spike-mib", str(SPIKE_MIB))
+    proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    ballast = None
+    try:
+        deadline = time.monotonic() + 300
+        def ready() -> bool:
+            evs = []
+            for x in (ev.read_text().splitlines() if ev.exists() else []):
+                try:
+                    evs.append(json.loads(x))
+                except ValueError:
+                    pass            # a line being written
+            return (out / "ready").exists() and any(
+                e["event"] == "shadow_ready" and e.get("level") == "L3" for e in evs)
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, "never reached the spike"
+            time.sleep(0.1)
+        torch.zeros(1, device="cuda")
+        free0 = torch.cuda.mem_get_info()[0]
+        ballast = torch.empty(free0 - ((SPIKE_MIB - 1000) << 20), dtype=torch.uint8,
+                              device="cuda")
+        torch.cuda.synchronize()
+        left = torch.cuda.mem_get_info()[0] >> 20
+        assert left < SPIKE_MIB - 500, left
+        go.write_text("go")
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        del ballast
+        torch.cuda.empty_cache()
+    evs = [json.loads(x) for x in ev.read_text().splitlines()]
+    return proc.returncode, stderr, evs, left
+
+
+def test_a_sudden_spike_takes_the_shadow_s_memory_instead_of_an_oom(tmp_path):
+    """With the reclaim hook (cuda/lend_alloc.cpp) the spike asks the agent, which relaunches
+    the shadow at L1; the active's allocation then succeeds and generation 0 never fails.  The
+    same run with LETO_RECLAIM=0 (the shadow holding L3, as before the controller) runs out of
+    memory in generation 0 (and is then recovered in place: the spike is generation 0's)."""
+    rc, err, evs, left = _spike_run(tmp_path / "on", reclaim=True)
+    rec = [e for e in evs if e["event"] == "reclaim"]
+    print(f"\n=== spike with reclaim: {left} MiB free before it; reclaim events {rec}")
+    assert rc == 0, err[-4000:]
+    assert "out of memory" not in err.lower(), err[-4000:]
+    assert rec and rec[0]["levels"] == {"0": "L1"}, rec
+    assert not [e for e in evs if e["event"] == "hof"], "generation 0 failed"
+    rc, err, evs, left = _spike_run(tmp_path / "off", reclaim=False)
+    print(f"=== spike without reclaim: {left} MiB free before it; rc {rc}")
+    assert "out of memory" in err.lower(), err[-4000:]
+    assert not [e for e in evs if e["event"] == "reclaim"]

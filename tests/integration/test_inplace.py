@@ -115,3 +115,22 @@ def test_shadow_death_before_promotion_respawns_with_a_new_epoch(tmp_path, out_d
     for rank in (0, 1):
         assert (out_dir / f"result_{rank}").read_text() == "gen 1 last 8"
     assert_nothing_left(evs)
+
+
+def test_a_reclaim_request_reaches_the_controller_and_is_answered_with_its_reason(tmp_path,
+                                                                                  out_dir):
+    """The `reclaim` datagram the lending allocator sends (leto_runtime.rmu.lend's message, here
+    from a script) is accepted from the active and judged by the controller; on a machine with
+    no driver to observe there is nothing to reclaim, so the shadows keep their level, the agent
+    says why, and training goes on."""
+    ev = tmp_path / "ev.jsonl"
+    r = run(leto(ev, SCRIPT, "reclaim", "6", "0.1"), base_env(out_dir), timeout=150)
+    assert r.returncode == 0, r.stderr[-4000:]
+    evs = events(ev)
+    [rec] = of(evs, "reclaim")
+    assert rec["rank"] == 0 and rec["bytes"] == 1 << 30 and rec["levels"] is None, rec
+    assert "no driver" in rec["reason"] and "needs 1024 MiB more" in r.stderr
+    assert not of(evs, "preinit"), "a shadow moved with nothing observed"
+    for rank in (0, 1):
+        assert (out_dir / f"result_{rank}").read_text() == "gen 0 last 5"
+    assert_nothing_left(evs)

@@ -12,7 +12,7 @@ from types import SimpleNamespace as NS
 
 from leto_run.nvml import NvmlError
 from leto_run.preinit import Level, PreinitPolicy
-from leto_run.preinit_control import DEFAULT_COSTS, ShadowLevels
+from leto_run.preinit_control import DEFAULT_COSTS, RECLAIM_SLACK, ShadowLevels
 
 GIB = 1 << 30
 
@@ -119,3 +119,20 @@ def test_a_pinned_raise_is_not_held_back_by_the_last_automatic_step_down():
     ctl.pin(Level.L2)
     levels, reason, _ = ctl.decide(1.0, slots)
     assert levels == {0: Level.L2}, reason
+
+
+def test_a_reclaim_frees_just_enough_and_caps_until_the_next_recovery():
+    dev = Device()
+    l3 = DEFAULT_COSTS.l3
+    dev.held = {0: {100: 70 * GIB, 200: l3}}
+    ctl = ShadowLevels(PreinitPolicy(), nvml=dev)
+    slots = _slots({0: "L3"})
+    free = dev.total - 70 * GIB - l3
+    levels, reason = ctl.reclaim(0.0, slots, 0,
+                                 free + DEFAULT_COSTS.l3 - DEFAULT_COSTS.l2 - RECLAIM_SLACK)
+    assert levels == {0: Level.L2}, reason              # L2 frees enough: not L1
+    assert ctl.start_level(0) == Level.L2 and ctl.cap == Level.L2
+    levels, reason = ctl.reclaim(1.0, slots, 0, free + l3 + GIB)
+    assert levels is None and "the active's own" in reason     # no level makes it fit
+    ctl.after_recovery()
+    assert ctl.cap == Level.L3

@@ -5,6 +5,8 @@ usage: inplace.py MODE [STEPS] [SLEEP]
   unrecoverable active rank 1 exits with contract.UNRECOVERABLE_EXIT at step 3
   shadowdie     the rank-1 shadow of epoch 0 dies before its promotion; the actives wait at
                 step 3 until every shadow of epoch 1 formed its process group
+  reclaim       active rank 0 sends, at step 3 once the shadows are ready, the `reclaim`
+                datagram cuda/lend_alloc.cpp sends for 1 GiB (leto_runtime.rmu.lend)
 
 Active: announce in-place mode, form the generation's gloo group over
 PrefixStore(pg_prefix(gen, epoch), worker store), train.  Shadow: form the group first (level
@@ -64,6 +66,14 @@ for step in range(start, STEPS):
         store.wait([f"test/ready/{r}/1" for r in range(ctx.world_size)],
                    datetime.timedelta(seconds=60))
     hb.heartbeat(step)
+    if MODE == "reclaim" and step == 3 and ctx.generation == 0 and ctx.rank == 0:
+        import socket
+        from leto_runtime.rmu.lend import reclaim_message
+        store.wait([f"test/ready/{r}/0" for r in range(ctx.world_size)],
+                   datetime.timedelta(seconds=60))
+        head, tail = reclaim_message(ctx)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(f"{head}{1 << 30}{tail}".encode(), ctx.heartbeat_socket)
     if MODE == "unrecoverable" and ctx.rank == 1 and step == 3:
         print("retained state lost", file=sys.stderr, flush=True)
         sys.exit(C.UNRECOVERABLE_EXIT)

@@ -1,0 +1,89 @@
+"""The in-place recovery's moves of the shadows between preinitialization levels
+(docs/PREINIT.md): a mixin of `leto_run.inplace.InplaceRecovery`, kept apart for size.
+
+Role: once a loop turn (`tick`) the controller's levels (`leto_run.preinit_control`) are applied
+by relaunching every shadow of the next generation at its level (shadow epoch + 1); an injected
+`preinit` pins a level and is confirmed to its active once the shadows are ready at it
+(`contract.preinit_ack_key`); an active's `reclaim` datagram lowers the shadows at once when
+that frees what it could not allocate.  Single node only: elsewhere the shadows keep their level.
+
+Calling contract: the host class provides `g` (the worker group), `levels` (`ShadowLevels`),
+`acks`, `epoch`, `unusable`, `policy`, `events`, `log`, `_client()`, `_kill_shadows()` and
+`_spawn_shadow(slot, level)`; every method runs on the agent's loop thread.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from leto_run.preinit import Level
+from leto_run.slot import RankSlot, SlotProcess
+from leto_runtime.wire import contract as C
+
+
+class ShadowLevelMoves:
+    def tick(self, now: float) -> None:
+        """Once a loop turn: move the shadows to the controller's levels.  Only where one agent
+        restarts every shadow of the generation together (one node): elsewhere they keep the
+        level they were started at (docs/PREINIT.md)."""
+        r = self.g.round
+        if (self.unusable or not self.policy.inplace_enabled or r is None
+                or r.group_world_size > 1 or not all(s.inplace for s in self.g.slots)):
+            return
+        d = self.levels.decide(now, self.g.slots)
+        if d is not None:
+            self._relevel(*d)
+        self._confirm_levels()
+
+    def _relevel(self, target: dict[int, Level], reason: str, warning: bool) -> None:
+        gen = self.g.generation + 1
+        was = {s.rank: s.shadow.level for s in self.g.slots if s.shadow is not None}
+        self.log(("warning: " if warning else "") + f"shadows of generation {gen}: "
+                 f"{', '.join(sorted(set(was.values())))} -> "
+                 f"{', '.join(sorted({lv.name for lv in target.values()}))} ({reason})")
+        self.events.emit("preinit", gen, levels={r: lv.name for r, lv in target.items()},
+                         was=was, reason=reason, warning=warning, epoch=self.epoch + 1)
+        self._kill_shadows()
+        self.epoch += 1
+        for s in self.g.slots:
+            self._spawn_shadow(s, target[s.rank])
+
+    def on_preinit_inject(self, slot: RankSlot, sp: SlotProcess, level: str, step: int) -> None:
+        """An injected `preinit`: pin the level, confirm once the shadows are ready at it."""
+        self.levels.pin(Level[level])
+        self.acks.append((sp.generation, slot.rank, step))
+
+    def on_reclaim(self, slot: RankSlot, sp: SlotProcess, detail: str | None) -> None:
+        """The active of `slot` waits (bounded, in cuda/lend_alloc.cpp) for memory it could not
+        allocate: lower the local shadows now if that frees enough (their kill frees it)."""
+        try:
+            request = int(detail or "")
+        except ValueError:
+            return
+        r = self.g.round
+        levels, reason = (self.levels.reclaim(time.monotonic(), self.g.slots, slot.rank, request)
+                          if r is not None and r.group_world_size == 1 else
+                          (None, "with several nodes the shadows keep their level"))
+        self.events.emit("reclaim", sp.generation, rank=slot.rank, pid=sp.proc.pid,
+                         bytes=request, reason=reason,
+                         levels=None if levels is None else {r: v.name for r, v in levels.items()})
+        if levels is None:
+            self.log(f"rank {slot.rank} needs {request >> 20} MiB more: {reason}")
+            return
+        self._relevel(levels, f"reclaim for rank {slot.rank}: {reason}", False)
+
+    def _confirm_levels(self) -> None:
+        if not self.acks:
+            return
+        shadows = [(s.rank, s.shadow) for s in self.g.slots]
+        if any(sp is None or not sp.ready or Level[sp.level] != self.levels.start_level(r)
+               for r, sp in shadows):
+            return
+        for g, rank, step in self.acks:
+            try:
+                self._client().set(C.preinit_ack_key(g, rank, step),
+                                   json.dumps({"levels": {r: sp.level for r, sp in shadows}}))
+            except Exception as e:      # the active gives up waiting (bounded) and goes on
+                self.log(f"cannot confirm the preinit change of rank {rank}: "
+                         f"{type(e).__name__}: {e}")
+        self.acks = []
