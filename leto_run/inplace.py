@@ -145,8 +145,8 @@ class InplaceRecovery(ShadowLevelMoves):
         elif beat.kind == "inplace":
             sp.ready = True
             sp.wake = bool(detail.get("wake"))
-            if detail.get("level") in C.PREINIT_LEVELS:
-                sp.level = detail["level"]
+            # sp.level stays the level it was asked for: a process that holds a CUDA context
+            # already reports L2 for L1, and deciding on that would relaunch it for ever.
             ev.emit("shadow_ready", sp.generation, rank=slot.rank, pid=beat.pid,
                     role=sp.role.value, epoch=sp.epoch, level=detail.get("level"),
                           seconds=detail.get("seconds"), mono=beat.mono)
@@ -423,8 +423,9 @@ class InplaceRecovery(ShadowLevelMoves):
     def _kill_shadows(self) -> None:
         victims = [(s, s.shadow) for s in self.g.slots if s.shadow is not None]
         self.g.kill_and_reap(victims, "stopped", DEMOTE_WAIT_S)
-        for slot, _ in victims:
-            del slot.procs[SlotRole.SHADOW]
+        for slot, sp in victims:
+            if slot.procs.get(SlotRole.SHADOW) is sp:
+                del slot.procs[SlotRole.SHADOW]
 
 
 def _json(text: str | None) -> dict:

@@ -22,13 +22,27 @@ from leto_runtime.wire import contract as C
 
 
 class ShadowLevelMoves:
+    _moving = False                 # a relaunch is under way (its kill pumps the selector)
+
+    def _may_move(self) -> str | None:
+        """Why the shadows must keep their level now (None: they may move): only where one
+        agent restarts every shadow of the generation together (one node), never while a
+        relaunch runs or a failure of the current generation waits for its recovery (a dead
+        active's freed memory is no headroom, and its recovery needs the shadows as they are)."""
+        r, g = self.g.round, self.g
+        if r is None or r.group_world_size > 1:
+            return "with several nodes the shadows keep their level"
+        if self._moving:
+            return "the shadows are being relaunched"
+        if self.unusable or not self.policy.inplace_enabled or not all(s.inplace for s in g.slots):
+            return "no shadows to move"
+        if self.remote is not None or any(f.generation == g.generation for f in g.failures):
+            return "a failure of this generation waits for its recovery"
+        return None
+
     def tick(self, now: float) -> None:
-        """Once a loop turn: move the shadows to the controller's levels.  Only where one agent
-        restarts every shadow of the generation together (one node): elsewhere they keep the
-        level they were started at (docs/PREINIT.md)."""
-        r = self.g.round
-        if (self.unusable or not self.policy.inplace_enabled or r is None
-                or r.group_world_size > 1 or not all(s.inplace for s in self.g.slots)):
+        """Once a loop turn: move the shadows to the controller's levels (docs/PREINIT.md)."""
+        if self._may_move() is not None:
             return
         d = self.levels.decide(now, self.g.slots)
         if d is not None:
@@ -43,10 +57,14 @@ class ShadowLevelMoves:
                  f"{', '.join(sorted({lv.name for lv in target.values()}))} ({reason})")
         self.events.emit("preinit", gen, levels={r: lv.name for r, lv in target.items()},
                          was=was, reason=reason, warning=warning, epoch=self.epoch + 1)
-        self._kill_shadows()
-        self.epoch += 1
-        for s in self.g.slots:
-            self._spawn_shadow(s, target[s.rank])
+        self._moving = True
+        try:
+            self._kill_shadows()
+            self.epoch += 1
+            for s in self.g.slots:
+                self._spawn_shadow(s, target.get(s.rank, self.levels.start_level(s.rank)))
+        finally:
+            self._moving = False
 
     def on_preinit_inject(self, slot: RankSlot, sp: SlotProcess, level: str, step: int) -> None:
         """An injected `preinit`: pin the level, confirm once the shadows are ready at it."""
@@ -60,10 +78,9 @@ class ShadowLevelMoves:
             request = int(detail or "")
         except ValueError:
             return
-        r = self.g.round
-        levels, reason = (self.levels.reclaim(time.monotonic(), self.g.slots, slot.rank, request)
-                          if r is not None and r.group_world_size == 1 else
-                          (None, "with several nodes the shadows keep their level"))
+        why = self._may_move()
+        levels, reason = ((None, why) if why is not None else
+                          self.levels.reclaim(time.monotonic(), self.g.slots, slot.rank, request))
         self.events.emit("reclaim", sp.generation, rank=slot.rank, pid=sp.proc.pid,
                          bytes=request, reason=reason,
                          levels=None if levels is None else {r: v.name for r, v in levels.items()})

@@ -78,6 +78,8 @@ class ShadowLevels:
         if len(current) != len(slots):
             return None                  # a shadow is being started: decide once all are there
         obs = self._observe(now, slots) if self.nvml is not None else None
+        if obs is None and self.nvml is not None:
+            return None                  # a lost sample decides nothing
         if obs is None:
             chosen = {r: Level(min(self.policy.top, self.cap)) for r in current}
             why = {r: f"policy {self.policy.mode}" for r in current}
@@ -116,6 +118,8 @@ class ShadowLevels:
             obs = self._one(now, slot, total, free, self.nvml.process_bytes(dev))
         except NvmlError as e:
             return None, f"the device cannot be observed ({e})"
+        if free >= request + RECLAIM_SLACK:
+            return None, "the request fits already (freed since it failed)"
         current = {s.rank: Level[s.shadow.level] for s in slots if s.shadow is not None}
         d = reclaim_plan(request + RECLAIM_SLACK, obs, self.costs, current[rank])
         if d.change != "down":

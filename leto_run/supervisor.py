@@ -127,12 +127,13 @@ class Supervisor:
 
     def _on_inject_beat(self, slot: RankSlot, sp: SlotProcess, beat) -> None:
         sp.step = beat.step if beat.step is not None else sp.step   # it is in that step
-        sp.injected = beat.detail
+        spec = next((i for i in self.cfg.inject if i.text == beat.detail), None)
+        if spec is None or spec.kind != InjectKind.PREINIT:   # a level change causes no failure
+            sp.injected = beat.detail
         self.ledger.fired(beat.detail or "")
         self.events.emit("inject", sp.generation, rank=slot.rank, role=sp.role.value,
                          pid=beat.pid, spec=beat.detail, step=beat.step, by="runtime")
         self.log(f"injecting '{beat.detail}' into rank {slot.rank} at step {beat.step}")
-        spec = next((i for i in self.cfg.inject if i.text == beat.detail), None)
         if spec is not None and spec.kind == InjectKind.PREINIT and self.observer \
                 and beat.step is not None:
             self.observer.on_preinit_inject(slot, sp, dict(spec.params)["level"], beat.step)

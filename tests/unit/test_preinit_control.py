@@ -136,3 +136,11 @@ def test_a_reclaim_frees_just_enough_and_caps_until_the_next_recovery():
     assert levels is None and "the active's own" in reason     # no level makes it fit
     ctl.after_recovery()
     assert ctl.cap == Level.L3
+
+
+def test_a_request_that_fits_by_now_lowers_nothing():
+    dev = Device()
+    dev.held = {0: {100: 10 * GIB, 200: DEFAULT_COSTS.l3}}
+    ctl = ShadowLevels(PreinitPolicy(), nvml=dev)
+    levels, reason = ctl.reclaim(0.0, _slots({0: "L3"}), 0, GIB)
+    assert levels is None and "fits already" in reason and ctl.cap == Level.L3
