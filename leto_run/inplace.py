@@ -65,7 +65,7 @@ from leto_run.preinit_control import MIB, ShadowLevels
 from leto_run.procs import ExitStatus
 from leto_run.recovery_policy import FailurePolicy
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
-from leto_runtime.wire import contract as C
+from leto_runtime.wire import contract as C, settings
 from leto_runtime.auth_store import AuthStore
 from leto_runtime.control_auth import ForgedControlKey
 
@@ -99,9 +99,11 @@ class InplaceRecovery(ShadowLevelMoves):
         self.demoted: list = []              # (slot, sp): survivors demoted in process, to adopt
         self.policy = FailurePolicy(recovery.max_inplace_recoveries, recovery.inplace_window)
         from leto_run.nvml import Nvml
-        self.levels = ShadowLevels(PreinitPolicy(mode=recovery.preinit,
-                                                 margin=recovery.preinit_margin * MIB),
-                                   nvml=Nvml.open())
+        knobs = settings.get()
+        self.levels = ShadowLevels(PreinitPolicy(
+            mode=recovery.preinit, margin=recovery.preinit_margin * MIB,
+            horizon_s=knobs.preinit_horizon or 30.0, raise_hold_s=knobs.preinit_raise_hold or 60.0),
+            nvml=Nvml.open() if knobs.preinit_control else None)
         self.acks: list[tuple[int, int, int]] = []   # injected level changes to confirm
 
     # ---- round lifecycle -----------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Role: the variables a user, a benchmark or a test sets to choose a code path or a size: the
 RMU's paths (LETO_RMU_*), the memory pool's attach and repair paths (LETO_RMP_*), the parity
-codec's (LETO_PARITY_*), activation lending (LETO_LEND*), the kernel cache (LETO_EXT_*) and the
+codec's (LETO_PARITY_*), activation lending (LETO_LEND*) and reclaiming (LETO_RECLAIM), the
+agent's preinitialization controller (LETO_PREINIT_CONTROL, _HORIZON, _RAISE_HOLD), the kernel cache (LETO_EXT_*) and the
 state manager's (LETO_SM_*), and the toolchain variables the kernel builds honour (CXX,
 CUDA_HOME, CUDA_PATH, PYTORCH_NVCC, TORCH_CUDA_ARCH_LIST, TORCH_EXTENSIONS_DIR, XDG_CACHE_HOME).
 What the agent tells a trainer about its job (rank, generation,
@@ -110,6 +111,10 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "lend_warmup": ("LETO_LEND_WARMUP", _count(0, 1 << 20), 0),
     # a lent allocation that would OOM asks the agent to lower the shadows first (docs/PREINIT.md)
     "reclaim": ("LETO_RECLAIM", _flag, True),
+    # the agent's preinitialization controller (leto_run/preinit_control.py): docs/PREINIT.md
+    "preinit_control": ("LETO_PREINIT_CONTROL", _flag, True),
+    "preinit_horizon": ("LETO_PREINIT_HORIZON", seconds, 30.0),
+    "preinit_raise_hold": ("LETO_PREINIT_RAISE_HOLD", seconds, 60.0),
     # parity codec (leto_runtime/parity): docs/PARITY.md
     "parity_delta": ("LETO_PARITY_DELTA", _choice("auto", "pagewise", "syndrome"), "auto"),
     "parity_cuda_variant": ("LETO_PARITY_CUDA_VARIANT", _text, "auto"),  # checked by the extension
@@ -152,6 +157,9 @@ class Settings:
     lend: bool
     lend_warmup: int
     reclaim: bool
+    preinit_control: bool
+    preinit_horizon: float | None
+    preinit_raise_hold: float | None
     parity_delta: str
     parity_cuda_variant: str
     rmp_map: str

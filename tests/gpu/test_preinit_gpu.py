@@ -74,72 +74,135 @@ def test_shadows_at_every_level_recover_bit_exactly_and_hold_their_level_s_memor
 
 
 SPIKE_MIB = 4096
+GROW = ["--steps", "20", "--at", "2", "--grow-mib", "256", "--grow-steps", "12",
+        "--hold-steps", "3"]
+GROW_FREE_MIB = 2500        # free beside the L3 shadow: 3 GiB of growth fits only without it
+CONTROL_OFF = {"LETO_PREINIT_CONTROL": "0", "LETO_RECLAIM": "0"}   # the shadow holds L3
+FAST = {"LETO_PREINIT_HORIZON": "10", "LETO_PREINIT_RAISE_HOLD": "10"}
+MEMORY_SCRIPT = ("tests", "gpu", "scripts", "memory_train.py")
 
 
-def _spike_run(tmp_path, reclaim: bool):
-    """examples' model under leto-run (shadow at L3, auto); the device filled by this process
-    so that the active's 4 GiB spike fits only once the shadow's memory is given back."""
+def _events(path) -> list[dict]:
     import json
+    out = []
+    for x in (path.read_text().splitlines() if path.exists() else []):
+        try:
+            out.append(json.loads(x))
+        except ValueError:
+            pass                    # a line being written
+    return out
+
+
+def _memory_reference(tmp_path, args):
+    """The same script under torchrun, nothing waited for: the losses and final state."""
+    from leto_testing import ROOT, base_env, run, torchrun_cmd
+    ref = tmp_path / "ref"
+    ref.mkdir(parents=True)
+    (ref / "go").write_text("go")
+    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "1", str(ROOT.joinpath(
+        *MEMORY_SCRIPT)), *args, "--go", str(ref / "go"), "--until", str(ref / "go"),
+        "--step-sleep", "0", "--out", str(ref)), base_env(), timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return ref
+
+
+def _memory_run(tmp_path, args, env_extra, free_mib, until=None):
+    """memory_train.py under leto-run (shadow at L3, auto); once the active waits before its
+    memory moves, this process fills the device so that `free_mib` MiB stay free beside the L3
+    shadow; then the script goes on.  `until(events)` says when the script may train on after
+    its growth (None: at once).  (rc, stderr, events, MiB free before the move)."""
     import subprocess
     import time
     from leto_testing import ROOT, base_env, leto_cmd
-    out, go, ev = tmp_path / "out", tmp_path / "go", tmp_path / "events.jsonl"
+    out, go, fin, ev = (tmp_path / "out", tmp_path / "go", tmp_path / "until",
+                        tmp_path / "events.jsonl")
     out.mkdir(parents=True)
-    env = base_env()
-    if not reclaim:
-        env["LETO_RECLAIM"] = "0"
+    if until is None:
+        fin.write_text("go")
+    env = {**base_env(), **env_extra}
     cmd = leto_cmd("--standalone", "--nproc-per-node", "1", "--no-status", "--events", str(ev),
-                   "--hang-timeout", "120", str(ROOT / "tests" / "gpu" / "scripts" /
-                                                "spike_train.py"),
-                   "--go", str(go), "--out", str(out), "--spike-mib", str(SPIKE_MIB))
+                   "--hang-timeout", "120", str(ROOT.joinpath(*MEMORY_SCRIPT)), *args,
+                   "--go", str(go), "--until", str(fin), "--out", str(out))
     proc = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     ballast = None
     try:
         deadline = time.monotonic() + 300
-        def ready() -> bool:
-            evs = []
-            for x in (ev.read_text().splitlines() if ev.exists() else []):
-                try:
-                    evs.append(json.loads(x))
-                except ValueError:
-                    pass            # a line being written
-            return (out / "ready").exists() and any(
-                e["event"] == "shadow_ready" and e.get("level") == "L3" for e in evs)
-        while not ready():
-            assert proc.poll() is None and time.monotonic() < deadline, "never reached the spike"
+        while not ((out / "ready").exists() and any(
+                e["event"] == "shadow_ready" and e.get("level") == "L3" for e in _events(ev))):
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"never reached the memory change: {proc.stderr.read()[-3000:] if proc.poll() is not None else ''}"
             time.sleep(0.1)
         torch.zeros(1, device="cuda")
         free0 = torch.cuda.mem_get_info()[0]
-        ballast = torch.empty(free0 - ((SPIKE_MIB - 1000) << 20), dtype=torch.uint8,
-                              device="cuda")
+        ballast = torch.empty(free0 - (free_mib << 20), dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
         left = torch.cuda.mem_get_info()[0] >> 20
-        assert left < SPIKE_MIB - 500, left
         go.write_text("go")
-        stdout, stderr = proc.communicate(timeout=300)
+        deadline = time.monotonic() + 240
+        while until is not None and not fin.exists():
+            if until(_events(ev)) or time.monotonic() > deadline or proc.poll() is not None:
+                fin.write_text("go")
+            time.sleep(0.2)
+        _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
         del ballast
         torch.cuda.empty_cache()
-    evs = [json.loads(x) for x in ev.read_text().splitlines()]
-    return proc.returncode, stderr, evs, left
+    return proc.returncode, stderr, _events(ev), left
 
 
 def test_a_sudden_spike_takes_the_shadow_s_memory_instead_of_an_oom(tmp_path):
     """With the reclaim hook (cuda/lend_alloc.cpp) the spike asks the agent, which relaunches
-    the shadow at L1; the active's allocation then succeeds and generation 0 never fails.  The
-    same run with LETO_RECLAIM=0 (the shadow holding L3, as before the controller) runs out of
-    memory in generation 0 (and is then recovered in place: the spike is generation 0's)."""
-    rc, err, evs, left = _spike_run(tmp_path / "on", reclaim=True)
+    the shadow at L1; the active's allocation then succeeds, generation 0 never fails and every
+    loss and the final state are torchrun's.  The same run with the controller and the hook off
+    (the shadow holding L3, as before the controller) runs out of memory in generation 0."""
+    from leto_testing import compare_runs
+    args = ["--steps", "8", "--at", "4", "--spike-mib", str(SPIKE_MIB)]
+    ref = _memory_reference(tmp_path, args)
+    rc, err, evs, left = _memory_run(tmp_path / "on", args, {}, SPIKE_MIB - 1000)
     rec = [e for e in evs if e["event"] == "reclaim"]
     print(f"\n=== spike with reclaim: {left} MiB free before it; reclaim events {rec}")
     assert rc == 0, err[-4000:]
     assert "out of memory" not in err.lower(), err[-4000:]
     assert rec and rec[0]["levels"] == {"0": "L1"}, rec
     assert not [e for e in evs if e["event"] == "hof"], "generation 0 failed"
-    rc, err, evs, left = _spike_run(tmp_path / "off", reclaim=False)
-    print(f"=== spike without reclaim: {left} MiB free before it; rc {rc}")
+    compare_runs(ref, tmp_path / "on" / "out", 1, range(8), err[-3000:])
+    rc, err, evs, left = _memory_run(tmp_path / "off", args, CONTROL_OFF, SPIKE_MIB - 1000)
+    print(f"=== spike without the controller: {left} MiB free before it; rc {rc}")
     assert "out of memory" in err.lower(), err[-4000:]
-    assert not [e for e in evs if e["event"] == "reclaim"]
+    assert not [e for e in evs if e["event"] in ("reclaim", "preinit")]
+
+
+def _back_to_l3(evs) -> bool:
+    moves = [e["levels"]["0"] for e in evs if e["event"] == "preinit"]
+    return "L1" in moves and moves[-1] == "L3" and any(
+        e["event"] == "shadow_ready" and e.get("level") == "L3" and e["mono"] > max(
+            m["mono"] for m in evs if m["event"] == "preinit") for e in evs)
+
+
+def test_memory_growth_moves_the_shadow_down_before_the_peak_and_back_up_after(tmp_path):
+    """The active keeps 256 MiB more each second for 12 s, with 2.5 GiB free beside its L3
+    shadow: the controller (NVML, horizon and raise hold 10 s) moves the shadow down to L1
+    before the growth reaches the shadow's memory, back to L3 after the active released it, and
+    the run matches torchrun bit for bit with no OOM; with the controller off the same growth
+    runs out of memory."""
+    from leto_testing import compare_runs
+    ref = _memory_reference(tmp_path, GROW)
+    rc, err, evs, left = _memory_run(tmp_path / "on", GROW, FAST, GROW_FREE_MIB,
+                                     until=_back_to_l3)
+    moves = [(e["levels"]["0"], e["reason"]) for e in evs if e["event"] == "preinit"]
+    print(f"\n=== growth with the controller: {left} MiB free before it; moves:")
+    for m in moves:
+        print("   ", *m)
+    assert rc == 0, err[-4000:]
+    assert "out of memory" not in err.lower(), err[-4000:]
+    assert not [e for e in evs if e["event"] in ("hof", "reclaim")], "the proactive path failed"
+    assert _back_to_l3(evs), moves
+    compare_runs(ref, tmp_path / "on" / "out", 1, range(20), err[-3000:])
+    rc, err, evs, left = _memory_run(tmp_path / "off", GROW, {**FAST, **CONTROL_OFF},
+                                     GROW_FREE_MIB)
+    print(f"=== growth without the controller: {left} MiB free before it; rc {rc}")
+    assert "out of memory" in err.lower(), err[-4000:]
+    assert not [e for e in evs if e["event"] in ("reclaim", "preinit")]
