@@ -73,9 +73,6 @@ def main() -> None:
             with open(os.path.join(a.out, "ready"), "w") as f:
                 f.write(str(os.getpid()))
             _wait_for(a.go, step)
-        if first and a.grow_mib and a.at <= step < a.at + a.grow_steps:
-            held.append(torch.ones(a.grow_mib << 20, dtype=torch.uint8, device=job.device))
-            torch.cuda.synchronize()
         if first and a.grow_mib and a.at <= step < peak_end:
             _pause(step, a.step_sleep)
         if first and held and step == peak_end:
@@ -90,6 +87,11 @@ def main() -> None:
             del x
         loss.backward()
         opt.step()
+        if first and a.grow_mib and a.at <= step < a.at + a.grow_steps:
+            # after opt.step(): outside the lending window, in torch's own pool (memory kept
+            # across steps may not live in lent memory: leto_runtime/rmu/lend.py)
+            held.append(torch.ones(a.grow_mib << 20, dtype=torch.uint8, device=job.device))
+            torch.cuda.synchronize()
         log.write(json.dumps({"step": step, "gen": job.ctx.generation,
                               "loss": float(loss.item()).hex()}) + "\n")
         log.flush()
