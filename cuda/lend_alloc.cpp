@@ -30,19 +30,25 @@
 // Everything is host bookkeeping except the overflow cudaMalloc/cudaFree.
 //
 // Reclaim before OOM (issue 21; docs/PREINIT.md, "Reclaim before OOM"): with a hook armed
-// (`lend_set_reclaim`), an overflow cudaMalloc that fails a second time for the same size --
-// the caching allocator's retry after it released its own cached blocks -- asks the agent to
-// lower the local shadows (one `reclaim` datagram on the agent's heartbeat socket, the same
-// JSON a Python `beats.send` writes) and polls cudaMemGetInfo until the request fits with
-// `reclaim_slack` to spare, at most `reclaim_wait_s`, then retries once.  No Python and no GIL
-// on this path: a Python thread that allocates while holding the GIL would deadlock a callback
-// that needed it.  Reference: the same request through torch's default pool would OOM.
+// (`lend_set_reclaim`), the first overflow cudaMalloc that fails for a request asks the agent to
+// lower the local shadows (one `reclaim` datagram on the agent's heartbeat socket, the same JSON
+// a Python `beats.send` writes), polls cudaMemGetInfo until the request fits with
+// `reclaim_slack` to spare, at most `reclaim_wait_s`, then retries once.  It acts at the first
+// failure because torch does not always ask twice: while allocations are routed to a pool
+// (`_cuda_beginAllocateToPool`, which is how lending works) torch 2.11 skips its
+// release-the-cache-and-retry step and raises at once (seen on the H200).  Where torch does ask
+// again for the same size (after releasing its cache), that call only retries cudaMalloc: one
+// wait per request.  No Python and no GIL on this path: a Python thread that allocates while
+// holding the GIL would deadlock a callback that needed it.  Reference: the same request
+// through torch's default pool would OOM.
 #include <cuda_runtime_api.h>
 
 #include <sys/socket.h>
 #include <sys/types.h>
 #include <sys/un.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <chrono>
 #include <cstring>
@@ -128,28 +134,41 @@ void give_back(Region& R, uintptr_t p, size_t size) {
   R.free.emplace(p, size);
 }
 
-void send_reclaim(size_t size) {
+// What one reclaim needs, copied under the lock so the wait runs without it.
+struct Request {
+  std::string path, msg;
+  double wait_s;
+  size_t need;                          // free bytes that let the retry succeed
+};
+
+// One datagram; a full queue (net.unix.max_dgram_qlen) is retried for at most 50 ms, as
+// beats.py retries its control datagrams.
+void send_reclaim(const Request& rq) {
+  using namespace std::chrono;
   int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return;
   sockaddr_un a{};
   a.sun_family = AF_UNIX;
-  if (reclaim_path.size() < sizeof(a.sun_path)) {
-    std::memcpy(a.sun_path, reclaim_path.c_str(), reclaim_path.size() + 1);
-    std::string msg = reclaim_head + std::to_string(size) + reclaim_tail;
-    sendto(fd, msg.data(), msg.size(), 0, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  if (rq.path.size() < sizeof(a.sun_path)) {
+    std::memcpy(a.sun_path, rq.path.c_str(), rq.path.size() + 1);
+    auto deadline = steady_clock::now() + milliseconds(50);
+    while (sendto(fd, rq.msg.data(), rq.msg.size(), 0, reinterpret_cast<sockaddr*>(&a),
+                  sizeof(a)) < 0 &&
+           (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) &&
+           steady_clock::now() < deadline)
+      std::this_thread::sleep_for(milliseconds(1));
   }
   close(fd);
 }
 
-// Ask, then wait until `size` fits (bounded).  The device is already `device`.
-bool reclaim(size_t size) {
+// Ask, then wait until the request fits (bounded).  The device is already the request's.
+bool reclaim(const Request& rq) {
   using namespace std::chrono;
-  ++n_reclaim_asked;
-  send_reclaim(size);
-  auto deadline = steady_clock::now() + duration<double>(reclaim_wait_s);
+  send_reclaim(rq);
+  auto deadline = steady_clock::now() + duration<double>(rq.wait_s);
   while (steady_clock::now() < deadline) {
     size_t f = 0, t = 0;
-    if (cudaMemGetInfo(&f, &t) == cudaSuccess && f >= size + reclaim_slack) return true;
+    if (cudaMemGetInfo(&f, &t) == cudaSuccess && f >= rq.need) return true;
     cudaGetLastError();
     std::this_thread::sleep_for(milliseconds(2));
   }
@@ -163,7 +182,7 @@ extern "C" {
 // ---- the CUDAPluggableAllocator pair ------------------------------------------------------
 void* lend_alloc(ssize_t size, int device, cudaStream_t /*stream*/) {
   if (size <= 0) return nullptr;
-  std::lock_guard<std::mutex> g(mu);
+  std::unique_lock<std::mutex> g(mu);
   if (enabled && (size_t)size > small_limit) {
     if (void* p = take_from_region((size_t)size, device)) return p;
     if (!regions.empty()) ++n_region_misses;
@@ -175,14 +194,19 @@ void* lend_alloc(ssize_t size, int device, cudaStream_t /*stream*/) {
   cudaError_t err = cudaMalloc(&p, (size_t)size);
   if (err == cudaErrorMemoryAllocation && !reclaim_path.empty()) {
     cudaGetLastError();
-    if (last_failed == (size_t)size) {  // torch's retry after its own cache release
-      last_failed = 0;
-      if (reclaim((size_t)size)) {
-        err = cudaMalloc(&p, (size_t)size);
-        if (err == cudaSuccess) ++n_reclaim_served;
-      }
+    if (last_failed == (size_t)size) {  // torch asked again after releasing its own cache:
+      last_failed = 0;                  // that cudaMalloc above was the retry
     } else {
       last_failed = (size_t)size;
+      ++n_reclaim_asked;
+      Request rq{reclaim_path, reclaim_head + std::to_string(size) + reclaim_tail,
+                 reclaim_wait_s, (size_t)size + reclaim_slack};
+      g.unlock();                       // frees and other threads' allocations go on meanwhile
+      bool fits = reclaim(rq);
+      if (fits) err = cudaMalloc(&p, (size_t)size);
+      g.lock();
+      if (fits && err == cudaSuccess) ++n_reclaim_served;
+      if (err != cudaSuccess) cudaGetLastError();
     }
   }
   if (prev != device && prev >= 0) cudaSetDevice(prev);
