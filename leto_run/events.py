@@ -7,7 +7,8 @@ machine), ``wall`` (Unix time), ``event``, ``generation``, and where it applies 
 ``failure_detected``, ``hang_detected``, ``stack_dump``, ``inject``, ``stop``, ``restart``,
 ``signal``, ``job_end``; in-place recovery (`leto_run.inplace`): ``inplace``, ``shadow_ready``,
 ``hof``, ``demote``, ``promote``, ``promoted``, ``phase``, ``inplace_done``, ``shadow_exit``,
-``shadow_respawn``, ``inplace_fallback``; and ``event_log_degraded`` (below).
+``shadow_respawn``, ``inplace_fallback``; the preinitialization controller
+(`leto_run.inplace_levels`): ``preinit``, ``reclaim``, ``preinit_observed``; and ``event_log_degraded`` (below).
 
 Contract: only the agent's main thread writes; each line goes to the file in one `write`, so a
 crashed agent leaves a readable log up to its last event.  `records` keeps every event in

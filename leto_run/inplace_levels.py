@@ -21,14 +21,19 @@ from leto_run.slot import RankSlot, SlotProcess
 from leto_runtime.wire import contract as C
 
 
+OBSERVED_EVERY_S = 5.0     # how often the controller's view goes to the events file
+
+
 class ShadowLevelMoves:
     _moving = False                 # a relaunch is under way (its kill pumps the selector)
+    _observed_at = -OBSERVED_EVERY_S
 
     def _may_move(self) -> str | None:
         """Why the shadows must keep their level now (None: they may move): only where one
         agent restarts every shadow of the generation together (one node), never while a
         relaunch runs or a failure of the current generation waits for its recovery (a dead
-        active's freed memory is no headroom, and its recovery needs the shadows as they are)."""
+        active's freed memory is no headroom, and its recovery needs the shadows as they are),
+        and never once an active's training loop ended (its exit frees memory for no one)."""
         r, g = self.g.round, self.g
         if r is None or r.group_world_size > 1:
             return "with several nodes the shadows keep their level"
@@ -38,16 +43,32 @@ class ShadowLevelMoves:
             return "no shadows to move"
         if self.remote is not None or any(f.generation == g.generation for f in g.failures):
             return "a failure of this generation waits for its recovery"
+        if any(s.active is None or s.active.finished or s.active.done for s in g.slots):
+            # its memory leaving the device is the job's end, not headroom
+            return "the training loop has ended"
         return None
 
     def tick(self, now: float) -> None:
         """Once a loop turn: move the shadows to the controller's levels (docs/PREINIT.md)."""
-        if self._may_move() is not None:
+        why = self._may_move()
+        if why is None:
+            d = self.levels.decide(now, self.g.slots)
+            if d is not None:
+                self._relevel(*d)
+            self._confirm_levels()
+        self._observed(now, why)
+
+    def _observed(self, now: float, kept: str | None) -> None:
+        """Every OBSERVED_EVERY_S: why the shadows are at their level (the last decision's
+        figures and reasons, or why no move is considered now), so a kept level is explained."""
+        if now - self._observed_at < OBSERVED_EVERY_S or self.g.round is None:
             return
-        d = self.levels.decide(now, self.g.slots)
-        if d is not None:
-            self._relevel(*d)
-        self._confirm_levels()
+        self._observed_at = now
+        last = self.levels.last
+        self.events.emit("preinit_observed", self.g.generation, kept=kept,
+                         levels=last.get("levels"), seen=last.get("seen"),
+                         why=last.get("why"), costs={"L2": self.levels.costs.l2,
+                                                     "L3": self.levels.costs.l3})
 
     def _relevel(self, target: dict[int, Level], reason: str, warning: bool) -> None:
         gen = self.g.generation + 1

@@ -8,8 +8,9 @@ never starts or kills a process: it returns the levels and the reason; `InplaceR
 relaunches the shadows.
 
 What it observes (GPU, through NVML: `leto_run.nvml`), per local rank's device, every
-`TICK_S`: total and free bytes; the bytes the active holds (its process's, or everything on the
-device but the shadows where the driver hides processes), kept over `WINDOW_S` for the peak and
+`TICK_S`: total and free bytes; the bytes the active holds (its process's; none where the driver
+lists the shadow's pid and not the active's; everything on the device but the shadows where the
+driver hides processes), kept over `WINDOW_S` for the peak and
 its trend (`preinit.peak_trend`); and what each shadow holds at its level, which refines the
 level costs (the defaults are the H200 figures of docs/BENCHMARKS.md).  Without a driver (CPU)
 there is nothing to observe: the shadows run at the policy's level, and only an injected
@@ -20,8 +21,9 @@ Rules beyond `preinit.choose_level`: the generation's levels go through
 raise hold counts from.
 
 Calling contract: `decide(now, slots)` returns None (nothing to change, or nothing observed
-yet) or (levels by rank, reason, warning); `start_level(rank)` is the level a shadow started now
-gets.  Single-threaded (the agent's loop).
+yet) or (levels by rank, reason, warning); `last` then holds what that decision saw and each
+rank's reason, kept levels included (for the `preinit_observed` event); `start_level(rank)` is
+the level a shadow started now gets.  Single-threaded (the agent's loop).
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class ShadowLevels:
         self.samples: dict[int, deque] = {}          # rank -> (mono, active bytes)
         self.chosen: dict[int, Level] = {}           # rank -> the level decided last
         self.seen_costs: dict[Level, int] = {}
+        self.last: dict = {}                         # what the last decision saw and why
 
     # ---- what the in-place recovery tells it ---------------------------------------------
     def pin(self, level: Level) -> None:
@@ -90,6 +93,9 @@ class ShadowLevels:
                 d = choose_level(o, self.policy, self.costs, current[r], self.cap,
                                  now - self.last_down)
                 chosen[r], why[r], warn[r] = d.level, d.reason, d.warning
+        self.last = {"levels": {r: lv.name for r, lv in current.items()}, "why": why,
+                     "seen": {r: {"free": o.free, "active_peak": o.active_peak,
+                                  "trend": round(o.trend)} for r, o in (obs or {}).items()}}
         ranks = sorted(chosen)
         levels, joint = generation_levels([chosen[r] for r in ranks])
         target = dict(zip(ranks, levels))
@@ -152,6 +158,9 @@ class ShadowLevels:
             self._learn(Level[sh.level], held)
         if act is not None and act.proc.pid in procs:
             active = procs[act.proc.pid]
+        elif held is not None:
+            active = 0                   # the driver lists our pids, and not the active's: it
+            # holds nothing on the device (no context yet)
         else:
             shadow = held if held is not None else self.costs.of(Level[sh.level]) if sh else 0
             active = max(0, total - free - shadow)

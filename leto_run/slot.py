@@ -79,6 +79,7 @@ class SlotProcess:
     first_step: int | None = None           # the first step it reported in its current role
     injected: str | None = None             # the last fault injected into it (spec text)
     pipes: tuple[int, ...] = ()             # read ends of its stdout/stderr (console labels)
+    finished: bool = False                  # its `bye`: the training loop ended
     exit_recorded: bool = False             # its `exit` event was emitted (once per process)
     exit_note: dict = field(default_factory=dict)   # why the agent ended it, for that event
 

@@ -122,6 +122,7 @@ class Supervisor:
                 continue
             elif beat.kind == "bye":
                 sp.hang_deadline = None          # finished its loop; exiting is not a hang
+                sp.finished = True
             else:
                 self._on_step_beat(slot, sp, beat)
 

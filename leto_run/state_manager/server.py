@@ -198,27 +198,33 @@ class Server:
     # ---- one connection ----------------------------------------------------------------------
     def _connection(self, conn: socket.socket, cred: P.PeerCred, authenticated: bool) -> None:
         slot = "auth" if authenticated else "pending"     # the slot this thread must give back
+        farewell: P.RmpError | None = None                # what the peer is told as we close
         try:
             if slot == "pending":
                 why = self._wait_registered(cred)
-                err = P.NotAuthorized(why) if why else None
+                farewell = P.NotAuthorized(why) if why else None
                 if why is None:
                     why = self.conns.take_auth(cred.pid, from_pending=True)
                     slot = None if why else "auth"       # the pending slot is left either way
-                    err = P.Busy(why) if why else None
-                if err is not None:
+                    farewell = P.Busy(why) if why else None
+                if farewell is not None:
                     self.refusals(f"refused connection from pid {cred.pid}: {why}")
-                    self._refuse(conn, err)
-                    return
-            self._serve_connection(conn, cred)
+            if farewell is None:
+                farewell = self._serve_connection(conn, cred)
         except Exception as e:                # last resort: this connection only
             self.log(f"connection handler failed: {type(e).__name__}: {e}")
         finally:
-            conn.close()
+            # The slot is given back before the peer can see the close: a client that
+            # reconnects at once must not find its old connection still counted.
             if slot is not None:
                 self.conns.leave(cred.pid, slot == "auth")
+            if farewell is not None:
+                self._refuse(conn, farewell)
+            conn.close()
 
-    def _serve_connection(self, conn: socket.socket, cred: P.PeerCred) -> None:
+    def _serve_connection(self, conn: socket.socket, cred: P.PeerCred) -> P.RmpError | None:
+        """Serve requests until the peer closes (None) or the connection must end; returns
+        what the peer is to be told then (idle, stopping)."""
         idle = {"since": time.monotonic(), "why": ""}
 
         def idle_over() -> bool:
@@ -234,16 +240,16 @@ class Server:
             except P.ProtocolError as e:
                 if not self.replies.deliver(conn, plain(P.error_reply(e), None), [], 0) \
                         or e.desync:
-                    return
+                    return None
                 continue
             except P.RmpError:            # peer closed, or idle / stopping
                 if idle["why"]:
-                    self._refuse(conn, P.Closing(
+                    return P.Closing(
                         f"connection closed between requests ({idle['why']}); no request "
-                        "was lost: reconnect", {"reason": idle["why"]}))
-                return
+                        "was lost: reconnect", {"reason": idle["why"]})
+                return None
             if not self._request(conn, msg.header, cred):
-                return
+                return None
             idle["since"] = time.monotonic()
 
     # ---- requests ----------------------------------------------------------------------------

@@ -32,6 +32,9 @@ Design (chosen over alternatives, see below):
   linear layers (fp32 and bf16 autocast) before the first lent iteration, so they are created in
   the default pool.  `LETO_LEND_WARMUP=N` also leaves the first N iterations unlent (then the
   default pool's cache is emptied), for libraries this does not foresee.
+* `torch.cuda.empty_cache()` keeps its meaning inside the window: torch itself releases nothing
+  of its default pool while allocations are routed to a pool, so while a `Lender` exists the
+  name is bound to `empty_cache` below, which pauses the routing for the call.
 * Between `leave()` and the next `enter()` nothing is routed to the pool: the update's own
   temporaries come from the default pool, and the pool's cached (free) blocks lying in the lent
   ranges are not handed out while RMU overwrites them -- their contents are garbage to both.
@@ -74,6 +77,37 @@ _STATS = ("region_bytes", "region_in_use", "region_peak", "overflow_in_use", "ov
           "region_allocs", "overflow_allocs", "region_misses", "failed_allocs", "live_segments",
           "regions", "reclaims_asked", "reclaims_served")
 RECLAIM_WAIT_S = 3.0       # how long a failed allocation waits for the agent to lower the shadows
+
+
+_TORCH_EMPTY_CACHE = torch.cuda.memory.empty_cache
+_ROUTING: "Lender | None" = None     # the lender whose pool receives allocations now
+
+
+def empty_cache() -> None:
+    """`torch.cuda.empty_cache()` as the script expects it, also inside the lending window.
+
+    While allocations are routed to a pool, torch releases no block of its default pool
+    (c10 `release_cached_blocks` skips them while `captures_underway` is not empty), so a
+    script that frees memory and calls `empty_cache()` in forward/backward would keep it from
+    the driver -- and from the shadows (docs/PREINIT.md).  The routing is paused for the
+    call; an allocation of another thread meanwhile lands in the default pool, which is always
+    safe.  Installed as `torch.cuda.empty_cache` while a `Lender` exists."""
+    lender = _ROUTING
+    if lender is None or not lender.inside:
+        return _TORCH_EMPTY_CACHE()
+    torch._C._cuda_endAllocateToPool(lender.index, lender.pool.id)
+    torch._C._cuda_releasePool(lender.index, lender.pool.id)
+    try:
+        _TORCH_EMPTY_CACHE()
+    finally:
+        torch._C._cuda_beginAllocateToPool(lender.index, lender.pool.id)
+
+
+def _install_empty_cache(lender: "Lender | None") -> None:
+    global _ROUTING
+    _ROUTING = lender
+    fn = _TORCH_EMPTY_CACHE if lender is None else empty_cache
+    torch.cuda.empty_cache = torch.cuda.memory.empty_cache = fn
 
 
 class LendingError(ScriptError, RuntimeError):
@@ -237,6 +271,7 @@ class Lender:
         arm_reclaim(L)
         prewarm(self.device)
         torch.cuda.empty_cache()
+        _install_empty_cache(self)
 
     @property
     def region_bytes(self) -> int:
@@ -306,6 +341,8 @@ class Lender:
         """End any routing and give the pool's cached segments back (the ranges are then free
         for another Lender in this process)."""
         self._end_routing()
+        if _ROUTING is self:
+            _install_empty_cache(None)
         pool, self.pool = self.pool, None
         if pool is not None:
             del pool

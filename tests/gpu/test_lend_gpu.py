@@ -109,6 +109,48 @@ def test_activations_land_in_rmu_memory_and_a_kept_tensor_raises():
         up.close()
 
 
+def test_empty_cache_inside_the_lending_window_gives_memory_back_as_under_torchrun():
+    """A script that frees a tensor in forward and calls `torch.cuda.empty_cache()` gives it
+    back to the driver, as without lending (torch's own call releases nothing of its default
+    pool while allocations are routed to a pool: the reference below)."""
+    from leto_runtime.rmu import lend
+    cfg, model, ss, up, dev = _setup(lend=True)
+    try:
+        for t in range(2):
+            up.begin(t)
+            loss = _forward(model, cfg, dev, t)
+            loss.backward()
+            del loss
+            up.step(t)
+            if t == 0:
+                keep = torch.ones(512 * MiB, dtype=torch.uint8, device="cuda:0")  # default pool
+        up.begin(2)                              # inside the window
+        assert up.lender.inside
+        del keep
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved(0)
+        lend._TORCH_EMPTY_CACHE()                # torch's call, as under plain routing
+        torch_freed = before - torch.cuda.memory_reserved(0)
+        torch.cuda.empty_cache()                 # what the script calls
+        freed = before - torch.cuda.memory_reserved(0)
+        print(f"\ninside the window: torch's empty_cache frees {torch_freed / MiB:.0f} MiB, "
+              f"Leto's {freed / MiB:.0f} MiB")
+        assert torch_freed < 512 * MiB <= freed
+        assert up.lender.inside                  # the routing goes on
+        x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda:0")
+        seg = [s for s in up.lender._snapshot() if s["address"] <= x.data_ptr()
+               < s["address"] + s["total_size"]]
+        assert seg, "an allocation after the call no longer goes to the lending pool"
+        del x
+        loss = _forward(model, cfg, dev, 2)
+        loss.backward()
+        del loss
+        up.step(2)
+    finally:
+        up.close()
+    assert torch.cuda.empty_cache is lend._TORCH_EMPTY_CACHE
+
+
 def _peak_child() -> None:
     """Child process: 4 steps of the test model; prints the device-memory peak (MiB) above the
     level before the states existed."""

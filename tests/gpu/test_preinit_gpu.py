@@ -196,6 +196,11 @@ def test_memory_growth_moves_the_shadow_down_before_the_peak_and_back_up_after(t
     print(f"\n=== growth with the controller: {left} MiB free before it; moves:")
     for m in moves:
         print("   ", *m)
+    seen = [(round(e["mono"] - evs[0]["mono"], 1), e["kept"], e["levels"], e["seen"], e["why"])
+            for e in evs if e["event"] == "preinit_observed"]
+    print("=== what the controller saw (every 5 s):")
+    for x in seen:
+        print("   ", *x)
     assert rc == 0, err[-4000:]
     assert "out of memory" not in err.lower(), err[-4000:]
     assert not [e for e in evs if e["event"] in ("hof", "reclaim")], "the proactive path failed"

@@ -67,6 +67,9 @@ def test_the_shadow_steps_down_before_the_active_s_peak_and_back_after():
     assert fixed_oom, "the workload must not fit beside a fixed L3 shadow"
     assert "L1" in seen or "L2" in seen, seen
     assert slots[0].shadow.level == "L3", f"back up after the peak: {seen}"
+    # a kept level is explained too: what the last sample saw, and the reason
+    assert ctl.last["levels"] == {0: "L3"} and "L3 held" in ctl.last["why"][0], ctl.last
+    assert ctl.last["seen"][0]["free"] == dev.total - 70 * GIB - DEFAULT_COSTS.l3, ctl.last
 
 
 def test_what_a_shadow_holds_refines_the_costs_and_a_lost_sample_decides_nothing():
@@ -144,3 +147,20 @@ def test_a_request_that_fits_by_now_lowers_nothing():
     ctl = ShadowLevels(PreinitPolicy(), nvml=dev)
     levels, reason = ctl.reclaim(0.0, _slots({0: "L3"}), 0, GIB)
     assert levels is None and "fits already" in reason and ctl.cap == Level.L3
+
+
+def test_an_active_the_driver_does_not_list_beside_its_listed_shadow_holds_nothing():
+    """Another process's memory (here 60 GiB of a stranger, pid 999) is not the active's when the
+    driver lists pids: only where it hides them is everything but the shadows the active's."""
+    dev = Device()
+    ctl = ShadowLevels(PreinitPolicy(), nvml=dev)
+    slots = _slots({0: "L3"})
+    dev.held = {0: {200: DEFAULT_COSTS.l3, 999: 60 * GIB}}           # the active has no context
+    ctl.decide(0.0, slots)
+    assert ctl.last["seen"][0]["active_peak"] == 0, ctl.last
+    hidden = Device()
+    hidden.process_bytes = lambda index: {}                          # a driver that hides pids
+    hidden.held = dev.held
+    ctl = ShadowLevels(PreinitPolicy(), nvml=hidden)
+    ctl.decide(0.0, slots)
+    assert ctl.last["seen"][0]["active_peak"] == 60 * GIB, ctl.last
