@@ -91,7 +91,9 @@ int64_t n_region_allocs = 0, n_overflow_allocs = 0, n_region_misses = 0, n_faile
 std::string reclaim_path, reclaim_head, reclaim_tail;
 double reclaim_wait_s = 3.0;
 size_t reclaim_slack = 64u << 20;
-size_t last_failed = 0;                 // size of the failed request torch may ask again
+// The size of this thread's failed request that torch may ask again: per thread, so one
+// thread's retry is never taken for another's first failure (another device's, say).
+thread_local size_t last_failed = 0;
 int64_t n_reclaim_asked = 0, n_reclaim_served = 0;
 
 uintptr_t align_up(uintptr_t x) { return (x + kAlign - 1) & ~(uintptr_t)(kAlign - 1); }

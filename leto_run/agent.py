@@ -41,6 +41,7 @@ from leto_run.ckpt_lock import DirLock, job_name
 from leto_run.config import JobConfig, signal_number
 from leto_run.decisions import Action, Decision, decide_group
 from leto_run.events import EventLog
+from leto_run.exit_notice import ExitNotices
 from leto_run.fallback import FallbackPolicy
 from leto_run.failures import format_root_cause
 from leto_run.group import GroupIO, WorkerGroup, WorkerSpec
@@ -60,6 +61,7 @@ from leto_run.unfired import InjectLedger
 from leto_run.worker_cmd import resolve_nproc, worker_argv
 from leto_run.worker_env import default_omp_threads, job_token_kv
 from leto_runtime.control_auth import ForgedControlKey, key_to_hex
+from leto_runtime.wire import settings
 
 
 def run_job(cfg: JobConfig) -> int:
@@ -106,6 +108,8 @@ class Agent:
         os.set_blocking(self._sig_r, False)
         os.set_blocking(self._sig_w, False)
         self.sel.register(self._sig_r, selectors.EVENT_READ, "sig")
+        self.notices = ExitNotices(settings.get().exit_notice)
+        self.sel.register(self.notices.fd, selectors.EVENT_READ, "exit")
         self._install_signals()
         inplace = cfg.recovery.mode == "inplace"
         # In-place mode: one state manager per local rank, outliving restarts (docs/MEMORY.md).
@@ -124,7 +128,7 @@ class Agent:
                        escalate_fd=self._sig_r),
             GroupIO(sel=self.sel, events=self.events, pump=self.pump, layout=self.layout,
                     guardian=self.guardian, status=self.status, ledger=self.ledger,
-                    log=self.log, sms=self.sms))
+                    log=self.log, sms=self.sms, notices=self.notices))
         self.group.pump_once = self._pump_once
         self.restart = RestartPolicy(self.group, cfg.launch.max_restarts)
         static_nodes = cfg.launch.max_nodes > 1 and self.handler.get_backend() == "static"
@@ -292,6 +296,8 @@ class Agent:
                 self.sup.on_beats()
             elif data == "sig":
                 self.sup.on_signals()
+            elif data == "exit":
+                self.sup.on_exit_notices()
             elif data == "hof":
                 self.inplace.on_wake()
             elif data[0] == "sm":
@@ -404,6 +410,8 @@ class Agent:
         self.status.stop()
         self.pump.close()
         self.hb.close()
+        if getattr(self, "notices", None) is not None:
+            self.notices.close()
         self.nodes.close(join=True)     # its thread off the store before the store goes
         try:
             self.handler.shutdown()

@@ -70,6 +70,7 @@ class GroupIO:
     ledger: object               # leto_run.unfired.InjectLedger
     log: Callable[[str], None]
     sms: object = None           # leto_run.state_managers.StateManagers (in-place mode)
+    notices: object = None       # leto_run.exit_notice.ExitNotices
 
 
 class WorkerGroup:
@@ -143,13 +144,25 @@ class WorkerGroup:
         gen = self.generation if generation is None else generation
         es = dataclasses.replace(self._env_spec(slot, role, gen, epoch), preinit_level=level)
         env = build_worker_env(os.environ, es)
+        notice = self.io.notices.page() if self.io.notices is not None else None
+        if notice is not None:
+            env[C.LETO_EXIT_NOTICE_FD] = str(notice[0])
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            proc = spawn(list(self.spec.argv), env, stdout=out_w, stderr=err_w)
+            proc = spawn(list(self.spec.argv), env, stdout=out_w, stderr=err_w,
+                         pass_fds=(notice[0],) if notice else ())
+        except BaseException:
+            if notice is not None:
+                notice[1].close()
+            raise
         finally:
             os.close(out_w)
             os.close(err_w)
+            if notice is not None:
+                os.close(notice[0])
+        if notice is not None:
+            self.io.notices.watch(proc.pid, notice[1])
         self.io.guardian.announce(proc.pid)
         ident = slot.identity
         if self.sms:
@@ -228,6 +241,8 @@ class WorkerGroup:
         if status is None:
             return None
         self._forget(fd)
+        if self.io.notices is not None:
+            self.io.notices.forget(sp.proc.pid)
         if self.sms:
             # Revoked after the decision (`flush_revokes`): a dead pid cannot connect, and the
             # file write has no place between a death and the survivors' SIGTERM.
@@ -249,13 +264,13 @@ class WorkerGroup:
             kids = sp.proc.snapshot_descendants()
             sp.proc.send_group(signal.SIGKILL)       # its group may outlive it
             kill_pids(kids)
-        self.wait(lambda: all(sp.proc.status is not None for _, sp in victims),
-                  time.monotonic() + timeout)
+        self.wait(lambda: all(sp.proc.status is not None or sp.proc.stopped
+                              for _, sp in victims), time.monotonic() + timeout)
         left = []
         for slot, sp in victims:
             if sp.state == ProcState.STOPPING:
                 sp.move(ProcState.STOPPED)
-            if sp.proc.status is None:
+            if sp.proc.status is None and not sp.proc.stopped:
                 self.recorded_exit(slot, sp)
                 if self.sms:
                     self.pending_revokes.append((slot.local_rank, sp.proc.pid))

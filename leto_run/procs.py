@@ -86,6 +86,9 @@ class Proc:
     started_mono: float
     status: ExitStatus | None = None
     descendants_seen: set[int] = field(default_factory=set)
+    # Its exit began and none of its threads runs user code any more (`leto_run.exit_notice`):
+    # nothing waits for its reap, which still comes through the pidfd.
+    stopped: bool = False
 
     @property
     def pid(self) -> int:
@@ -139,11 +142,12 @@ class Proc:
 
 
 def spawn(argv: list[str], env: dict[str, str], cwd: str | None = None,
-          stdout=None, stderr=None) -> Proc:
+          stdout=None, stderr=None, pass_fds: tuple[int, ...] = ()) -> Proc:
     """Start `argv` in its own process group with a parent-death signal; watch it by pidfd."""
     popen = subprocess.Popen(
         argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
         process_group=0, preexec_fn=_child_setup(os.getpid()), close_fds=True,
+        pass_fds=pass_fds,
     )
     pidfd = os.pidfd_open(popen.pid)
     return Proc(popen=popen, pidfd=pidfd, started_mono=time.monotonic())

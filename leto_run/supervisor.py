@@ -11,8 +11,9 @@ whether the hang verdict killed it, and the fault last injected into each proces
 Calling contract: the agent's main thread only.  The in-place policy, when there is one, is its
 `observer`: it is told of in-place datagrams and of shadow deaths, and asked whether the death
 of an active is collateral to a HOF it recovers (`InplaceObserver`).  One handler per selector
-key: `on_exit` (a pidfd), `on_beats` (the heartbeat socket), `on_signals` (the wakeup fd); once
-per loop turn `check_hangs(now)` and `fire_timers(now)`.
+key: `on_exit` (a pidfd), `on_exit_notices` (an exit that began: `leto_run.exit_notice`),
+`on_beats` (the heartbeat socket), `on_signals` (the wakeup fd); once per loop turn
+`check_hangs(now)` and `fire_timers(now)`.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from leto_run.decisions import blame_hangs, hang_verdict
 from leto_run.failures import failure_from_exit
 from leto_run.group import WorkerGroup
 from leto_run.inject import InjectKind
+from leto_run.procs import ExitStatus
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_runtime.wire import contract as C
 
@@ -74,6 +76,31 @@ class Supervisor:
             sp.move(ProcState.FAILED)
             self.record_failure(slot, sp, status.exitcode, status.describe(), status.mono)
         self.status.changed()
+
+    def on_exit_notices(self) -> None:
+        """Trainers whose exit began (the status is the kernel's, read before the reap)."""
+        notices = self.group.io.notices
+        by_pid = {sp.proc.pid: (slot, sp) for slot in self.group.slots for sp in slot.all()}
+        for pid, code, mono in notices.drain():
+            if pid not in by_pid:
+                continue
+            slot, sp = by_pid[pid]
+            acted = notices.acts and self._exit_began(slot, sp, ExitStatus(code, mono))
+            self.events.emit("exit_started", sp.generation, rank=slot.rank, role=sp.role.value,
+                             pid=pid, exitcode=code, mono=mono, acted=acted)
+
+    def _exit_began(self, slot: RankSlot, sp: SlotProcess, status: ExitStatus) -> bool:
+        """An active that died abruptly is judged now, as its pidfd would judge it later; it
+        counts as stopped (no thread of it runs).  Anything else waits for its pidfd."""
+        if (sp.done or sp.role != SlotRole.ACTIVE or sp.proc.status is not None
+                or sp.state not in (ProcState.STARTING, ProcState.RUNNING) or status.ok
+                or (self.observer and self.observer.collateral(sp))):
+            return False
+        sp.proc.stopped = True
+        sp.move(ProcState.FAILED)
+        self.record_failure(slot, sp, status.exitcode, status.describe(), status.mono)
+        self.status.changed()
+        return True
 
     def record_failure(self, slot: RankSlot, sp: SlotProcess, exitcode: int, how: str,
                         mono: float, note: str | None = None, hang: bool = False) -> None:

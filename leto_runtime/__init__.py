@@ -13,6 +13,9 @@ Import it from ``train.py``.  Public surface:
 """
 from leto_runtime.context import Context, ContractError
 from leto_runtime.beats import done, heartbeat
+from leto_runtime import exit_notice as _exit_notice
+
+_exit_notice.arm()      # under leto-run: an abrupt death is seen as its exit begins
 
 __all__ = ["Context", "ContractError", "heartbeat", "done", "init", "Job", "AdamWConfig"]
 

@@ -142,4 +142,6 @@ def unrecoverable(e: Exception) -> None:
         log(f"could not write the error file: {type(werr).__name__}: {werr}")
     sys.stdout.flush()
     sys.stderr.flush()
+    from leto_runtime import exit_notice
+    exit_notice.disarm()            # a deliberate exit: judged by its code, not at its start
     os._exit(C.UNRECOVERABLE_EXIT)

@@ -132,6 +132,8 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "sm_idle_timeout": ("LETO_SM_IDLE_TIMEOUT", seconds, None),
     "sm_send_stall": ("LETO_SM_SEND_STALL", seconds, None),
     "sm_fault_emulation": ("LETO_SM_FAULT_EMULATION", _choice("truncate", "retire"), "truncate"),
+    # the agent learns of an abrupt death as its exit begins (leto_run/exit_notice.py)
+    "exit_notice": ("LETO_EXIT_NOTICE", _flag, True),
     # the toolchain the kernels are built with (the ecosystem's own variables, read here too)
     "cxx": ("CXX", _text, None),
     "cuda_home": ("CUDA_HOME", _text, None),
@@ -173,6 +175,7 @@ class Settings:
     sm_idle_timeout: float | None
     sm_send_stall: float | None
     sm_fault_emulation: str
+    exit_notice: bool
     cxx: str | None
     cuda_home: str | None
     cuda_path: str | None

@@ -19,6 +19,11 @@ def test_kill_of_one_active_promotes_every_shadow(tmp_path, out_dir):
     evs = events(ev)
     [fail] = of(evs, "failure_detected")
     assert (fail["rank"], fail["generation"], fail["step"]) == (1, 0, 5)
+    # seen as its exit began (leto_run/exit_notice.py), with the status its reap then gave
+    [began] = of(evs, "exit_started")
+    [dead] = of(evs, "exit", pid=fail["pid"])
+    assert began["acted"] and (began["pid"], began["exitcode"]) == (fail["pid"], -9), began
+    assert dead["exitcode"] == -9 and fail["mono"] == began["mono"] <= dead["mono"]
     [hof] = of(evs, "hof")
     assert hof["generation"] == 0 and hof["rank"] == 1 and hof["first_writer"]
     [demote] = of(evs, "demote")
