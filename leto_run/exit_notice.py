@@ -28,6 +28,7 @@ import os
 import threading
 import time
 
+from leto_run.procs import stat_fields
 from leto_runtime.wire import exit_page as X
 
 PF_EXITING = 0x4
@@ -50,17 +51,8 @@ def verified_exit(pid: int, deadline_s: float = VERIFY_S) -> int | None:
         time.sleep(0.0002)
 
 
-def _stat_fields(path: str) -> list[bytes] | None:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError:
-        return None
-    return raw[raw.rfind(b")") + 2:].split()      # fields from 3 (state) on
-
-
 def _exit_status(pid: int) -> int | None:
-    f = _stat_fields(f"/proc/{pid}/stat")
+    f = stat_fields(f"/proc/{pid}/stat")
     if f is None or len(f) < 50:
         return None
     code = int(f[49])                              # field 52: exit_code, waitpid's form
@@ -75,7 +67,7 @@ def _all_exiting(pid: int) -> bool:
     except OSError:
         return False
     for tid in tids:
-        f = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+        f = stat_fields(f"/proc/{pid}/task/{tid}/stat")
         if f is not None and len(f) > 6 and not int(f[6]) & PF_EXITING:   # field 9: flags
             return False
     return True

@@ -34,6 +34,7 @@ import time
 from leto_run import start_plan
 from leto_run.config_checkpoint import CheckpointConfig
 from leto_run.decisions import Action, Decision
+from leto_run.procs import stat_fields
 from leto_runtime.wire import ckpt_files as F
 
 WRITE_WAIT_S = 120.0     # longer than a 13 GB write on the H200 (15-19 s), shorter than an interval
@@ -183,9 +184,5 @@ class FallbackPolicy:
 
 def _alive(pid: int) -> bool:
     """Running (a zombie is not: the agent's loop, which reaps, waits here)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    f = stat_fields(f"/proc/{pid}/stat")
+    return f is not None and f[0][:1] not in (b"Z", b"X")

@@ -153,6 +153,17 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None = None,
     return Proc(popen=popen, pidfd=pidfd, started_mono=time.monotonic())
 
 
+def stat_fields(path: str) -> list[bytes] | None:
+    """The fields of a /proc/PID[/task/TID]/stat from field 3 (state) on; None when it
+    cannot be read (the process is gone).  The name in field 2 may hold spaces and ')'."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2:].split()
+
+
 def reap_orphans(known: set[int]) -> list[int]:
     """Reap exited children that are not ours to reap elsewhere (reparented orphans).
 
