@@ -108,7 +108,9 @@ class Agent:
         os.set_blocking(self._sig_r, False)
         os.set_blocking(self._sig_w, False)
         self.sel.register(self._sig_r, selectors.EVENT_READ, "sig")
-        self.notices = ExitNotices(settings.get().exit_notice)
+        fence = settings.get().exit_fence
+        self.notices = ExitNotices(settings.get().exit_notice,
+                                   gpu=True if fence == "on" else None, fence=fence != "off")
         self.sel.register(self.notices.fd, selectors.EVENT_READ, "exit")
         self._install_signals()
         inplace = cfg.recovery.mode == "inplace"
@@ -300,6 +302,8 @@ class Agent:
                 self.sup.on_exit_notices()
             elif data == "hof":
                 self.inplace.on_wake()
+            elif data[0] == "fence":
+                self.sup.on_fence(data[1], data[2])
             elif data[0] == "sm":
                 g = self.group
                 if self.sms.on_exit(data[1], data[2], g.slots, g.generation, g.restart_count):

@@ -1,22 +1,35 @@
 """The agent's side of the exit notice (`leto_runtime.wire.exit_page`; issue 22, item 1): learn
-that a trainer's exit has begun, before the kernel tore it down and its pidfd fires.
+that a trainer's exit has begun, before the kernel tore it down and its pidfd fires; and, on a
+GPU machine, when the dead process's device work has stopped (the exit fence).
 
 Role: `ExitNotices.page()` creates a trainer's page before its spawn (the fd goes to the child
-through `pass_fds`, its number in `LETO_EXIT_NOTICE_FD`); `watch(pid, page)` starts one waiter
+through `pass_fds`, its number in `LETO_EXIT_NOTICE_FD`), `fence()` its fence pipe (the write
+end goes to the child, `LETO_EXIT_FENCE_FD`); `watch(pid, page, fence_r)` starts one waiter
 thread for it.  The thread waits until the trainer armed the page, then in the mutex (1 s
 slices, so `close` ends it); `EOWNERDEAD` means the trainer's main thread died holding it.
 Then `verified_exit` reads, from /proc, what the kernel set before it released the mutex: every
 thread of the process is past `PF_EXITING` (none runs user code or a system call any more, so
 none writes retained memory from the CPU) and the exit status waitpid will report.  A verified
-notice is posted as (pid, exitcode, mono) to a pipe the agent's selector watches (`fd`,
-`drain`); anything unverified is dropped, and the pidfd decides, as without a notice.
+notice is posted as (pid, exitcode, mono, "began") to a pipe the agent's selector watches
+(`fd`, `drain`); anything unverified is dropped, and the pidfd decides, as without a notice.
 
-What the agent does with it (`leto_run.supervisor.Supervisor.on_exit_notices`): where `acts` --
-no NVIDIA device on this machine -- the active is judged failed at once and counts as stopped
-(its recovery does not wait for its reap).  On a GPU machine the dead process's kernels run on
-until the driver tears its context down, later in the exit, so there the notice is only
-recorded (`exit_started` event) and the pidfd still decides: promoting before that teardown is
-proven harmless on the device would risk retained memory.
+The fence (GPU machines): the robust mutex is released early in `do_exit` (exit_mm), but the
+driver destroys the process's CUDA context -- and so stops its kernels, which may still be
+writing retained memory -- only when its device files are released, after exit_files.  The
+kernel releases a dying task's files last-opened-fd-first (close_files walks the fds upward and
+each release is queued as task work, which runs newest first), so the write end of a pipe held
+at an fd *below* every /dev/nvidia* fd is released after them: its EOF says the context is gone.
+The trainer moves the write end to its lowest free fd before CUDA opens anything and writes a
+byte into it if a device fd ever sits below it (`leto_runtime.exit_notice.check_fence`).  The
+agent's selector watches the read end (`fence_verdict`): EOF with nothing written, while the
+process is exiting, is "quiet"; a byte, or an EOF while the process lives (the trainer closed
+it), makes the fence "untrusted", and the reap decides when the promotion may write, as before.
+`benchmarks/exit_fence.py` measures the order on the GPU (docs/BENCHMARKS.md).
+
+What the agent does with it (`leto_run.supervisor.Supervisor`): an active is judged failed at
+the notice ("began"), so the recovery's CPU-side work starts at once; it counts as stopped --
+nothing of it can write retained memory, and the promotion may go on -- at once where the
+machine has no NVIDIA device, else once its fence is quiet or it is reaped.
 
 Calling contract: the agent's main thread calls everything but the waiters; the waiters only
 read their page and write to the pipe (no lock is shared with the main thread).
@@ -77,10 +90,37 @@ def machine_has_gpu() -> bool:
     return os.path.exists("/dev/nvidiactl")
 
 
+def exiting(pid: int) -> bool:
+    """`pid` is past the start of its exit (or gone): its leader has PF_EXITING, or it is a
+    zombie."""
+    f = stat_fields(f"/proc/{pid}/stat")
+    if f is None:
+        return True
+    return f[0] in ("Z", "X") or bool(int(f[6]) & PF_EXITING)
+
+
+def fence_verdict(fd: int, pid: int) -> str | None:
+    """Read the fence `fd` of `pid` (readable): "quiet" -- EOF, with nothing ever written, at
+    an exit --, "untrusted" -- the trainer flagged it, or it was closed while `pid` lived --,
+    or None (nothing to read yet)."""
+    try:
+        data = os.read(fd, 4096)
+    except (BlockingIOError, InterruptedError):
+        return None
+    if data:
+        return "untrusted"
+    return "quiet" if exiting(pid) else "untrusted"
+
+
 class ExitNotices:
-    def __init__(self, enabled: bool, acts: bool | None = None) -> None:
+    """`gpu`: a dead trainer's device work may outlive its notice, so it counts as stopped only
+    at "quiet" or its reap (default: the machine has an NVIDIA device); `fence`: give trainers
+    fences ("quiet" needs one)."""
+
+    def __init__(self, enabled: bool, gpu: bool | None = None, fence: bool = True) -> None:
         self.enabled = enabled
-        self.acts = (not machine_has_gpu()) if acts is None else acts
+        self.gpu = machine_has_gpu() if gpu is None else gpu
+        self.use_fence = fence
         self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
         self._pages: dict[int, mmap.mmap] = {}
@@ -103,6 +143,15 @@ class ExitNotices:
             raise
         return fd, page
 
+    def fence(self) -> tuple[int, int] | None:
+        """(read end for the agent's selector, write end for the child) of the next spawn's
+        fence pipe, on a GPU machine with notices on; None otherwise."""
+        if not (self.enabled and self.gpu and self.use_fence):
+            return None
+        r, w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(r, False)
+        return r, w
+
     def watch(self, pid: int, page: mmap.mmap) -> None:
         self._pages[pid] = page
         threading.Thread(target=self._wait, args=(pid, page), daemon=True,
@@ -111,6 +160,12 @@ class ExitNotices:
     def forget(self, pid: int) -> None:
         """`pid` was reaped: its waiter ends within a slice (the page is unmapped then)."""
         self._pages.pop(pid, None)
+
+    def _post(self, pid: int, status: int, mono: float, kind: str) -> None:
+        try:
+            os.write(self._w, f"{pid} {status} {mono!r} {kind}\n".encode())
+        except OSError:
+            pass                       # the pipe is full or closed: the pidfd decides
 
     def _wait(self, pid: int, page: mmap.mmap) -> None:
         try:
@@ -129,15 +184,13 @@ class ExitNotices:
                     mono = time.monotonic()
                     status = verified_exit(pid)
                     if status is not None:
-                        try:
-                            os.write(self._w, f"{pid} {status} {mono!r}\n".encode())
-                        except OSError:
-                            pass               # the pipe is full or closed: the pidfd decides
+                        self._post(pid, status, mono, "began")
                     return
         finally:
             page.close()
 
-    def drain(self) -> list[tuple[int, int, float]]:
+    def drain(self) -> list[tuple[int, int, float, str]]:
+        """(pid, exitcode, mono, "began") of every notice posted since the last call."""
         out = []
         while True:
             try:
@@ -147,8 +200,8 @@ class ExitNotices:
             if not data:
                 break
             for line in data.decode().splitlines():
-                pid, status, mono = line.split()
-                out.append((int(pid), int(status), float(mono)))
+                pid, status, mono, kind = line.split()
+                out.append((int(pid), int(status), float(mono), kind))
         return out
 
     def close(self) -> None:

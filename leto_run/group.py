@@ -144,25 +144,36 @@ class WorkerGroup:
         gen = self.generation if generation is None else generation
         es = dataclasses.replace(self._env_spec(slot, role, gen, epoch), preinit_level=level)
         env = build_worker_env(os.environ, es)
-        notice = self.io.notices.page() if self.io.notices is not None else None
+        notices = self.io.notices
+        notice = notices.page() if notices is not None else None
+        fence = notices.fence() if notice is not None else None
+        passed = ()
         if notice is not None:
             env[C.LETO_EXIT_NOTICE_FD] = str(notice[0])
+            passed = (notice[0],)
+        if fence is not None:
+            env[C.LETO_EXIT_FENCE_FD] = str(fence[1])
+            passed += (fence[1],)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             proc = spawn(list(self.spec.argv), env, stdout=out_w, stderr=err_w,
-                         pass_fds=(notice[0],) if notice else ())
+                         pass_fds=passed)
         except BaseException:
             if notice is not None:
                 notice[1].close()
+            if fence is not None:
+                os.close(fence[0])
             raise
         finally:
             os.close(out_w)
             os.close(err_w)
-            if notice is not None:
-                os.close(notice[0])
+            for fd in passed:
+                os.close(fd)            # the child's now: the fence's EOF must be its alone
         if notice is not None:
-            self.io.notices.watch(proc.pid, notice[1])
+            notices.watch(proc.pid, notice[1])
+        if fence is not None:
+            proc.fence_fd = fence[0]
         self.io.guardian.announce(proc.pid)
         ident = slot.identity
         if self.sms:
@@ -179,6 +190,8 @@ class WorkerGroup:
                          level=level or "L3")
         slot.procs[role] = sp
         self.io.sel.register(proc.pidfd, selectors.EVENT_READ, (slot, sp))
+        if proc.fence_fd is not None:
+            self.io.sel.register(proc.fence_fd, selectors.EVENT_READ, ("fence", slot, sp))
         self.events.emit("spawn", gen, rank=ident.global_rank, local_rank=ident.local_rank,
                          role=role.value, pid=proc.pid, mono=proc.started_mono,
                          restart_count=self.restart_count, epoch=epoch,
@@ -240,7 +253,7 @@ class WorkerGroup:
         status = sp.proc.poll_exit()
         if status is None:
             return None
-        self._forget(fd)
+        self._forget(fd)                     # its fence, if any, is watched until its verdict
         if self.io.notices is not None:
             self.io.notices.forget(sp.proc.pid)
         if self.sms:
@@ -264,13 +277,12 @@ class WorkerGroup:
             kids = sp.proc.snapshot_descendants()
             sp.proc.send_group(signal.SIGKILL)       # its group may outlive it
             kill_pids(kids)
-        self.wait(lambda: all(sp.proc.status is not None or sp.proc.stopped
-                              for _, sp in victims), time.monotonic() + timeout)
+        self.wait(lambda: all(sp.proc.quiet for _, sp in victims), time.monotonic() + timeout)
         left = []
         for slot, sp in victims:
             if sp.state == ProcState.STOPPING:
                 sp.move(ProcState.STOPPED)
-            if sp.proc.status is None and not sp.proc.stopped:
+            if not sp.proc.quiet:
                 self.recorded_exit(slot, sp)
                 if self.sms:
                     self.pending_revokes.append((slot.local_rank, sp.proc.pid))
@@ -299,6 +311,7 @@ class WorkerGroup:
             if not sp.done:
                 sp.move(ProcState.STOPPING)
             self._forget(sp.proc.pidfd)          # stop_processes reaps and closes it
+            self.forget_fence(sp)
         stop_processes([sp.proc for _, sp in live], grace=self.cfg.launch.shutdown_timeout,
                        first_signal=first_signal, token_kv=job_token_kv(self.spec.token),
                        escalate_fd=self.spec.escalate_fd, log=self.log,
@@ -318,6 +331,13 @@ class WorkerGroup:
             self.io.sel.unregister(fd)
         except (KeyError, ValueError):
             pass
+
+    def forget_fence(self, sp: SlotProcess) -> None:
+        """Stop watching `sp`'s exit fence and close it (its verdict, if any, stays)."""
+        fd, sp.proc.fence_fd = sp.proc.fence_fd, None
+        if fd is not None:
+            self._forget(fd)
+            os.close(fd)
 
     def flush_revokes(self) -> None:
         while self.pending_revokes and self.sms:

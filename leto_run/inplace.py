@@ -292,8 +292,11 @@ class InplaceRecovery(ShadowLevelMoves):
         docstring, step b).  The failed ones still alive (a hang we killed, not yet reaped) are
         waited for too: no process of generation g may touch retained memory once the go key
         is set."""
+        # and a reaped one that is not `quiet`: its forked children still hold its device
+        # files (its fence says so), so GPU work of it may still write retained memory.
         alive = [(s, s.active) for s in self.g.slots
-                 if s.active is not None and s.active.generation == g and s.active.proc.alive]
+                 if s.active is not None and s.active.generation == g
+                 and (s.active.proc.alive or not s.active.proc.quiet)]
         self.demoted = []
         kill = alive
         if self.rc.demote == "release":

@@ -89,6 +89,10 @@ class Proc:
     # Its exit began and none of its threads runs user code any more (`leto_run.exit_notice`):
     # nothing waits for its reap, which still comes through the pidfd.
     stopped: bool = False
+    # GPU machines: the read end of its exit fence while watched, and what it said ("quiet":
+    # its device work stopped; "untrusted"): `leto_run.exit_notice`.
+    fence_fd: int | None = None
+    fence: str | None = None
 
     @property
     def pid(self) -> int:
@@ -97,6 +101,15 @@ class Proc:
     @property
     def alive(self) -> bool:
         return self.status is None
+
+    @property
+    def quiet(self) -> bool:
+        """Nothing of it can write retained memory any more: while its exit fence is watched
+        or said so, the fence decides (it waits for every process holding its device files,
+        forked children too); else its reap, or -- without a GPU -- its exit notice."""
+        if self.fence_fd is not None or self.fence == "quiet":
+            return self.fence == "quiet"
+        return self.status is not None or self.stopped
 
     def poll_exit(self) -> ExitStatus | None:
         """Reap the child if it exited (non-blocking).  Safe to call repeatedly."""

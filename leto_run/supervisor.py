@@ -26,6 +26,7 @@ from typing import Protocol
 from leto_run import errors as E
 from leto_run import job_secret
 from leto_run.decisions import blame_hangs, hang_verdict
+from leto_run.exit_notice import fence_verdict
 from leto_run.failures import failure_from_exit
 from leto_run.group import WorkerGroup
 from leto_run.inject import InjectKind
@@ -81,22 +82,41 @@ class Supervisor:
         """Trainers whose exit began (the status is the kernel's, read before the reap)."""
         notices = self.group.io.notices
         by_pid = {sp.proc.pid: (slot, sp) for slot in self.group.slots for sp in slot.all()}
-        for pid, code, mono in notices.drain():
+        for pid, code, mono, _ in notices.drain():
             if pid not in by_pid:
                 continue
             slot, sp = by_pid[pid]
-            acted = notices.acts and self._exit_began(slot, sp, ExitStatus(code, mono))
+            acted = self._exit_began(slot, sp, ExitStatus(code, mono), gpu=notices.gpu)
             self.events.emit("exit_started", sp.generation, rank=slot.rank, role=sp.role.value,
                              pid=pid, exitcode=code, mono=mono, acted=acted)
 
-    def _exit_began(self, slot: RankSlot, sp: SlotProcess, status: ExitStatus) -> bool:
-        """An active that died abruptly is judged now, as its pidfd would judge it later; it
-        counts as stopped (no thread of it runs).  Anything else waits for its pidfd."""
+    def on_fence(self, slot: RankSlot, sp: SlotProcess) -> None:
+        """`sp`'s exit fence became readable: its verdict (`exit_notice.fence_verdict`), which
+        `Proc.quiet` reads (the in-place promotion waits for it)."""
+        if sp.proc.fence_fd is None:
+            return
+        verdict = fence_verdict(sp.proc.fence_fd, sp.proc.pid)
+        if verdict is None:
+            return
+        mono = time.monotonic()
+        sp.proc.fence = verdict
+        self.group.forget_fence(sp)
+        self.status.changed()
+        self.events.emit("exit_fence", sp.generation, rank=slot.rank, role=sp.role.value,
+                         pid=sp.proc.pid, verdict=verdict, mono=mono,
+                         reaped=sp.proc.status is not None)
+
+    def _exit_began(self, slot: RankSlot, sp: SlotProcess, status: ExitStatus,
+                    gpu: bool) -> bool:
+        """An active that died abruptly is judged now, as its pidfd would judge it later, so
+        the recovery's decision and its CPU-side work start.  Without a GPU it counts as
+        stopped at once (no thread of it runs); with one, `Proc.quiet` waits for its fence
+        (or its reap).  Anything else waits for its pidfd."""
         if (sp.done or sp.role != SlotRole.ACTIVE or sp.proc.status is not None
                 or sp.state not in (ProcState.STARTING, ProcState.RUNNING) or status.ok
                 or (self.observer and self.observer.collateral(sp))):
             return False
-        sp.proc.stopped = True
+        sp.proc.stopped = not gpu
         sp.move(ProcState.FAILED)
         self.record_failure(slot, sp, status.exitcode, status.describe(), status.mono)
         self.status.changed()

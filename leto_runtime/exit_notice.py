@@ -9,6 +9,15 @@ environment and closes it (children neither inherit nor re-arm it), and register
 `atexit`, which runs for every interpreter exit (a return, `sys.exit`, an uncaught exception)
 and never for a signal or `os._exit`.  Leto's own deliberate exits (`os._exit(86)`, a
 demotion's self-kill) call `disarm()` first.
+
+The exit fence (GPU machines, `LETO_EXIT_FENCE_FD`; leto_run/exit_notice.py says why): at load
+the write end is moved to the lowest free fd -- below every device file CUDA opens later -- and
+made close-on-exec, as CUDA's device files are: a forked child (a data-loader worker) holds
+both, and the fence's EOF waits for it, as the release of the device files -- and so the end of
+the context's work -- does.  `check_fence()`, called once the CUDA context and the process group exist, writes a
+byte into it if a /dev/nvidia* fd sits below it (stdio closed before CUDA started, say): the
+agent then waits for the reap instead of the EOF.  A trainer that never arms its notice closes
+its fence: the agent uses a fence only after a notice.
 """
 from __future__ import annotations
 
@@ -21,29 +30,85 @@ from leto_runtime.wire import contract as C
 from leto_runtime.wire import exit_page as X
 
 _page: mmap.mmap | None = None
+_fence: int | None = None
+
+
+def _take_fence() -> int | None:
+    """The fence's write end at the lowest free fd, or None (none given, or unusable)."""
+    text = os.environ.pop(C.LETO_EXIT_FENCE_FD, None)
+    if text is None:
+        return None
+    try:
+        fd = int(text)
+        low = os.dup(fd)               # the lowest free number
+    except (ValueError, OSError):
+        return None
+    if low < fd:
+        os.close(fd)
+        fd = low
+    else:
+        os.close(low)
+    os.set_inheritable(fd, False)
+    return fd
+
+
+def check_fence(devices: str = "/dev/nvidia") -> bool:
+    """Whether the fence still sits below every device file (a path starting with `devices`)
+    of this process; if not, say so to the agent (one byte) and drop it.  Idempotent; True
+    without a fence."""
+    global _fence
+    fd = _fence
+    if fd is None:
+        return True
+    below = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if int(name) < fd and os.readlink(f"/proc/self/fd/{name}").startswith(devices):
+                below.append(int(name))
+        except (OSError, ValueError):
+            continue
+    if not below:
+        return True
+    try:
+        os.write(fd, b"!")
+    except OSError:
+        pass
+    _fence = None                      # kept open: closing it now would be an early EOF
+    return False
 
 
 def arm() -> None:
-    global _page
-    fd_text = os.environ.pop(C.LETO_EXIT_NOTICE_FD, None)
-    if _page is not None or fd_text is None:
+    global _page, _fence
+    if _page is not None:
         return
+    page = _map_page()                 # its fd is closed first: no hole below the fence
+    fence = _take_fence()
+    if page is None or threading.current_thread() is not threading.main_thread() \
+            or X.lock(page) != 0:
+        if page is not None:
+            page.close()
+        if fence is not None:
+            os.close(fence)            # unarmed: no notice, so no fence either
+        return
+    X.set_state(page, X.ARMED, os.getpid())
+    _page = page
+    atexit.register(disarm)
+    _fence = fence
+
+
+def _map_page() -> mmap.mmap | None:
+    fd_text = os.environ.pop(C.LETO_EXIT_NOTICE_FD, None)
+    if fd_text is None:
+        return None
     try:
-        fd = int(fd_text)
-        page = mmap.mmap(fd, X.PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        return mmap.mmap(int(fd_text), X.PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except (ValueError, OSError):
-        return                     # no notice: the agent learns of the exit from its pidfd
+        return None                # no notice: the agent learns of the exit from its pidfd
     finally:
         try:
             os.close(int(fd_text))
         except (ValueError, OSError):
             pass
-    if threading.current_thread() is not threading.main_thread() or X.lock(page) != 0:
-        page.close()
-        return
-    X.set_state(page, X.ARMED, os.getpid())
-    _page = page
-    atexit.register(disarm)
 
 
 def disarm() -> None:

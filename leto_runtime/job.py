@@ -167,6 +167,8 @@ class Job:
             atexit.unregister(_destroy_group)     # once, whatever the generations
             atexit.register(_destroy_group)
         self.pg = dist.group.WORLD if dist.is_initialized() else None
+        from leto_runtime import exit_notice
+        exit_notice.check_fence()          # ... and the communicators' too
 
     def _adopt_pg(self) -> None:
         """The script made the default process group itself: kept under torchrun (if it is

@@ -47,6 +47,8 @@ def device_up(job) -> None:
     # on CUDA its update kernels load on first use).
     if job.inplace or (job.ctx.under_leto and job.device.type == "cuda"):
         kernels.prepare(job.device, retained=job.inplace)
+    from leto_runtime import exit_notice
+    exit_notice.check_fence()          # the context's device files must sit above the fence
 
 
 def wait_below_l3(job, t0: float) -> None:

@@ -117,14 +117,19 @@ def wait_for_promotion(ctx: Context, store, slice_s: float = WAKE_POLL_S) -> flo
     if not isinstance(store, AuthStore):
         raise TypeError("wait_for_promotion(ctx, store): store must be worker_store(ctx), "
                         "which verifies the go key")
+    from leto_runtime import ctx_limits
     key = C.go_key(ctx.generation, ctx.rank)
-    while True:
-        # DistNetworkError: the store is gone (restart or end)
-        if store.check([key]) and _verified(store, key):
-            break
-        _woken.wait(slice_s)
-        _woken.clear()
-    woke = time.monotonic()
+    ctx_limits.shrink()                 # a smaller context while it waits (L2 and L3)
+    try:
+        while True:
+            # DistNetworkError: the store is gone (restart or end)
+            if store.check([key]) and _verified(store, key):
+                break
+            _woken.wait(slice_s)
+            _woken.clear()
+    finally:
+        woke = time.monotonic()
+        ctx_limits.restore()            # the driver's default again, before its first kernel
     beats.send("promoted", None, json.dumps({"mono": woke}))
     return woke
 

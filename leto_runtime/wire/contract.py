@@ -53,6 +53,7 @@ LETO_ATTEMPT = "LETO_ATTEMPT"                     # restart-mode attempt (== TOR
 LETO_RUN_DIR = "LETO_RUN_DIR"                     # private 0700 per-job directory (sockets live here)
 LETO_HEARTBEAT_SOCKET = "LETO_HEARTBEAT_SOCKET"   # AF_UNIX datagram socket of the agent
 LETO_EXIT_NOTICE_FD = "LETO_EXIT_NOTICE_FD"       # the exit-notice page (wire/exit_page.py)
+LETO_EXIT_FENCE_FD = "LETO_EXIT_FENCE_FD"         # GPU machines: the exit fence pipe's write end (leto_run/exit_notice.py)
 LETO_HANG_TIMEOUT = "LETO_HANG_TIMEOUT"           # seconds; 0 disables hang detection
 LETO_INJECT_PLAN = "LETO_INJECT_PLAN"             # JSON list of this rank's step-triggered injections
 LETO_RECOVERY = "LETO_RECOVERY"                   # inplace | restart

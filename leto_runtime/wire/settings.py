@@ -3,8 +3,9 @@
 Role: the variables a user, a benchmark or a test sets to choose a code path or a size: the
 RMU's paths (LETO_RMU_*), the memory pool's attach and repair paths (LETO_RMP_*), the parity
 codec's (LETO_PARITY_*), activation lending (LETO_LEND*) and reclaiming (LETO_RECLAIM), the
-agent's preinitialization controller (LETO_PREINIT_CONTROL, _HORIZON, _RAISE_HOLD), the kernel cache (LETO_EXT_*) and the
-state manager's (LETO_SM_*), and the toolchain variables the kernel builds honour (CXX,
+agent's preinitialization controller (LETO_PREINIT_CONTROL, _HORIZON, _RAISE_HOLD), a waiting
+shadow's context (LETO_SHADOW_STACK), the kernel cache (LETO_EXT_*) and the
+state manager's (LETO_SM_*), the exit notice and fence (LETO_EXIT_NOTICE, LETO_EXIT_FENCE), and the toolchain variables the kernel builds honour (CXX,
 CUDA_HOME, CUDA_PATH, PYTORCH_NVCC, TORCH_CUDA_ARCH_LIST, TORCH_EXTENSIONS_DIR, XDG_CACHE_HOME).
 What the agent tells a trainer about its job (rank, generation,
 sockets) is the env contract instead (`leto_runtime.wire.contract`, read by `context`).  Nothing else
@@ -96,6 +97,11 @@ def _optional_count(var: str, raw: str) -> int | None:
     return None if raw.strip() == "" else _count(0, 1 << 20)(var, raw)
 
 
+def _bytes_or_off(var: str, raw: str) -> int | None:
+    """Bytes in 0..1 MiB, or "off" (None)."""
+    return None if raw.strip().lower() == "off" else _count(0, 1 << 20)(var, raw)
+
+
 # field -> (variable, parser, default).  The default applies when the variable is unset.
 KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     # RMU (leto_runtime/rmu): docs/RMU.md
@@ -115,6 +121,8 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "preinit_control": ("LETO_PREINIT_CONTROL", _flag, True),
     "preinit_horizon": ("LETO_PREINIT_HORIZON", seconds, 30.0),
     "preinit_raise_hold": ("LETO_PREINIT_RAISE_HOLD", seconds, 60.0),
+    # a waiting shadow's per-thread stack limit (leto_runtime/ctx_limits.py): bytes, or off
+    "shadow_stack": ("LETO_SHADOW_STACK", _bytes_or_off, None),
     # parity codec (leto_runtime/parity): docs/PARITY.md
     "parity_delta": ("LETO_PARITY_DELTA", _choice("auto", "pagewise", "syndrome"), "auto"),
     "parity_cuda_variant": ("LETO_PARITY_CUDA_VARIANT", _text, "auto"),  # checked by the extension
@@ -134,6 +142,10 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "sm_fault_emulation": ("LETO_SM_FAULT_EMULATION", _choice("truncate", "retire"), "truncate"),
     # the agent learns of an abrupt death as its exit begins (leto_run/exit_notice.py)
     "exit_notice": ("LETO_EXIT_NOTICE", _flag, True),
+    # ... and, with a GPU, when its device work stopped: "auto" (the fence, on a machine with
+    # an NVIDIA device), "on" (as if it had one: the CPU tests of the fence), "off" (the reap;
+    # the default until the order the fence relies on is measured on the GPU)
+    "exit_fence": ("LETO_EXIT_FENCE", _choice("auto", "on", "off"), "off"),
     # the toolchain the kernels are built with (the ecosystem's own variables, read here too)
     "cxx": ("CXX", _text, None),
     "cuda_home": ("CUDA_HOME", _text, None),
@@ -162,6 +174,7 @@ class Settings:
     preinit_control: bool
     preinit_horizon: float | None
     preinit_raise_hold: float | None
+    shadow_stack: int | None
     parity_delta: str
     parity_cuda_variant: str
     rmp_map: str
@@ -176,6 +189,7 @@ class Settings:
     sm_send_stall: float | None
     sm_fault_emulation: str
     exit_notice: bool
+    exit_fence: str
     cxx: str | None
     cuda_home: str | None
     cuda_path: str | None

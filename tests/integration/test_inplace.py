@@ -2,6 +2,7 @@
 generation is replaced by the pre-started shadows of the next one, the survivors are killed as
 collateral, fresh shadows follow, and nothing is left behind.  The trainer script speaks the
 protocol directly (tests/integration/scripts/inplace.py)."""
+import pytest
 from leto_testing import SCRIPTS, assert_nothing_left, base_env, events, inplace_cmd, of, run
 
 SCRIPT = str(SCRIPTS / "inplace.py")
@@ -45,6 +46,32 @@ def test_kill_of_one_active_promotes_every_shadow(tmp_path, out_dir):
     out1 = next(logs.glob("*/attempt_0/1/stdout.log")).read_text()
     assert "[r1 shadow g1]: rank=1 gen=1 step=9" in out1 and "rank=1 gen=0 step=0" in out1
     assert "in place: rank 1 Signal 9 (SIGKILL) at step 5" in r.stderr
+    assert_nothing_left(evs)
+
+
+@pytest.mark.parametrize("mode", ["ok", "forkchild"])
+def test_with_the_exit_fence_the_promotion_waits_for_its_verdict(tmp_path, out_dir, mode):
+    """LETO_EXIT_FENCE=on: the agent behaves as on a GPU machine (leto_run/exit_notice.py).
+    The kill is judged at the notice; the shadows are promoted only once the dead trainer's
+    fence said quiet -- with `forkchild`, once its forked child, which holds the fence as it
+    would hold the device files, is gone too (the agent kills the dead trainer's group)."""
+    ev = tmp_path / "ev.jsonl"
+    r = run(leto(ev, "--inject", "kill:rank=1:step=5", SCRIPT, mode, "10", "0.1"),
+            base_env(out_dir, LETO_EXIT_FENCE="on"), timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in (0, 1):
+        assert (out_dir / f"result_{rank}").read_text() == "gen 1 last 9"
+    evs = events(ev)
+    [fail] = of(evs, "failure_detected")
+    [began] = of(evs, "exit_started", pid=fail["pid"])
+    assert began["acted"] and fail["mono"] == began["mono"]
+    [fence] = of(evs, "exit_fence", pid=fail["pid"])
+    assert fence["verdict"] == "quiet" and fence["mono"] >= began["mono"], fence
+    promotes = of(evs, "promote", generation=1)
+    assert sorted(e["rank"] for e in promotes) == [0, 1]
+    assert all(e["mono"] >= fence["mono"] for e in promotes), (fence, promotes)
+    # every trainer's fence is watched: the shadows' and survivors' too, never untrusted
+    assert not of(evs, "exit_fence", verdict="untrusted")
     assert_nothing_left(evs)
 
 

@@ -7,6 +7,8 @@ usage: inplace.py MODE [STEPS] [SLEEP]
                 step 3 until every shadow of epoch 1 formed its process group
   reclaim       active rank 0 sends, at step 3 once the shadows are ready, the `reclaim`
                 datagram cuda/lend_alloc.cpp sends for 1 GiB (leto_runtime.rmu.lend)
+  forkchild     as ok, and active rank 1 of generation 0 forks a child that sleeps (a
+                data-loader worker: it holds the exit fence as it would hold device files)
 
 Active: announce in-place mode, form the generation's gloo group over
 PrefixStore(pg_prefix(gen, epoch), worker store), train.  Shadow: form the group first (level
@@ -42,6 +44,9 @@ def form_group() -> float:
 
 
 if ctx.role == "active":
+    if MODE == "forkchild" and ctx.rank == 1 and ctx.generation == 0 and os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
     promotion.announce_inplace()
     form_group()
     start = 0

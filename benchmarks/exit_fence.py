@@ -1,0 +1,267 @@
+"""When does a killed trainer's GPU work stop writing retained memory? (issue 22, item 1)
+
+The exit notice (leto_run/exit_notice.py) tells the agent of a death within a millisecond, but
+the kernel releases the robust mutex early in `do_exit`, long before the driver tears the dead
+process's CUDA context down: its kernels may still be writing.  A promoted trainer must not
+write retained memory before they stop.  This measures, for a process SIGKILLed while a kernel
+of its own keeps writing a retained page, every signal the agent could wait on, against the
+moment the writes are last seen:
+
+* **notice**: the robust mutex released (the agent's exit notice);
+* **pipe_low** / **pipe_high**: EOF of a pipe whose write end the victim holds at a low fd
+  (opened before CUDA) / a high fd (dup'ed after CUDA), candidates for a fence;
+* **nvml_gone**: the victim's pid left NVML's compute-process list;
+* **pidfd**: the pidfd readable (what the agent waited for before the notice);
+* **last_write**: the last change of any of the kernel's counters seen by an observer that maps
+  the same page (the parent, through its own CUDA context, reading every ~20 us).
+
+The page is a state manager's (`leto_run.state_manager.pages.CudaPages`: cuMemCreate, exported
+as a POSIX fd), mapped by the victim as a trainer maps it (`leto_runtime.rmp.mapping`). The
+writer kernel is built with NVRTC (cuda-python), one thread per SM, each bumping its counter
+until the kill.  Calling contract::
+
+    python -m benchmarks.exit_fence [--repeats N] [--mem-gib G] [--json FILE]
+
+Needs one CUDA GPU; exit 2 without one; stdout: a table of medians and extremes per signal, and
+for each signal whether it ever came before the last write (a fence must never).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PAGE = 2 << 20
+SIGNALS = ("notice", "pipe_low", "pipe_high", "nvml_gone", "pidfd")
+
+KERNEL = r"""
+extern "C" __global__ void spin(unsigned long long* p, unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  t = t0;
+  unsigned long long i = 0;
+  volatile unsigned long long* q = p + blockIdx.x;
+  while (t - t0 < ns) {
+    q[0] = ++i;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  }
+}
+"""
+
+CHILD = r"""
+import os, sys, time, ctypes, json
+lo = os.dup(int(sys.argv[1]))                  # a low fd, before CUDA opens its own
+os.close(int(sys.argv[1]))
+import leto_runtime                            # arms the exit notice
+from leto_runtime.rmp.mapping import CudaMapping
+from benchmarks.exit_fence import spin_kernel
+m = CudaMapping(1, int(sys.argv[3]), 0)
+m.map_pages([(0, int(sys.argv[4]))])
+launch, sms = spin_kernel()
+mem = None
+gib = float(sys.argv[5])
+if gib > 0:
+    from cuda.bindings import driver as cu
+    mem = cu.cuMemAlloc(int(gib * (1 << 30)))[1]
+launch(m.base, sms, 60_000_000_000)
+hi = 1000
+os.dup2(int(sys.argv[2]), hi)                  # a high fd, after every fd CUDA opened
+os.close(int(sys.argv[2]))
+fds = {}
+for f in os.listdir("/proc/self/fd"):
+    try:
+        fds[f] = os.readlink(f"/proc/self/fd/{f}")
+    except OSError:
+        pass
+print("ready " + json.dumps({"low": lo, "high": hi, "sms": sms,
+      "nvidia_fds": sorted(int(k) for k, v in fds.items() if "nvidia" in v)}), flush=True)
+time.sleep(600)
+"""
+
+
+def spin_kernel():
+    """(launch(addr, blocks, ns), SM count) for the current context's device, via NVRTC."""
+    from cuda.bindings import driver as cu, nvrtc
+    from leto_runtime.wire.host_pages import cu_check
+    dev = cu_check(cu.cuCtxGetDevice(), "cuCtxGetDevice")
+    A = cu.CUdevice_attribute
+    major = cu_check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cc")
+    minor = cu_check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cc")
+    sms = cu_check(cu.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "sms")
+    err, prog = nvrtc.nvrtcCreateProgram(KERNEL.encode(), b"spin.cu", 0, [], [])
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
+    err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * n
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"nvrtc: {log.decode(errors='replace')}")
+    _, n = nvrtc.nvrtcGetCUBINSize(prog)
+    cubin = b" " * n
+    nvrtc.nvrtcGetCUBIN(prog, cubin)
+    mod = cu_check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+    fn = cu_check(cu.cuModuleGetFunction(mod, b"spin"), "cuModuleGetFunction")
+
+    def launch(addr: int, blocks: int, ns: int) -> None:
+        cu_check(cu.cuLaunchKernel(fn, blocks, 1, 1, 1, 1, 1, 0, 0,
+                                   ((addr, ns), (ctypes.c_void_p, ctypes.c_ulonglong)), 0),
+                 "cuLaunchKernel")
+    return launch, sms
+
+
+def _wait_readable(fd: int, key: str, out: dict, stop: threading.Event) -> None:
+    while not stop.is_set():
+        r, _, _ = select.select([fd], [], [], 0.2)
+        if r:                 # a pipe nobody writes to is readable at EOF; a pidfd at the exit
+            out[key] = time.monotonic()
+            return
+
+
+def _nvml_gone(pid: int, out: dict, stop: threading.Event) -> None:
+    from leto_run.nvml import Nvml, NvmlError
+    nv = Nvml.open()
+    if nv is None:
+        return
+    while not stop.is_set():
+        try:
+            if pid not in nv.process_bytes(0):
+                out["nvml_gone"] = time.monotonic()
+                return
+        except NvmlError:
+            pass
+        time.sleep(0.0005)
+
+
+def trial(notices, pages, observe, mem_gib: float) -> dict:
+    from leto_runtime.wire import contract as C
+    nfd, npage = notices.page()
+    lo_r, lo_w = os.pipe()
+    hi_r, hi_w = os.pipe()
+    page_fd = pages.create(PAGE)
+    os.set_inheritable(page_fd, True)
+    env = dict(os.environ, **{C.LETO_EXIT_NOTICE_FD: str(nfd)})
+    p = subprocess.Popen([sys.executable, "-c", CHILD, str(lo_w), str(hi_w), str(PAGE),
+                          str(page_fd), str(mem_gib)], env=env,
+                         pass_fds=(nfd, lo_w, hi_w, page_fd), stdout=subprocess.PIPE,
+                         text=True, cwd=str(ROOT))
+    for fd in (nfd, lo_w, hi_w):
+        os.close(fd)
+    pidfd = os.pidfd_open(p.pid)
+    got: dict = {}
+    stop = threading.Event()
+    threads = []
+    try:
+        notices.watch(p.pid, npage)
+        line = p.stdout.readline()
+        if not line.startswith("ready "):
+            raise RuntimeError(f"the victim did not start ({line!r})")
+        info = json.loads(line[6:])
+        read = observe(page_fd, info["sms"])
+        for fd, key in ((lo_r, "pipe_low"), (hi_r, "pipe_high"), (pidfd, "pidfd")):
+            threads.append(threading.Thread(target=_wait_readable, args=(fd, key, got, stop),
+                                            daemon=True))
+        threads.append(threading.Thread(target=_nvml_gone, args=(p.pid, got, stop), daemon=True))
+        for t in threads:
+            t.start()
+        before = read()
+        time.sleep(0.2)
+        moving = read() != before
+        t0 = time.monotonic()
+        os.kill(p.pid, signal.SIGKILL)
+        last, last_t = read(), t0
+        while time.monotonic() - last_t < 1.0 and time.monotonic() - t0 < 20:
+            cur = read()
+            if cur != last:
+                last, last_t = cur, time.monotonic()
+            if "notice" not in got:
+                for n in notices.drain():
+                    if n[0] == p.pid:
+                        got["notice"] = n[2]
+        for t in threads:
+            t.join(5)
+        row = {k: round(got[k] - t0, 6) for k in SIGNALS if k in got}
+        row.update(last_write=round(last_t - t0, 6), moving_before_kill=moving,
+                   nvidia_fds=info["nvidia_fds"], low_fd=info["low"])
+        return row
+    finally:
+        stop.set()
+        if p.poll() is None:
+            p.kill()
+        p.wait(60)
+        notices.forget(p.pid)
+        for fd in (lo_r, hi_r, pidfd, page_fd):
+            os.close(fd)
+
+
+def observer():
+    """read(page_fd, blocks) -> a function returning the page's counters now (own mapping)."""
+    from cuda.bindings import driver as cu
+    from leto_runtime.rmp.mapping import CudaMapping
+    from leto_runtime.wire.host_pages import cu_check
+
+    def make(page_fd: int, blocks: int):
+        m = CudaMapping(1, PAGE, 0)
+        m.map_pages([(0, os.dup(page_fd))])
+        buf = (ctypes.c_ulonglong * blocks)()
+
+        def read() -> tuple:
+            cu_check(cu.cuMemcpyDtoH(buf, m.base, 8 * blocks), "cuMemcpyDtoH")
+            return tuple(buf)
+        return read
+    return make
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--mem-gib", type=float, default=0.0,
+                    help="device memory the victim holds besides the page")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    try:
+        from leto_run.state_manager.pages import CudaPages
+        pages = CudaPages(0)
+    except Exception as e:
+        print(f"exit_fence: needs a CUDA GPU and cuda-python ({e})", file=sys.stderr)
+        return 2
+    from leto_run.exit_notice import ExitNotices
+    notices = ExitNotices(enabled=True)
+    observe = observer()
+    rows = []
+    try:
+        for i in range(a.repeats):
+            rows.append(trial(notices, pages, observe, a.mem_gib))
+            print(f"trial {i}: {rows[-1]}", file=sys.stderr, flush=True)
+    finally:
+        notices.close()
+    print(f"## A victim SIGKILLed while its kernel writes a retained page ({a.repeats} trials, "
+          f"{a.mem_gib:g} GiB more device memory)\n")
+    print("| kill -> (ms) | median | min | max | came before the last write |")
+    print("|---|---:|---:|---:|---:|")
+    for k in ("last_write",) + SIGNALS:
+        xs = sorted(r[k] for r in rows if k in r)
+        if not xs:
+            print(f"| {k} | - | - | - | never seen |")
+            continue
+        early = sum(1 for r in rows if k in r and k != "last_write" and r[k] < r["last_write"])
+        print(f"| {k} | {1e3 * xs[len(xs) // 2]:.2f} | {1e3 * xs[0]:.2f} | {1e3 * xs[-1]:.2f} "
+              f"| {early if k != 'last_write' else ''} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "trials": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
