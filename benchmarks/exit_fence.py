@@ -8,8 +8,10 @@ of its own keeps writing a retained page, every signal the agent could wait on, 
 moment the writes are last seen:
 
 * **notice**: the robust mutex released (the agent's exit notice);
+* **fence**: Leto's exit fence (`LETO_EXIT_FENCE_FD`: moved to the lowest free fd at import,
+  checked by `check_fence` once the context exists) reached EOF -- with its verdict;
 * **pipe_low** / **pipe_high**: EOF of a pipe whose write end the victim holds at a low fd
-  (opened before CUDA) / a high fd (dup'ed after CUDA), candidates for a fence;
+  (opened before CUDA) / a high fd (dup'ed after CUDA);
 * **nvml_gone**: the victim's pid left NVML's compute-process list;
 * **pidfd**: the pidfd readable (what the agent waited for before the notice);
 * **last_write**: the last change of any of the kernel's counters seen by an observer that maps
@@ -42,9 +44,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+from leto_run.exit_notice import ExitNotices  # noqa: E402
 
 PAGE = 2 << 20
-SIGNALS = ("notice", "pipe_low", "pipe_high", "nvml_gone", "pidfd")
+SIGNALS = ("notice", "fence", "pipe_low", "pipe_high", "nvml_gone", "pidfd")
 
 KERNEL = r"""
 extern "C" __global__ void spin(unsigned long long* p, unsigned long long ns) {
@@ -70,6 +73,8 @@ from benchmarks.exit_fence import spin_kernel
 m = CudaMapping(1, int(sys.argv[3]), 0)
 m.map_pages([(0, int(sys.argv[4]))])
 launch, sms = spin_kernel()
+from leto_runtime import exit_notice
+fence_ok = exit_notice.check_fence()
 mem = None
 gib = float(sys.argv[5])
 if gib > 0:
@@ -85,7 +90,8 @@ for f in os.listdir("/proc/self/fd"):
         fds[f] = os.readlink(f"/proc/self/fd/{f}")
     except OSError:
         pass
-print("ready " + json.dumps({"low": lo, "high": hi, "sms": sms,
+print("ready " + json.dumps({"low": lo, "high": hi, "sms": sms, "fence_fd": exit_notice._fence,
+      "fence_ok": fence_ok,
       "nvidia_fds": sorted(int(k) for k, v in fds.items() if "nvidia" in v)}), flush=True)
 time.sleep(600)
 """
@@ -145,18 +151,20 @@ def _nvml_gone(pid: int, out: dict, stop: threading.Event) -> None:
 
 
 def trial(notices, pages, observe, mem_gib: float) -> dict:
+    from leto_run.exit_notice import fence_verdict
     from leto_runtime.wire import contract as C
     nfd, npage = notices.page()
+    fence_r, fence_w = notices.fence()
     lo_r, lo_w = os.pipe()
     hi_r, hi_w = os.pipe()
     page_fd = pages.create(PAGE)
     os.set_inheritable(page_fd, True)
-    env = dict(os.environ, **{C.LETO_EXIT_NOTICE_FD: str(nfd)})
+    env = dict(os.environ, **{C.LETO_EXIT_NOTICE_FD: str(nfd), C.LETO_EXIT_FENCE_FD: str(fence_w)})
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(lo_w), str(hi_w), str(PAGE),
                           str(page_fd), str(mem_gib)], env=env,
-                         pass_fds=(nfd, lo_w, hi_w, page_fd), stdout=subprocess.PIPE,
+                         pass_fds=(nfd, fence_w, lo_w, hi_w, page_fd), stdout=subprocess.PIPE,
                          text=True, cwd=str(ROOT))
-    for fd in (nfd, lo_w, hi_w):
+    for fd in (nfd, fence_w, lo_w, hi_w):
         os.close(fd)
     pidfd = os.pidfd_open(p.pid)
     got: dict = {}
@@ -169,7 +177,8 @@ def trial(notices, pages, observe, mem_gib: float) -> dict:
             raise RuntimeError(f"the victim did not start ({line!r})")
         info = json.loads(line[6:])
         read = observe(page_fd, info["sms"])
-        for fd, key in ((lo_r, "pipe_low"), (hi_r, "pipe_high"), (pidfd, "pidfd")):
+        for fd, key in ((fence_r, "fence"), (lo_r, "pipe_low"), (hi_r, "pipe_high"),
+                        (pidfd, "pidfd")):
             threads.append(threading.Thread(target=_wait_readable, args=(fd, key, got, stop),
                                             daemon=True))
         threads.append(threading.Thread(target=_nvml_gone, args=(p.pid, got, stop), daemon=True))
@@ -191,9 +200,11 @@ def trial(notices, pages, observe, mem_gib: float) -> dict:
                         got["notice"] = n[2]
         for t in threads:
             t.join(5)
+        verdict = {"v": fence_verdict(fence_r, p.pid) if "fence" in got else None}
         row = {k: round(got[k] - t0, 6) for k in SIGNALS if k in got}
         row.update(last_write=round(last_t - t0, 6), moving_before_kill=moving,
-                   nvidia_fds=info["nvidia_fds"], low_fd=info["low"])
+                   nvidia_fds=info["nvidia_fds"], low_fd=info["low"], fence_fd=info["fence_fd"],
+                   fence_ok=info["fence_ok"], verdict=verdict.get("v"))
         return row
     finally:
         stop.set()
@@ -201,7 +212,7 @@ def trial(notices, pages, observe, mem_gib: float) -> dict:
             p.kill()
         p.wait(60)
         notices.forget(p.pid)
-        for fd in (lo_r, hi_r, pidfd, page_fd):
+        for fd in (fence_r, lo_r, hi_r, pidfd, page_fd):
             os.close(fd)
 
 
@@ -236,8 +247,7 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"exit_fence: needs a CUDA GPU and cuda-python ({e})", file=sys.stderr)
         return 2
-    from leto_run.exit_notice import ExitNotices
-    notices = ExitNotices(enabled=True)
+    notices = ExitNotices(enabled=True, gpu=True)
     observe = observer()
     rows = []
     try:
