@@ -137,6 +137,8 @@ class InplaceRecovery(ShadowLevelMoves):
         ev = self.events
         detail = _json(beat.detail)
         if beat.kind == "inplace" and sp.role == SlotRole.ACTIVE:
+            if isinstance(detail.get("uuid"), str):
+                slot.device_uuid = detail["uuid"]
             if not slot.inplace:
                 slot.inplace = True
                 ev.emit("inplace", sp.generation, rank=slot.rank, pid=beat.pid,

@@ -6,9 +6,11 @@ has nothing to observe and keeps the policy's level.  `memory(index)` is one dev
 (total, free) bytes; `process_bytes(index)` the device memory each process holds (pid -> bytes;
 empty where the driver hides other processes, e.g. in a container's pid namespace).
 
-Device indices: a local rank's device is `local_rank % visible` over CUDA_VISIBLE_DEVICES (as
-`leto_runtime` picks it); `physical(local_rank)` maps it to NVML's index (integers or GPU UUIDs
-in CUDA_VISIBLE_DEVICES; anything else: the local rank itself).
+Device indices: `device_of(local_rank, uuid)` is NVML's index of the device by the UUID the
+slot's active reported (`leto_runtime.job`); before that report, `physical(local_rank)` maps
+`local_rank % visible` over CUDA_VISIBLE_DEVICES (as `leto_runtime` picks it) to NVML's index
+(integers -- taken as NVML's, right with CUDA_DEVICE_ORDER=PCI_BUS_ID or identical GPUs -- or
+GPU UUIDs; anything else: the local rank itself).
 
 Calling contract: one `Nvml` per agent, used from its loop thread; every call returns what the
 driver answers now or raises `NvmlError` (the caller skips that sample).
@@ -103,10 +105,19 @@ class Nvml:
         if item.isdigit():
             return int(item)
         if item.startswith(("GPU-", "MIG-")):
-            h = ctypes.c_void_p()
-            self._check(self.lib.nvmlDeviceGetHandleByUUID(item.encode(), ctypes.byref(h)),
-                        f"device {item}")
-            idx = ctypes.c_uint()
-            self._check(self.lib.nvmlDeviceGetIndex(h, ctypes.byref(idx)), f"index of {item}")
-            return int(idx.value)
+            return self.index_of_uuid(item)
         return local_rank
+
+    def index_of_uuid(self, uuid: str) -> int:
+        h = ctypes.c_void_p()
+        self._check(self.lib.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(h)),
+                    f"device {uuid}")
+        idx = ctypes.c_uint()
+        self._check(self.lib.nvmlDeviceGetIndex(h, ctypes.byref(idx)), f"index of {uuid}")
+        return int(idx.value)
+
+    def device_of(self, local_rank: int, uuid: str | None) -> int:
+        """NVML's index of a local rank's device: by the UUID its trainer reported when it
+        did (a digit in CUDA_VISIBLE_DEVICES is a CUDA ordinal, which follows CUDA_DEVICE_ORDER
+        -- fastest first by default -- where NVML counts in PCI order), else `physical`."""
+        return self.index_of_uuid(uuid) if uuid else self.physical(local_rank)

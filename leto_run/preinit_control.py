@@ -119,7 +119,7 @@ class ShadowLevels:
             return None, "no shadow on this device, or no driver to observe it"
         from leto_run.nvml import NvmlError
         try:
-            dev = self.nvml.physical(slot.local_rank)
+            dev = self.nvml.device_of(slot.local_rank, slot.device_uuid)
             total, free = self.nvml.memory(dev)
             obs = self._one(now, slot, total, free, self.nvml.process_bytes(dev))
         except NvmlError as e:
@@ -142,7 +142,7 @@ class ShadowLevels:
         out = {}
         try:
             for s in slots:
-                dev = self.nvml.physical(s.local_rank)
+                dev = self.nvml.device_of(s.local_rank, s.device_uuid)
                 total, free = self.nvml.memory(dev)
                 procs = self.nvml.process_bytes(dev)
                 out[s.rank] = self._one(now, s, total, free, procs)

@@ -123,6 +123,7 @@ class RankSlot:
     procs: dict[SlotRole, SlotProcess] = field(default_factory=dict)
     created_mono: float = field(default_factory=time.monotonic)
     inplace: bool = False                   # the active announced in-place mode (init())
+    device_uuid: str | None = None          # its CUDA device as its active reported it (NVML's name)
 
     @property
     def rank(self) -> int:

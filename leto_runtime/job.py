@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from leto_runtime import beats as hb
 from leto_runtime.wire import contract as C
-from leto_runtime import binding, demotion, errors, levels, modules, resume, runtime
+from leto_runtime import binding, demotion, errors, exit_notice, levels, modules, resume, runtime
 from leto_runtime.context import Context
 from leto_runtime.faults import Faults
 from leto_runtime.optimizer import Optimizer
@@ -139,7 +139,7 @@ class Job:
         self._t0 = t0
         if self.inplace and self.level == "L3":
             from leto_runtime import promotion      # a shadow: ready once it waits, in steps()
-            promotion.install_wake() if self.role == "shadow" else promotion.announce_inplace(None)
+            promotion.install_wake() if self.role == "shadow" else promotion.announce_active(self.device)
         hb.heartbeat(None) if self.role != "shadow" else None
 
     # ---- process group -------------------------------------------------------------------
@@ -167,8 +167,7 @@ class Job:
             atexit.unregister(_destroy_group)     # once, whatever the generations
             atexit.register(_destroy_group)
         self.pg = dist.group.WORLD if dist.is_initialized() else None
-        from leto_runtime import exit_notice
-        exit_notice.check_fence()          # ... and the communicators' too
+        exit_notice.check_fence()          # the communicators' device files above the fence too
 
     def _adopt_pg(self) -> None:
         """The script made the default process group itself: kept under torchrun (if it is

@@ -83,11 +83,26 @@ def report_forged(key: str, reason: str) -> None:
 
 
 def announce_inplace(detail: dict | None = None) -> None:
-    """Datagram `inplace`: this slot runs in place (active), or this shadow reached its preinit
-    level (detail {"level": "L3", "seconds": preinit seconds})."""
+    """Datagram `inplace`: this slot runs in place (active; detail None or {"uuid": its CUDA
+    device's}), or this shadow reached its preinit level (detail {"level": "L3", "seconds":
+    preinit seconds})."""
     if detail is not None and _wake_installed:
         detail = {**detail, "wake": True}
     beats.send("inplace", None, None if detail is None else json.dumps(detail))
+
+
+def announce_active(device) -> None:
+    """An active's `inplace` datagram, with its CUDA device's UUID as NVML spells it
+    ("GPU-..."): the agent observes the device by it (CUDA's ordinals follow
+    CUDA_DEVICE_ORDER, fastest first by default, where NVML counts in PCI order)."""
+    uuid = None
+    if device.type == "cuda":
+        import torch
+        try:
+            uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+        except (RuntimeError, AttributeError):
+            pass
+    announce_inplace(None if uuid is None else {"uuid": uuid})
 
 
 _woken = threading.Event()

@@ -27,6 +27,9 @@ class Device:
     def physical(self, local_rank: int) -> int:
         return local_rank
 
+    def device_of(self, local_rank: int, uuid: str | None) -> int:
+        return int(uuid[4:]) if uuid else self.physical(local_rank)
+
     def memory(self, index: int):
         if self.fail:
             raise NvmlError("GPU is lost")
@@ -40,7 +43,7 @@ class Device:
 
 
 def _slots(levels: dict[int, str]):
-    return [NS(rank=r, local_rank=r, active=NS(proc=NS(pid=100 + r)),
+    return [NS(rank=r, local_rank=r, active=NS(proc=NS(pid=100 + r)), device_uuid=None,
                shadow=NS(proc=NS(pid=200 + r), level=lv, ready=True))
             for r, lv in levels.items()]
 
@@ -164,3 +167,18 @@ def test_an_active_the_driver_does_not_list_beside_its_listed_shadow_holds_nothi
     ctl = ShadowLevels(PreinitPolicy(), nvml=hidden)
     ctl.decide(0.0, slots)
     assert ctl.last["seen"][0]["active_peak"] == 60 * GIB, ctl.last
+
+
+def test_a_device_is_observed_by_the_uuid_its_active_reported_not_its_cuda_ordinal():
+    """CUDA numbers devices fastest first by default, NVML in PCI order: local rank 0's
+    device may be NVML's 1.  Here NVML's device 0 is nearly full and device 1 roomy."""
+    dev = Device()
+    l3 = DEFAULT_COSTS.l3
+    dev.held = {0: {999: int(79.5 * GIB)}, 1: {100: 10 * GIB, 200: l3}}
+    slots = _slots({0: "L3"})
+    by_ordinal = ShadowLevels(PreinitPolicy(), nvml=dev).decide(0.0, slots)
+    assert by_ordinal is not None and by_ordinal[0][0] < Level.L3       # the wrong device
+    slots[0].device_uuid = "GPU-1"
+    ctl = ShadowLevels(PreinitPolicy(), nvml=dev)
+    assert ctl.decide(0.0, slots) is None                               # L3 fits on its own
+    assert ctl.last["seen"][0]["free"] == dev.total - 10 * GIB - l3, ctl.last
