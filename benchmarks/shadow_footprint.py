@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     ap.add_argument("--lazy", action="store_true")
     for k in ("stack", "stack-after", "fifo", "heap", "max-ctas"):
         ap.add_argument("--" + k, type=int)
-    ap.add_argument("--cases", help="only the cases whose name contains this text")
+    ap.add_argument("--cases", help="only the cases whose name this regular expression finds")
     ap.add_argument("--no-kernels", action="store_true",
                     help="skip Leto's kernels (they add nothing nvidia-smi shows; no build)")
     ap.add_argument("--json")
@@ -224,7 +224,9 @@ def main(argv=None) -> int:
         print("shadow_footprint: needs a CUDA GPU and nvidia-smi (per-process accounting)",
               file=sys.stderr)
         return 2
-    rows = [measure(*c, no_kernels=a.no_kernels) for c in CASES if not a.cases or a.cases in c[0]]
+    import re
+    rows = [measure(*c, no_kernels=a.no_kernels) for c in CASES
+            if not a.cases or re.search(a.cases, c[0])]
     md = _md(rows)
     print(md)
     if a.json:
