@@ -278,10 +278,17 @@ def prepare(ss: StateSet, up, *, rank: int, initialize, gather=None, fire=_noop,
         fire("recovery.localize", step=None)
         t0 = time.monotonic()
         loc = client.localize()
+        t1 = time.monotonic()
         if any(m.unmapped for m in loc.marks.values()):
             client.remap()
+        t2 = time.monotonic()
         reconstruct(client, [MARKER], clear=True, backend=backend)
-        phase("localize", time.monotonic() - t0, pages=loc.failed())
+        # its parts, for the per-1,000-pages figure (issue 22): the device probe, the state
+        # manager's share (host scan, marks, the keeper's commit), the remap, the marker
+        phase("localize", time.monotonic() - t0, pages=loc.failed(),
+              probed=loc.device_pages_probed, probe_s=loc.device_probe_s,
+              sm_s=loc.total_s - loc.device_probe_s, host_scanned=loc.host_pages_scanned,
+              remap_s=t2 - t1, marker_s=time.monotonic() - t2)
     rec = up.marker.read()
     if not rec.initialized:
         initialize()
