@@ -49,13 +49,16 @@ class Sampler(threading.Thread):
             except Exception:
                 pass
 
-    def most(self, pid: int, until: float = float("inf")) -> int:
-        return max((got.get(pid, 0) for t, got in self.samples if t < until), default=0)
+    def most(self, pid: int, until: float = float("inf"), since: float | None = None) -> int:
+        return max((got.get(pid, 0) for t, got in self.samples
+                    if t < until and (since is None or t >= since)), default=0)
 
 
-def shadow_memory(sampler: Sampler, evs: list[dict]) -> dict[str, list[int]]:
+def shadow_memory(sampler: Sampler, evs: list[dict],
+                  waiting_after_s: float | None = None) -> dict[str, list[int]]:
     """MiB each fresh shadow held while it was a shadow (until its promotion or exit), by the
-    level it reported ready at."""
+    level it reported ready at; with `waiting_after_s`, only from that long after its
+    readiness on (what it holds while it waits, its set-up's peak left out)."""
     out: dict[str, list[int]] = {}
     for e in evs:
         if e["event"] != "spawn" or e.get("role") != "shadow":
@@ -65,8 +68,9 @@ def shadow_memory(sampler: Sampler, evs: list[dict]) -> dict[str, list[int]]:
             continue                      # killed or promoted before it reached its level
         ends = [x["mono"] for x in evs if x.get("pid") == e["pid"]
                 and x["event"] in ("promote", "exit") and x.get("mono") is not None]
+        since = None if waiting_after_s is None else ready[0]["mono"] + waiting_after_s
         out.setdefault(ready[0]["level"], []).append(
-            sampler.most(e["pid"], min(ends, default=float("inf"))) >> 20)
+            sampler.most(e["pid"], min(ends, default=float("inf")), since) >> 20)
     return out
 
 

@@ -44,6 +44,8 @@ CASES = [  # name, level, extra environment, child options
     ("L3, NCCL_MAX_NCHANNELS=8", "L3", {"NCCL_MAX_NCHANNELS": "8"}, []),
     ("L3, NCCL_MAX_NCHANNELS=16", "L3", {"NCCL_MAX_NCHANNELS": "16"}, []),
     ("L3, config max_ctas=2", "L3", {}, ["--max-ctas", "2"]),
+    ("L3, config max_ctas=1", "L3", {}, ["--max-ctas", "1"]),
+    ("L3, stack 0 + config max_ctas=1", "L3", {}, ["--stack", "0", "--max-ctas", "1"]),
     ("L3, NCCL_RUNTIME_CONNECT=1", "L3", {"NCCL_RUNTIME_CONNECT": "1"}, []),
     ("L3, stack 0 + NCCL_MAX_NCHANNELS=2", "L3", {"NCCL_MAX_NCHANNELS": "2"}, ["--stack", "0"]),
     ("L3 lazy (group, no communicator)", "L3", {}, ["--lazy"]),

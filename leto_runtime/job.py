@@ -146,9 +146,7 @@ class Job:
     def _init_pg(self) -> None:
         ctx = self.ctx
         timeout = datetime.timedelta(seconds=ctx.pg_timeout)
-        kw = {}
-        if self.backend == "nccl":
-            kw["device_id"] = self.device
+        kw = levels.group_options(self.backend, self.device, ctx.world_size, self.inplace)
         if dist.is_initialized():
             self._adopt_pg()
         elif self.inplace:

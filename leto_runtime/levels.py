@@ -51,6 +51,23 @@ def device_up(job) -> None:
     exit_notice.check_fence()          # the context's device files must sit above the fence
 
 
+def group_options(backend: str, device, world_size: int, inplace: bool) -> dict:
+    """init_process_group's keyword arguments.  NCCL: the communicator eagerly, on the job's
+    device (L3 is the communicator made).  In place at world size 1 it has one channel: a
+    one-rank communicator moves no data (its collectives are a copy or nothing), but NCCL gives
+    it 64 channels of ~6 MiB each, which a waiting shadow would hold beside its active for
+    nothing (docs/PREINIT.md, "A smaller L3")."""
+    if backend != "nccl":
+        return {}
+    kw = {"device_id": device}
+    if inplace and world_size == 1:
+        import torch.distributed as dist
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.config.max_ctas = 1
+        kw["pg_options"] = opts
+    return kw
+
+
 def wait_below_l3(job, t0: float) -> None:
     """A shadow at L1 or L2: ready now, promoted here, then up through the missing levels.  A
     process that already holds a CUDA context (a survivor demoted in process) is at L2, whatever

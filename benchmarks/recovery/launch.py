@@ -266,6 +266,9 @@ def run_system(argv: list[str], env: dict, run_dir: str, schedule: list[tuple[fl
     finally:
         teardown(proc, marker)
     files.poll()
+    steps = [r for r in files.records if r["ev"] == "step"]
+    if t_first is None and steps:        # a run that ended between two polls
+        t_first = min(r["t0"] for r in steps)
     code = proc.returncode if not timed_out else None
     return Launch(argv=argv, run_dir=run_dir, exit_code=code, timed_out=timed_out,
                   wall_s=time.monotonic() - t_launch, t_launch=t_launch, t_first_step=t_first,

@@ -122,7 +122,7 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "preinit_horizon": ("LETO_PREINIT_HORIZON", seconds, 30.0),
     "preinit_raise_hold": ("LETO_PREINIT_RAISE_HOLD", seconds, 60.0),
     # a waiting shadow's per-thread stack limit (leto_runtime/ctx_limits.py): bytes, or off
-    "shadow_stack": ("LETO_SHADOW_STACK", _bytes_or_off, None),
+    "shadow_stack": ("LETO_SHADOW_STACK", _bytes_or_off, 0),
     # parity codec (leto_runtime/parity): docs/PARITY.md
     "parity_delta": ("LETO_PARITY_DELTA", _choice("auto", "pagewise", "syndrome"), "auto"),
     "parity_cuda_variant": ("LETO_PARITY_CUDA_VARIANT", _text, "auto"),  # checked by the extension
@@ -143,9 +143,8 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     # the agent learns of an abrupt death as its exit begins (leto_run/exit_notice.py)
     "exit_notice": ("LETO_EXIT_NOTICE", _flag, True),
     # ... and, with a GPU, when its device work stopped: "auto" (the fence, on a machine with
-    # an NVIDIA device), "on" (as if it had one: the CPU tests of the fence), "off" (the reap;
-    # the default until the order the fence relies on is measured on the GPU)
-    "exit_fence": ("LETO_EXIT_FENCE", _choice("auto", "on", "off"), "off"),
+    # an NVIDIA device), "on" (as if it had one: the CPU tests of the fence), "off" (the reap)
+    "exit_fence": ("LETO_EXIT_FENCE", _choice("auto", "on", "off"), "auto"),
     # the toolchain the kernels are built with (the ecosystem's own variables, read here too)
     "cxx": ("CXX", _text, None),
     "cuda_home": ("CUDA_HOME", _text, None),
