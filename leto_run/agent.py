@@ -219,9 +219,10 @@ class Agent:
             g.stop(f"leto-run received {signal.Signals(e.signum).name}", first_signal=e.signum)
             self.log(f"stopped by {signal.Signals(e.signum).name}; every worker stopped")
             return self._end(e.exit_code, str(e))
-        except (E.RendezvousFailed, E.ControlForged) as e:
+        except (E.RendezvousFailed, E.ControlForged, E.Unrecoverable) as e:
             # A forged value may already have let a process write retained memory: no grace
-            # period in which a SIGTERM handler could checkpoint that state.
+            # period in which a SIGTERM handler could checkpoint that state.  (Unrecoverable:
+            # the in-place procedure found the retained state unsafe to reuse.)
             forged = isinstance(e, E.ControlForged)
             g.stop(str(e), first_signal=signal.SIGKILL if forged else signal.SIGTERM)
             self.log(f"error: {e}")

@@ -121,6 +121,9 @@ class ExitNotices:
         self.enabled = enabled
         self.gpu = machine_has_gpu() if gpu is None else gpu
         self.use_fence = fence
+        # pids whose trainer armed its notice -- and so took its fence below its device files
+        # (leto_runtime.exit_notice); a fence of any other process is never trusted
+        self.armed: set[int] = set()
         self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
         self._pages: dict[int, mmap.mmap] = {}
@@ -176,6 +179,7 @@ class ExitNotices:
                 if state != X.ARMED or armer != pid:
                     time.sleep(ARM_POLL_S)
                     continue
+                self.armed.add(pid)
                 rc = X.timedlock(page, WAIT_SLICE_S)
                 if rc == 0:                    # released cleanly: the pidfd judges the exit
                     X.unlock(page)

@@ -309,7 +309,16 @@ class InplaceRecovery(ShadowLevelMoves):
             if not sp.done:
                 self.events.emit("demote", g, rank=slot.rank, role=sp.role.value,
                                  pid=sp.proc.pid, mode="replace")
-        self.g.kill_and_reap(kill, "collateral", DEMOTE_WAIT_S)
+        left = self.g.kill_and_reap(kill, "collateral", DEMOTE_WAIT_S)
+        notices = self.g.io.notices
+        if left and notices is not None and notices.gpu:
+            # its device files are still held (its fence not quiet): GPU work of generation g
+            # may still write retained memory, so no shadow is promoted onto it
+            raise E.Unrecoverable(
+                f"pid(s) {', '.join(str(sp.proc.pid) for sp in left)} of generation {g} (or a "
+                f"process holding their device files) did not stop within {DEMOTE_WAIT_S:g} s "
+                "of SIGKILL: their GPU work may still write the retained state, so it is not "
+                "reused -- the job stops; restart it (it resumes from its checkpoint)")
 
     def _release(self, g: int, survivors) -> list:
         """Ask each survivor to demote itself; returns those that confirmed in time."""

@@ -98,6 +98,10 @@ class Supervisor:
         verdict = fence_verdict(sp.proc.fence_fd, sp.proc.pid)
         if verdict is None:
             return
+        notices = self.group.io.notices
+        if verdict == "quiet" and sp.proc.pid not in notices.armed:
+            verdict = "untrusted"             # never armed: its fence was never moved below
+        notices.armed.discard(sp.proc.pid)
         mono = time.monotonic()
         sp.proc.fence = verdict
         self.group.forget_fence(sp)

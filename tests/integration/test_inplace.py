@@ -75,6 +75,21 @@ def test_with_the_exit_fence_the_promotion_waits_for_its_verdict(tmp_path, out_d
     assert_nothing_left(evs)
 
 
+def test_a_dead_trainer_whose_device_files_outlive_the_kill_stops_the_job(tmp_path, out_dir):
+    """LETO_EXIT_FENCE=on (as on a GPU machine): the killed trainer's child left its session
+    and holds the fence (as it would hold the dead trainer's device files, and so its GPU work)
+    past the demotion's bound: no shadow is promoted onto the retained state; the job stops
+    with exit 4, saying why, and leaves nothing behind."""
+    ev = tmp_path / "ev.jsonl"
+    r = run(leto(ev, "--inject", "kill:rank=1:step=5", SCRIPT, "setsidchild", "10", "0.1"),
+            base_env(out_dir, LETO_EXIT_FENCE="on"), timeout=150)
+    assert r.returncode == 4, r.stderr[-4000:]
+    assert "did not stop within 10 s of SIGKILL" in r.stderr and "not reused" in r.stderr
+    evs = events(ev)
+    assert of(evs, "failure_detected") and not of(evs, "promote", generation=1)
+    assert_nothing_left(evs)
+
+
 def test_two_failures_in_successive_generations(tmp_path, out_dir):
     ev = tmp_path / "ev.jsonl"
     r = run(leto(ev, "--inject", "kill:rank=1:step=3", "--inject", "kill:rank=0:step=6:gen=1",

@@ -9,6 +9,8 @@ usage: inplace.py MODE [STEPS] [SLEEP]
                 datagram cuda/lend_alloc.cpp sends for 1 GiB (leto_runtime.rmu.lend)
   forkchild     as ok, and active rank 1 of generation 0 forks a child that sleeps (a
                 data-loader worker: it holds the exit fence as it would hold device files)
+  setsidchild   as forkchild, and the child leaves the trainer's session (setsid): the
+                agent's kill of the dead trainer's group does not reach it
 
 Active: announce in-place mode, form the generation's gloo group over
 PrefixStore(pg_prefix(gen, epoch), worker store), train.  Shadow: form the group first (level
@@ -44,8 +46,11 @@ def form_group() -> float:
 
 
 if ctx.role == "active":
-    if MODE == "forkchild" and ctx.rank == 1 and ctx.generation == 0 and os.fork() == 0:
-        time.sleep(600)
+    if MODE in ("forkchild", "setsidchild") and ctx.rank == 1 and ctx.generation == 0 \
+            and os.fork() == 0:
+        if MODE == "setsidchild":
+            os.setsid()
+        time.sleep(60)
         os._exit(0)
     promotion.announce_inplace()
     form_group()
