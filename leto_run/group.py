@@ -154,22 +154,23 @@ class WorkerGroup:
         if fence is not None:
             env[C.LETO_EXIT_FENCE_FD] = str(fence[1])
             passed += (fence[1],)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
+        out_r = out_w = err_r = err_w = None
         try:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
             proc = spawn(list(self.spec.argv), env, stdout=out_w, stderr=err_w,
                          pass_fds=passed)
         except BaseException:
             if notice is not None:
                 notice[1].close()
-            if fence is not None:
-                os.close(fence[0])
+            for fd in (out_r, err_r, fence[0] if fence else None):
+                if fd is not None:
+                    os.close(fd)
             raise
         finally:
-            os.close(out_w)
-            os.close(err_w)
-            for fd in passed:
-                os.close(fd)            # the child's now: the fence's EOF must be its alone
+            for fd in (out_w, err_w, *passed):
+                if fd is not None:
+                    os.close(fd)        # the child's now: the fence's EOF must be its alone
         if notice is not None:
             notices.watch(proc.pid, notice[1])
         if fence is not None:
@@ -274,6 +275,8 @@ class WorkerGroup:
             sp.exit_note = {why: not sp.done}
             if not sp.done:
                 sp.move(ProcState.STOPPING)
+            if sp.proc.status is not None:
+                continue        # reaped (waited for its fence): its pid may be another's now
             kids = sp.proc.snapshot_descendants()
             sp.proc.send_group(signal.SIGKILL)       # its group may outlive it
             kill_pids(kids)

@@ -62,8 +62,11 @@ def group_options(backend: str, device, world_size: int, inplace: bool) -> dict:
     kw = {"device_id": device}
     if inplace and world_size == 1:
         import torch.distributed as dist
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.config.max_ctas = 1
+        try:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts.config.max_ctas = 1
+        except AttributeError:          # a torch without NCCL's config: its default channels
+            return kw
         kw["pg_options"] = opts
     return kw
 

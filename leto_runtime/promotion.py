@@ -143,8 +143,8 @@ def wait_for_promotion(ctx: Context, store, slice_s: float = WAKE_POLL_S) -> flo
             _woken.wait(slice_s)
             _woken.clear()
     finally:
-        woke = time.monotonic()
         ctx_limits.restore()            # the driver's default again, before its first kernel
+    woke = time.monotonic()
     beats.send("promoted", None, json.dumps({"mono": woke}))
     return woke
 

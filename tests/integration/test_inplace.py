@@ -81,8 +81,8 @@ def test_a_dead_trainer_whose_device_files_outlive_the_kill_stops_the_job(tmp_pa
     past the demotion's bound: no shadow is promoted onto the retained state; the job stops
     with exit 4, saying why, and leaves nothing behind."""
     ev = tmp_path / "ev.jsonl"
-    r = run(leto(ev, "--inject", "kill:rank=1:step=5", SCRIPT, "setsidchild", "10", "0.1"),
-            base_env(out_dir, LETO_EXIT_FENCE="on"), timeout=150)
+    r = run(leto(ev, "--shutdown-timeout", "3", "--inject", "kill:rank=1:step=5", SCRIPT,
+                 "setsidchild", "10", "0.1"), base_env(out_dir, LETO_EXIT_FENCE="on"), timeout=150)
     assert r.returncode == 4, r.stderr[-4000:]
     assert "did not stop within 10 s of SIGKILL" in r.stderr and "not reused" in r.stderr
     evs = events(ev)

@@ -9,8 +9,8 @@ usage: inplace.py MODE [STEPS] [SLEEP]
                 datagram cuda/lend_alloc.cpp sends for 1 GiB (leto_runtime.rmu.lend)
   forkchild     as ok, and active rank 1 of generation 0 forks a child that sleeps (a
                 data-loader worker: it holds the exit fence as it would hold device files)
-  setsidchild   as forkchild, and the child leaves the trainer's session (setsid): the
-                agent's kill of the dead trainer's group does not reach it
+  setsidchild   as forkchild, and the child daemonizes (setsid, fork again): neither the
+                agent's kill of the dead trainer's group nor of its children reaches it
 
 Active: announce in-place mode, form the generation's gloo group over
 PrefixStore(pg_prefix(gen, epoch), worker store), train.  Shadow: form the group first (level
@@ -48,8 +48,10 @@ def form_group() -> float:
 if ctx.role == "active":
     if MODE in ("forkchild", "setsidchild") and ctx.rank == 1 and ctx.generation == 0 \
             and os.fork() == 0:
-        if MODE == "setsidchild":
+        if MODE == "setsidchild":        # a daemon: its own session, no longer our child
             os.setsid()
+            if os.fork() != 0:
+                os._exit(0)
         time.sleep(60)
         os._exit(0)
     promotion.announce_inplace()
