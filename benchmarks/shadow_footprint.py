@@ -51,23 +51,12 @@ CASES = [  # name, level, extra environment, child options
     ("L3 lazy (group, no communicator)", "L3", {}, ["--lazy"]),
     ("L3 lazy, stack limit 0", "L3", {}, ["--lazy", "--stack", "0"]),
 ]
-_LIMITS = {"stack": 0, "fifo": 1, "heap": 2}     # CUlimit: CU_LIMIT_STACK_SIZE, ..._PRINTF_FIFO_SIZE, ..._MALLOC_HEAP_SIZE
-
-
 def _limit(name: str, value: int | None = None) -> int:
     """Read (or set, then read) a limit of the calling thread's current CUDA context."""
-    import ctypes
-    cu = ctypes.CDLL("libcuda.so.1")
+    from leto_runtime import ctx_limits
     if value is not None:
-        rc = cu.cuCtxSetLimit(ctypes.c_int(_LIMITS[name]), ctypes.c_size_t(value))
-        if rc:
-            raise OSError(f"cuCtxSetLimit({name}, {value}) = {rc}")
-    out = ctypes.c_size_t()
-    rc = cu.cuCtxGetLimit(ctypes.byref(out), ctypes.c_int(_LIMITS[name]))
-    if rc:
-        raise OSError(f"cuCtxGetLimit({name}) = {rc}")
-    return out.value
-READY_S = 300.0
+        ctx_limits.set_limit(name, value)
+    return ctx_limits.get_limit(name)
 
 
 def child(level: str, a) -> None:
@@ -78,7 +67,7 @@ def child(level: str, a) -> None:
         dev = torch.device("cuda", 0)
         torch.cuda.set_device(dev)
         torch.zeros(1, device=dev)
-        info["default_limits"] = {k: _limit(k) for k in _LIMITS}
+        info["default_limits"] = {k: _limit(k) for k in ("stack", "fifo", "heap")}
         for k in ("fifo", "heap", "stack"):
             if getattr(a, k) is not None:
                 _limit(k, getattr(a, k))
@@ -101,7 +90,7 @@ def child(level: str, a) -> None:
         if a.stack_after is not None:
             _limit("stack", a.stack_after)
         torch.cuda.synchronize()
-        info["limits"] = {k: _limit(k) for k in _LIMITS}
+        info["limits"] = {k: _limit(k) for k in ("stack", "fifo", "heap")}
     print("ready " + json.dumps(info), flush=True)
     if sys.stdin.readline().strip() != "promote":
         return                            # the parent closed stdin: done

@@ -20,7 +20,7 @@ import logging
 
 from leto_runtime.wire import settings
 
-_STACK = 0                       # CU_LIMIT_STACK_SIZE
+LIMITS = {"stack": 0, "fifo": 1, "heap": 2}   # CUlimit: CU_LIMIT_STACK_SIZE, _PRINTF_FIFO_SIZE, _MALLOC_HEAP_SIZE
 _saved: int | None = None        # the default shrink() replaced
 _log = logging.getLogger("leto.ctx_limits")
 
@@ -29,19 +29,28 @@ def _driver():
     return ctypes.CDLL("libcuda.so.1")
 
 
-def get_stack() -> int:
-    """The current context's stack limit, bytes per thread."""
+def get_limit(name: str) -> int:
+    """A limit (`LIMITS`) of the calling thread's current context."""
     out = ctypes.c_size_t()
-    rc = _driver().cuCtxGetLimit(ctypes.byref(out), ctypes.c_int(_STACK))
+    rc = _driver().cuCtxGetLimit(ctypes.byref(out), ctypes.c_int(LIMITS[name]))
     if rc:
-        raise OSError(f"cuCtxGetLimit(CU_LIMIT_STACK_SIZE) = {rc}")
+        raise OSError(f"cuCtxGetLimit({name}) = {rc}")
     return out.value
 
 
-def set_stack(nbytes: int) -> None:
-    rc = _driver().cuCtxSetLimit(ctypes.c_int(_STACK), ctypes.c_size_t(nbytes))
+def set_limit(name: str, value: int) -> None:
+    rc = _driver().cuCtxSetLimit(ctypes.c_int(LIMITS[name]), ctypes.c_size_t(value))
     if rc:
-        raise OSError(f"cuCtxSetLimit(CU_LIMIT_STACK_SIZE, {nbytes}) = {rc}")
+        raise OSError(f"cuCtxSetLimit({name}, {value}) = {rc}")
+
+
+def get_stack() -> int:
+    """The current context's stack limit, bytes per thread."""
+    return get_limit("stack")
+
+
+def set_stack(nbytes: int) -> None:
+    set_limit("stack", nbytes)
 
 
 def _cuda_up() -> bool:

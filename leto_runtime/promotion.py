@@ -134,12 +134,15 @@ def wait_for_promotion(ctx: Context, store, slice_s: float = WAKE_POLL_S) -> flo
                         "which verifies the go key")
     from leto_runtime import ctx_limits
     key = C.go_key(ctx.generation, ctx.rank)
-    ctx_limits.shrink()                 # a smaller context while it waits (L2 and L3)
+    waited = False
     try:
         while True:
             # DistNetworkError: the store is gone (restart or end)
             if store.check([key]) and _verified(store, key):
                 break
+            if not waited:              # a smaller context while it waits (L2 and L3)
+                ctx_limits.shrink()
+                waited = True
             _woken.wait(slice_s)
             _woken.clear()
     finally:
