@@ -49,16 +49,19 @@ class Sampler(threading.Thread):
             except Exception:
                 pass
 
-    def most(self, pid: int, until: float = float("inf"), since: float | None = None) -> int:
+    def most(self, pid: int, until: float = float("inf"), since: float | None = None,
+             default: int | None = 0) -> int | None:
+        """The most `pid` held in the samples of [since, until); `default` if there are none."""
         return max((got.get(pid, 0) for t, got in self.samples
-                    if t < until and (since is None or t >= since)), default=0)
+                    if t < until and (since is None or t >= since)), default=default)
 
 
 def shadow_memory(sampler: Sampler, evs: list[dict],
                   waiting_after_s: float | None = None) -> dict[str, list[int]]:
     """MiB each fresh shadow held while it was a shadow (until its promotion or exit), by the
     level it reported ready at; with `waiting_after_s`, only from that long after its
-    readiness on (what it holds while it waits, its set-up's peak left out)."""
+    readiness on (what it holds while it waits, its set-up's peak left out; a shadow promoted
+    sooner has no such samples and is left out)."""
     out: dict[str, list[int]] = {}
     for e in evs:
         if e["event"] != "spawn" or e.get("role") != "shadow":
@@ -69,8 +72,10 @@ def shadow_memory(sampler: Sampler, evs: list[dict],
         ends = [x["mono"] for x in evs if x.get("pid") == e["pid"]
                 and x["event"] in ("promote", "exit") and x.get("mono") is not None]
         since = None if waiting_after_s is None else ready[0]["mono"] + waiting_after_s
-        out.setdefault(ready[0]["level"], []).append(
-            sampler.most(e["pid"], min(ends, default=float("inf")), since) >> 20)
+        most = sampler.most(e["pid"], min(ends, default=float("inf")), since,
+                            default=None if since is not None else 0)
+        if most is not None:
+            out.setdefault(ready[0]["level"], []).append(most >> 20)
     return out
 
 

@@ -51,6 +51,9 @@ CASES = [  # name, level, extra environment, child options
     ("L3 lazy (group, no communicator)", "L3", {}, ["--lazy"]),
     ("L3 lazy, stack limit 0", "L3", {}, ["--lazy", "--stack", "0"]),
 ]
+READY_S = 300.0
+
+
 def _limit(name: str, value: int | None = None) -> int:
     """Read (or set, then read) a limit of the calling thread's current CUDA context."""
     from leto_runtime import ctx_limits

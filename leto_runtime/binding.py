@@ -128,6 +128,26 @@ def preattach(job) -> None:
                 pass
         return
     job.recovery_info["preattach_s"] = time.monotonic() - t0
+    warm_localization(job)
+
+
+def warm_localization(job) -> None:
+    """Shadow, pre-attached: resolve the device-page probe and the reconstruction kernels now
+    (the first use loads the CUDA parity extension: a compiler-identity check and a dlopen) and
+    run the probe once over the mapped pages, so that the promoted trainer's localization is
+    the probe alone.  What this probe finds is discarded: only the one after the failure
+    counts.  A failure here is logged; localization then loads what it needs itself."""
+    from leto_runtime.rmp.reconstruct import prepare_kernels
+    t0 = time.monotonic()
+    try:
+        for st in job.ss.client.states.values():
+            if st.tier == "device" and st.mapped and st.device.startswith("cuda"):
+                st.probe()
+                prepare_kernels(st)
+    except Exception as e:
+        log(f"localization not warmed before promotion ({type(e).__name__}: {e})")
+        return
+    job.recovery_info["warm_localize_s"] = time.monotonic() - t0
 
 
 def attach_at_promotion(job) -> dict:

@@ -10,11 +10,12 @@ the same cache directory (`leto_runtime.wire.kernel_cache`: LETO_EXT_DIR, TORCH_
 ~/.cache/leto/kernels; docs/KERNELS.md), which `leto_testing.base_env` passes on."""
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
-from leto_testing import ROOT, base_env, build_kernels, run, torchrun_cmd
+from leto_testing import ROOT, base_env, build_kernels, run, shared_dir, torchrun_cmd
 
 
 def pytest_sessionstart(session):
@@ -65,19 +66,16 @@ def pytest_runtest_protocol(item, nextitem):
 def gpt_reference(tmp_path_factory):
     """`get(world, steps, **env)`: the directory of a fault-free run of examples/gpt_inplace.py
     under torchrun (plain mode, no fault tolerance: the oracle of the exactness tests), with
-    --out losses and final digests; run once per session for each (world, steps, env)."""
-    cache: dict[tuple, Path] = {}
-
+    --out losses and final digests; run once per test run (all xdist workers) for each
+    (world, steps, env)."""
     def get(world: int, steps: int, **env: str) -> Path:
-        key = (world, steps, tuple(sorted(env.items())))
-        if key not in cache:
-            d = tmp_path_factory.mktemp(f"gpt_ref_w{world}_s{steps}")
+        def build(d: Path) -> None:
             p = run(torchrun_cmd("--standalone", "--nproc-per-node", str(world),
                                  str(ROOT / "examples" / "gpt_inplace.py"), "--steps", str(steps),
                                  "--out", str(d)), base_env(**env), timeout=300)
             assert p.returncode == 0, p.stderr[-3000:]
-            cache[key] = d
-        return cache[key]
+        tag = hashlib.sha256(repr(sorted(env.items())).encode()).hexdigest()[:12]
+        return shared_dir(tmp_path_factory, f"gpt_ref_w{world}_s{steps}_{tag}", build)
     return get
 
 

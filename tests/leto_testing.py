@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -112,10 +113,65 @@ def build_kernels(config=None, *, cuda: bool | None = None, what: str = "") -> l
     return res
 
 
+_PORT_BAND = 500
+_next_port = [random.randrange(_PORT_BAND)]     # another test run on the machine starts elsewhere
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port on 127.0.0.1 that no other test of the run can be handed meanwhile:
+    taken below the kernel's ephemeral range (where bind(0), every store bound to port 0 and
+    every outgoing connection take theirs), from a band of this xdist worker's own, in turn
+    from a random start, skipping any port something on the machine has bound.  (A port from bind(0) is free only
+    until the caller closes it: another test's bind(0) can be handed it before the test's
+    process binds it.)"""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    w = int(worker[2:]) if worker[2:].isdigit() else 0
+    start = max(1024, low - (w + 1) * _PORT_BAND)
+    for _ in range(_PORT_BAND):
+        port = start + _next_port[0] % _PORT_BAND
+        _next_port[0] += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:          # every port of the band taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def shared_dir(tmp_path_factory, name: str, build) -> Path:
+    """The directory `name`, built once per test run by `build(path)` -- by whichever xdist
+    worker asks first, while the others wait on its lock and then reuse it.  For fault-free
+    reference runs: each is a pure function of its name, read (never written) by the tests."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent                       # the run's folder, shared by its workers
+    root = root / "shared"
+    root.mkdir(exist_ok=True)
+    d = root / name
+    with open(root / f"{name}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if (d / ".complete").exists():
+                return d
+            shutil.rmtree(d, ignore_errors=True)  # a build that failed in another worker
+            d.mkdir()
+            build(d)
+            (d / ".complete").touch()
+            return d
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def base_env(out_dir: Path | None = None, **extra) -> dict[str, str]:

@@ -253,6 +253,13 @@ def split_coefficients(k: int, m: int, lost: tuple[int, ...], parity_survivors: 
     return coef, ts, gf16.mat_mul(coef, V)
 
 
+def prepare_kernels(st, backend: str = "auto") -> None:
+    """Load what reconstructing `st` would use (a waiting shadow calls it; nothing is read or
+    written)."""
+    if st.device.startswith("cuda"):
+        _cuda_kernels(backend, st)
+
+
 def _cuda_kernels(backend: str, st):
     """The CUDA kernel backend when `backend` resolves to it for these pages, else None (the
     staged path then goes through `ParityCode`, which warns once for 'auto' falling back)."""

@@ -33,7 +33,7 @@ import pytest
 from fault_matrix import BYO_WIDTH, FULL_SEEDS, byo_args, byo_pages, fault_classes, schedule
 from fault_matrix import STEPS as MATRIX_STEPS
 from leto_testing import (ROOT, base_env, compare_runs, events, final_digest, leto_cmd, run,
-                          torchrun_cmd)
+                          shared_dir, torchrun_cmd)
 from matrix_run import run_schedule
 
 SCRIPT = str(ROOT / "examples" / "byo_train.py")
@@ -64,14 +64,11 @@ def _reference(tmp_path: Path, name: str, world: int, args: tuple) -> Path:
 
 @pytest.fixture(scope="module")
 def byo_reference(tmp_path_factory):
-    """`get(world, ddp)`: a fault-free torchrun run of the matrix's script (once per module)."""
-    cache: dict[tuple, Path] = {}
-
+    """`get(world, ddp)`: a fault-free torchrun run of the matrix's script (once per test
+    run)."""
     def get(world: int, ddp: bool) -> Path:
-        if (world, ddp) not in cache:
-            d = tmp_path_factory.mktemp(f"byo_ref_w{world}_{'ddp' if ddp else 'flat'}")
-            cache[world, ddp] = _reference(d, "ref", world, tuple(byo_args(ddp)))
-        return cache[world, ddp]
+        return shared_dir(tmp_path_factory, f"byo_ref_w{world}_{'ddp' if ddp else 'flat'}",
+                          lambda d: _reference(d, "ref", world, tuple(byo_args(ddp)))) / "ref"
     return get
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from leto_testing import (ROOT, assert_nothing_left, base_env, compare_runs, event_waiter,
-                          events, kill_state_manager_until_gone, leto_cmd, of, run, torchrun_cmd)
+                          events, kill_state_manager_until_gone, leto_cmd, of, run, shared_dir,
+                          torchrun_cmd)
 
 SCRIPT = str(ROOT / "examples" / "byo_train.py")
 GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
@@ -37,17 +38,13 @@ def _leto(ev: Path, ck: Path, *args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """`get(steps)`: the fault-free torchrun run of `steps` steps (once per module)."""
-    cache: dict[int, Path] = {}
-
+    """`get(steps)`: the fault-free torchrun run of `steps` steps (once per test run)."""
     def get(steps: int) -> Path:
-        if steps not in cache:
-            d = tmp_path_factory.mktemp(f"ckpt_ref{steps}")
+        def build(d: Path) -> None:
             p = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps",
                                  str(steps), "--out", str(d)), base_env(), timeout=300)
             assert p.returncode == 0, p.stderr[-3000:]
-            cache[steps] = d
-        return cache[steps]
+        return shared_dir(tmp_path_factory, f"ckpt_ref{steps}", build)
     return get
 
 

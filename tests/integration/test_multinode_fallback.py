@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from leto_testing import (ROOT, base_env, compare_runs, events, free_port, leto_cmd, of,
-                          pid_alive, run, torchrun_cmd)
+                          pid_alive, run, shared_dir, torchrun_cmd)
 
 SCRIPT = str(ROOT / "examples" / "byo_train.py")
 GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
@@ -44,11 +44,11 @@ def _listening(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    ref = tmp_path_factory.mktemp("mn_ref")
-    p = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps",
-                         str(STEPS), "--out", str(ref)), base_env(**ENV), timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    return ref
+    def build(ref: Path) -> None:
+        p = run(torchrun_cmd("--standalone", "--nproc-per-node", "2", SCRIPT, "--steps",
+                             str(STEPS), "--out", str(ref)), base_env(**ENV), timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    return shared_dir(tmp_path_factory, "mn_ref", build)
 
 
 @pytest.mark.timeout(600)
