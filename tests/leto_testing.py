@@ -147,7 +147,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def shared_dir(tmp_path_factory, name: str, build) -> Path:
+def shared_dir(tmp_path_factory, name: str, build, wait_s: float = 900.0) -> Path:
     """The directory `name`, built once per test run by `build(path)` -- by whichever xdist
     worker asks first, while the others wait on its lock and then reuse it.  For fault-free
     reference runs: each is a pure function of its name, read (never written) by the tests."""
@@ -161,7 +161,16 @@ def shared_dir(tmp_path_factory, name: str, build) -> Path:
     root.mkdir(exist_ok=True)
     d = root / name
     with open(root / f"{name}.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        end = time.monotonic() + wait_s
+        while True:                  # bounded: the builder's own run has a timeout below this
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"{name}: another worker has been building it for "
+                                       f"{wait_s:g} s") from None
+                time.sleep(0.2)
         try:
             if (d / ".complete").exists():
                 return d
