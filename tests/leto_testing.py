@@ -121,9 +121,9 @@ def free_port() -> int:
     """A free TCP port on 127.0.0.1 that no other test of the run can be handed meanwhile:
     taken below the kernel's ephemeral range (where bind(0), every store bound to port 0 and
     every outgoing connection take theirs), from a band of this xdist worker's own, in turn
-    from a random start, skipping any port something on the machine has bound.  (A port from bind(0) is free only
-    until the caller closes it: another test's bind(0) can be handed it before the test's
-    process binds it.)"""
+    from a random start, skipping any port something on the machine has bound.  (A port from
+    bind(0) is free only until the caller closes it: another test's bind(0) can be handed it
+    before the test's process binds it.)"""
     low = 32768
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
