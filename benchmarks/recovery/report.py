@@ -150,7 +150,10 @@ def _breakdown(f: dict) -> str:
     if rep and rep.get("kind") == "InplaceRecovery":
         ph = rep.get("phases") or {}
         parts = [f"promote {_s(rep.get('promote_s'), 3)}"]
-        parts += [f"{k} {_s(ph[k], 3)}" for k in PHASES if k in ph]
+        from leto_run.report import localize_parts_text
+        loc = localize_parts_text(rep.get("localize_parts") or {})    # issue 22's parts
+        parts += [f"{k} {_s(ph[k], 3)}{loc if k == 'localize' else ''}" for k in PHASES
+                  if k in ph]
         how = (f" ({rep['resume']} step {rep.get('resume_step')})" if rep.get("resume")
                else "")
         return det + ", ".join(parts) + how

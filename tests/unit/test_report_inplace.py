@@ -16,7 +16,10 @@ def inplace_events():
         ev("promoted", 1, 10.011, rank=0), ev("promoted", 1, 10.015, rank=1),
         ev("phase", 1, 10.020, rank=0, phase="attach", seconds=0.004),
         ev("phase", 1, 10.021, rank=1, phase="attach", seconds=0.006),
-        ev("phase", 1, 10.022, rank=1, phase="localize", seconds=0.001),
+        ev("phase", 1, 10.022, rank=1, phase="localize", seconds=0.001, probed=3300,
+           probe_s=0.0002, sm_s=0.0005, remap_s=0.0, marker_s=0.0003),
+        ev("phase", 1, 10.022, rank=0, phase="localize", seconds=0.0008, probed=3300,
+           probe_s=0.0001, sm_s=0.0004, remap_s=0.0, marker_s=0.0003),
         ev("phase", 1, 10.023, rank=1, phase="reconstruct", seconds=0.002, pages=3),
         ev("phase", 1, 10.024, rank=0, phase="agree", seconds=0.0005, resume="redo", step=5),
         ev("phase", 1, 10.025, rank=1, phase="resume", seconds=0.02),
@@ -37,7 +40,12 @@ def test_inplace_section():
     assert "generation 0->1 in place: rank 1 Signal 9 (SIGKILL) at step 5" in text
     assert "promotion +13.0 ms" in text and "agreement 0.5 ms (redo step 5)" in text
     assert "recomputed 0 step(s)" in text and "total 30.0 ms" in text
-    assert "localization 1.0 ms" in text and "finish -" in text
+    assert "finish -" in text
+    # the slowest rank's localization, by part (issue 22: where its milliseconds go)
+    assert r.localize_parts == {"probed": 3300, "probe_s": 0.0002, "sm_s": 0.0005,
+                                "remap_s": 0.0, "marker_s": 0.0003}
+    assert ("localization 1.0 ms (probe 0.2 ms for 3,300 pages, state manager 0.5 ms, "
+            "remap 0.0 ms, marker 0.3 ms)") in text
 
 
 def test_two_inplace_recoveries_and_no_phases():
