@@ -15,7 +15,8 @@ Levels (a shadow's GPU footprint grows with each):
 The rules:
 - `choose_level`: the highest level, at most the policy's (`auto` = L3, or a pinned L1|L2|L3)
   and at most the *cap*, at which the device keeps `margin` bytes free after the active's
-  projected growth (its peak trend over `horizon_s`).  Going down happens at once (before the
+  projected growth (its peak trend over `horizon_s`, or over as many seconds as the trend's
+  samples span, if fewer).  Going down happens at once (before the
   active's peak reaches the shadow's memory); going up waits until `raise_hold_s` passed since
   the last step down and needs twice the margin, so a level is not rebuilt and reclaimed in a
   loop.  A pinned level that does not fit runs at the level that does, with a warning reason.
@@ -84,16 +85,20 @@ class PreinitPolicy:
 class MemoryObservation:
     """One device, now: `free` as the driver reports it (cudaMemGetInfo: every process's
     memory counted), `shadows` the local shadows on it and their current level, the active's
-    peak (reserved bytes, over the controller's window) and its trend (bytes/s, `peak_trend`)."""
+    peak (reserved bytes, over the controller's window) and its trend (bytes/s, `peak_trend`)
+    with the seconds of samples it was drawn from (`trend_span`)."""
     total: int
     free: int
     active_peak: int
     trend: float = 0.0
     shadows: int = 1
+    trend_span: float = math.inf    # seconds of samples behind the trend
+
 
     def __post_init__(self) -> None:
         if self.total <= 0 or not 0 <= self.free <= self.total or self.active_peak < 0 \
-                or self.shadows < 0 or not math.isfinite(self.trend):
+                or self.shadows < 0 or not math.isfinite(self.trend) \
+                or not self.trend_span >= 0:
             raise ValueError(f"impossible memory observation: {self}")
 
 
@@ -109,13 +114,19 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
+def projection_s(obs: MemoryObservation, horizon_s: float) -> float:
+    """How far ahead the trend is projected: the horizon, but never further than the samples
+    behind it reach back (a slope seen for 1 s says nothing about the next 30 s)."""
+    return min(horizon_s, obs.trend_span)
+
+
 def headroom_at(obs: MemoryObservation, costs: LevelCosts, current: Level, level: Level,
                 horizon_s: float) -> float:
     """Bytes the device would keep free with every local shadow at `level` instead of
-    `current`, after the active's projected growth over `horizon_s` (a falling trend counts 0:
-    memory the active released may come back at once)."""
+    `current`, after the active's projected growth over `projection_s` (a falling trend counts
+    0: memory the active released may come back at once)."""
     freed = obs.shadows * (costs.of(current) - costs.of(level))
-    return obs.free + freed - max(0.0, obs.trend) * horizon_s
+    return obs.free + freed - max(0.0, obs.trend) * projection_s(obs, horizon_s)
 
 
 def choose_level(obs: MemoryObservation, policy: PreinitPolicy, costs: LevelCosts,
@@ -131,7 +142,7 @@ def choose_level(obs: MemoryObservation, policy: PreinitPolicy, costs: LevelCost
     room = headroom_at(obs, costs, current, best, policy.horizon_s)
     why = (f"{_gib(room)} would stay free at {best.name} (margin {_gib(policy.margin)}; "
            f"active peak {_gib(obs.active_peak)}, trend {_gib(obs.trend)}/s over "
-           f"{policy.horizon_s:g} s)")
+           f"{projection_s(obs, policy.horizon_s):.3g} s)")
     pinned_short = policy.mode != "auto" and best < policy.top
     warn = (f"preinit {policy.mode} does not fit this device now; the shadow runs at {best.name}: "
             if pinned_short and cap >= policy.top else "")

@@ -11,7 +11,8 @@ What it observes (GPU, through NVML: `leto_run.nvml`), per local rank's device, 
 `TICK_S`: total and free bytes; the bytes the active holds (its process's; none where the driver
 lists the shadow's pid and not the active's; everything on the device but the shadows where the
 driver hides processes), kept over `WINDOW_S` for the peak and
-its trend (`preinit.peak_trend`); and what each shadow holds at its level, which refines the
+its trend (`preinit.peak_trend`; the trend only once the active has completed `WARMUP_STEPS`
+steps in its role: the ramp of its set-up is no trend); and what each shadow holds at its level, which refines the
 level costs (the defaults are the H200 figures of docs/BENCHMARKS.md).  Without a driver (CPU)
 there is nothing to observe: the shadows run at the policy's level, and only an injected
 `preinit` (tests) moves them.
@@ -38,6 +39,7 @@ from leto_run.slot import RankSlot
 
 TICK_S = 0.5                 # how often the devices are sampled
 WINDOW_S = 30.0              # the active's peak and trend are taken over this window
+WARMUP_STEPS = 3             # an active's first steps allocate its set-up: not a trend
 MIB = 1 << 20
 DEFAULT_COSTS = LevelCosts(l2=612 * MIB, l3=1170 * MIB)   # H200, docs/BENCHMARKS.md
 RECLAIM_SLACK = 64 * MIB     # what cuda/lend_alloc.cpp waits for beyond the request (reclaim_slack)
@@ -51,6 +53,8 @@ class ShadowLevels:
         self.last_down = -math.inf
         self.next_tick = 0.0
         self.samples: dict[int, deque] = {}          # rank -> (mono, active bytes)
+        self.trend_samples: dict[int, deque] = {}    # rank -> (mono, active bytes), warm only
+        self.trend_pid: dict[int, int | None] = {}   # rank -> the active they were taken of
         self.chosen: dict[int, Level] = {}           # rank -> the level decided last
         self.seen_costs: dict[Level, int] = {}
         self.last: dict = {}                         # what the last decision saw and why
@@ -166,10 +170,19 @@ class ShadowLevels:
             active = max(0, total - free - shadow)
         q = self.samples.setdefault(s.rank, deque())
         q.append((now, active))
-        while q and q[0][0] < now - WINDOW_S:
-            q.popleft()
+        t = self.trend_samples.setdefault(s.rank, deque())
+        pid = act.proc.pid if act is not None else None
+        if self.trend_pid.get(s.rank) != pid:
+            t.clear()                    # a new active: its predecessor's growth is not its own
+            self.trend_pid[s.rank] = pid
+        if _warm(act):
+            t.append((now, active))
+        for d in (q, t):
+            while d and d[0][0] < now - WINDOW_S:
+                d.popleft()
         return MemoryObservation(total=total, free=min(free, total),
-                                 active_peak=max(b for _, b in q), trend=peak_trend(list(q)),
+                                 active_peak=max(b for _, b in q), trend=peak_trend(list(t)),
+                                 trend_span=t[-1][0] - t[0][0] if t else 0.0,
                                  shadows=1 if sh is not None else 0)
 
     def _learn(self, level: Level, held: int) -> None:
@@ -179,3 +192,13 @@ class ShadowLevels:
         l2 = self.seen_costs.get(Level.L2, self.costs.l2)
         l3 = max(l2, self.seen_costs.get(Level.L3, self.costs.l3))
         self.costs = LevelCosts(l2=l2, l3=l3)
+
+
+def _warm(act) -> bool:
+    """The active has completed `WARMUP_STEPS` steps in its role.  Before, its memory ramps up
+    from nothing (activations, the optimizer's lazily created state, the caching allocator's
+    segments) within seconds: a slope drawn from that ramp, projected over the horizon, reads a
+    job that fits as one about to run out and takes the shadows down for nothing.  Its peak
+    counts from the first sample; its trend only from here."""
+    return (act is not None and act.first_step is not None and act.step is not None
+            and act.step - act.first_step >= WARMUP_STEPS)

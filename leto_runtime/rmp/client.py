@@ -329,7 +329,8 @@ class RmpClient:
         for n, st in self.states.items():
             st.marks = marks.get(n, Marks())
         return LocalizeReport(marks, probed, t1 - t0, h["host_pages_scanned"], h["host_scan_s"],
-                              time.perf_counter() - t0)
+                              time.perf_counter() - t0, float(h.get("commit_s", 0.0)),
+                              int(h.get("host_pages_deferred", 0)))
 
     def remap(self, names: list[str] | None = None) -> list[dict]:
         """Fresh memory behind every failed page; mapped here in place (other pages untouched)."""

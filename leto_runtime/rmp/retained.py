@@ -57,6 +57,8 @@ class LocalizeReport:
     host_pages_scanned: int
     host_scan_s: float
     total_s: float
+    commit_s: float = 0.0              # the keeper's commit of new marks (none: nothing new)
+    host_deferred: int = 0             # host pages left to the state manager's background scan
 
     def failed(self) -> int:
         return sum(m.count() for m in self.marks.values())

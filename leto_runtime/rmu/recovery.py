@@ -288,7 +288,8 @@ def prepare(ss: StateSet, up, *, rank: int, initialize, gather=None, fire=_noop,
         phase("localize", time.monotonic() - t0, pages=loc.failed(),
               probed=loc.device_pages_probed, probe_s=loc.device_probe_s,
               sm_s=loc.total_s - loc.device_probe_s, host_scanned=loc.host_pages_scanned,
-              remap_s=t2 - t1, marker_s=time.monotonic() - t2)
+              host_scan_s=loc.host_scan_s, host_deferred=loc.host_deferred,
+              commit_s=loc.commit_s, remap_s=t2 - t1, marker_s=time.monotonic() - t2)
     rec = up.marker.read()
     if not rec.initialized:
         initialize()

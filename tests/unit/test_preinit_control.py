@@ -3,7 +3,8 @@ driver's figures, against a device simulator that keeps its own books (the same 
 tests/unit/test_preinit.py): the active's memory grows towards the device's size and back; the
 controller's levels, applied to the simulated shadows, never let the device run out, and a fixed
 L3 shadow does.  Also: what a shadow at a level holds refines the level costs; a lost sample
-decides nothing; a pinned (injected) level applies at once; without a driver (CPU) the shadows
+decides nothing; the ramp of an active's first steps (its set-up) is no trend, and a new
+active's trend starts afresh; a pinned (injected) level applies at once; without a driver (CPU) the shadows
 run at the policy's level.  The NVML binding itself runs on the GPU (tests/gpu/test_preinit_gpu.py).
 """
 from __future__ import annotations
@@ -43,7 +44,8 @@ class Device:
 
 
 def _slots(levels: dict[int, str]):
-    return [NS(rank=r, local_rank=r, active=NS(proc=NS(pid=100 + r)), device_uuid=None,
+    return [NS(rank=r, local_rank=r, active=NS(proc=NS(pid=100 + r), first_step=0, step=10),
+               device_uuid=None,
                shadow=NS(proc=NS(pid=200 + r), level=lv, ready=True))
             for r, lv in levels.items()]
 
@@ -182,3 +184,56 @@ def test_a_device_is_observed_by_the_uuid_its_active_reported_not_its_cuda_ordin
     ctl = ShadowLevels(PreinitPolicy(), nvml=dev)
     assert ctl.decide(0.0, slots) is None                               # L3 fits on its own
     assert ctl.last["seen"][0]["free"] == dev.total - 10 * GIB - l3, ctl.last
+
+
+def test_an_active_s_set_up_ramp_is_no_trend_and_a_new_active_starts_afresh():
+    """Seen on an H100 (recovery harness, 2026-12-06): an active that filled 18 of 80 GiB in its
+    first steps had a slope of 6.6 GiB/s, which over the 30 s horizon read as 199 GiB of
+    growth, and the shadow went to L1 for nothing.  Its warm-up steps now set its peak only, a
+    trend is projected no further than its samples reach back, and growth during training
+    still takes the shadow down before the device runs out (here 18 GiB of set-up on a 25 GiB
+    device, then 6 GiB of growth that does not fit beside an L3 shadow)."""
+    def run(grow_from_step: int | None, promote_at: float | None = None):
+        dev = Device(total=25 * GIB)
+        ctl = ShadowLevels(PreinitPolicy(margin=GIB, horizon_s=30, raise_hold_s=60), nvml=dev)
+        slots = _slots({0: "L3"})
+        act = slots[0].active
+        moves, set_up_from = [], 0
+        for k in range(120):                              # 0.5 s samples and steps
+            now = k * 0.5
+            act.step = k
+            if promote_at is not None and now == promote_at:   # a promoted shadow: new pid,
+                act.proc.pid, act.first_step, set_up_from = 300, k, k   # its set-up again
+            held = 18 * GIB * min(k - set_up_from, 2) // 2         # set-up: two steps
+            if grow_from_step is not None:
+                held += GIB // 4 * min(max(k - grow_from_step, 0), 24)
+            dev.held = {0: {act.proc.pid: held,
+                            200: DEFAULT_COSTS.of(Level[slots[0].shadow.level])}}
+            assert not dev.oom(), (now, moves)
+            d = ctl.decide(now, slots)
+            if d is not None:
+                slots[0].shadow.level = d[0][0].name
+                moves.append((now, d[0][0].name, d[1]))
+        return moves, ctl
+
+    moves, ctl = run(grow_from_step=None)
+    assert moves == [], moves
+    assert ctl.last["seen"][0]["active_peak"] == 18 * GIB and ctl.last["seen"][0]["trend"] == 0
+    moves, _ = run(grow_from_step=None, promote_at=40.0)   # the promoted trainer sets up again
+    assert moves == [], moves
+    moves, _ = run(grow_from_step=40)                       # growth in training
+    assert moves and moves[0][1] in ("L1", "L2") and "trend" in moves[0][2], moves
+
+
+def test_a_trend_is_projected_no_further_than_its_samples_reach_back():
+    from leto_run.preinit import MemoryObservation, choose_level, headroom_at
+    pol = PreinitPolicy(margin=GIB, horizon_s=30)
+    young = MemoryObservation(total=80 * GIB, free=40 * GIB, active_peak=30 * GIB,
+                              trend=2 * GIB, trend_span=1.0)
+    old = MemoryObservation(total=80 * GIB, free=40 * GIB, active_peak=30 * GIB,
+                            trend=2 * GIB, trend_span=60.0)
+    assert headroom_at(young, DEFAULT_COSTS, Level.L3, Level.L3, 30) == 38 * GIB
+    assert headroom_at(old, DEFAULT_COSTS, Level.L3, Level.L3, 30) == -20 * GIB
+    assert choose_level(young, pol, DEFAULT_COSTS, Level.L3, Level.L3, 1e9).level == Level.L3
+    d = choose_level(old, pol, DEFAULT_COSTS, Level.L3, Level.L3, 1e9)
+    assert d.level == Level.L1 and "over 30 s" in d.reason, d

@@ -17,7 +17,8 @@ def inplace_events():
         ev("phase", 1, 10.020, rank=0, phase="attach", seconds=0.004),
         ev("phase", 1, 10.021, rank=1, phase="attach", seconds=0.006),
         ev("phase", 1, 10.022, rank=1, phase="localize", seconds=0.001, probed=3300,
-           probe_s=0.0002, sm_s=0.0005, remap_s=0.0, marker_s=0.0003),
+           probe_s=0.0002, sm_s=0.0005, host_scanned=4, host_scan_s=0.0001, host_deferred=150,
+           commit_s=0.0, remap_s=0.0, marker_s=0.0003),
         ev("phase", 1, 10.022, rank=0, phase="localize", seconds=0.0008, probed=3300,
            probe_s=0.0001, sm_s=0.0004, remap_s=0.0, marker_s=0.0003),
         ev("phase", 1, 10.023, rank=1, phase="reconstruct", seconds=0.002, pages=3),
@@ -43,9 +44,11 @@ def test_inplace_section():
     assert "finish -" in text
     # the slowest rank's localization, by part (issue 22: where its milliseconds go)
     assert r.localize_parts == {"probed": 3300, "probe_s": 0.0002, "sm_s": 0.0005,
-                                "remap_s": 0.0, "marker_s": 0.0003}
-    assert ("localization 1.0 ms (probe 0.2 ms for 3,300 pages, state manager 0.5 ms, "
-            "remap 0.0 ms, marker 0.3 ms)") in text
+                                "host_scanned": 4, "host_scan_s": 0.0001, "host_deferred": 150,
+                                "commit_s": 0.0, "remap_s": 0.0, "marker_s": 0.0003}
+    assert ("localization 1.0 ms (probe 0.2 ms for 3,300 pages, state manager 0.5 ms "
+            "[host scan 0.1 ms for 4 pages, 150 deferred; commit 0.0 ms], remap 0.0 ms, "
+            "marker 0.3 ms)") in text
 
 
 def test_two_inplace_recoveries_and_no_phases():
