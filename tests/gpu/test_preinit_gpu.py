@@ -113,11 +113,21 @@ def _memory_reference(tmp_path, args):
     return ref
 
 
+def _shadow_mib(evs) -> int | None:
+    """What the ready L3 shadow holds now, as NVML accounts it (None where pids are hidden)."""
+    from leto_run.nvml import Nvml
+    pid = [e["pid"] for e in evs if e["event"] == "shadow_ready" and e.get("level") == "L3"][-1]
+    nv = Nvml.open()
+    held = nv.process_bytes(nv.physical(torch.cuda.current_device())).get(pid) if nv else None
+    return None if held is None else held >> 20
+
+
 def _memory_run(tmp_path, args, env_extra, free_mib, until=None):
     """memory_train.py under leto-run (shadow at L3, auto); once the active waits before its
     memory moves, this process fills the device so that `free_mib` MiB stay free beside the L3
-    shadow; then the script goes on.  `until(events)` says when the script may train on after
-    its growth (None: at once).  (rc, stderr, events, MiB free before the move)."""
+    shadow (a callable: of what the shadow holds, MiB); then the script goes on.
+    `until(events)` says when the script may train on after its growth (None: at once).
+    (rc, stderr, events, MiB free before the move)."""
     import subprocess
     import time
     from leto_testing import ROOT, base_env, leto_cmd
@@ -141,6 +151,8 @@ def _memory_run(tmp_path, args, env_extra, free_mib, until=None):
                 f"never reached the memory change: {proc.stderr.read()[-3000:] if proc.poll() is not None else ''}"
             time.sleep(0.1)
         torch.zeros(1, device="cuda")
+        if callable(free_mib):
+            free_mib = free_mib(_shadow_mib(_events(ev)))
         free0 = torch.cuda.mem_get_info()[0]
         ballast = torch.empty(free0 - (free_mib << 20), dtype=torch.uint8, device="cuda")
         torch.cuda.synchronize()
@@ -160,6 +172,16 @@ def _memory_run(tmp_path, args, env_extra, free_mib, until=None):
     return proc.returncode, stderr, _events(ev), left
 
 
+def _beside_spike(shadow_mib: int | None) -> int:
+    """Free MiB beside the L3 shadow such that the spike does not fit, but fits once the
+    shadow's memory is reclaimed (with the 64 MiB slack the hook waits for, and 200 to spare):
+    from what the shadow holds now -- a smaller L3 (issue 21, item 4) moved it from 1.3 GiB to
+    0.7 GiB, and a fixed figure then left a spike no reclamation could fit."""
+    shadow = 1000 if shadow_mib is None else shadow_mib
+    assert shadow > 264, f"an L3 shadow holding {shadow} MiB leaves too little to reclaim"
+    return SPIKE_MIB - shadow + 264
+
+
 def test_a_sudden_spike_takes_the_shadow_s_memory_instead_of_an_oom(tmp_path):
     """With the reclaim hook (cuda/lend_alloc.cpp) the spike asks the agent, which relaunches
     the shadow at L1; the active's allocation then succeeds, generation 0 never fails and every
@@ -168,7 +190,7 @@ def test_a_sudden_spike_takes_the_shadow_s_memory_instead_of_an_oom(tmp_path):
     from leto_testing import compare_runs
     args = ["--steps", "8", "--at", "4", "--spike-mib", str(SPIKE_MIB)]
     ref = _memory_reference(tmp_path, args)
-    rc, err, evs, left = _memory_run(tmp_path / "on", args, {}, SPIKE_MIB - 1000)
+    rc, err, evs, left = _memory_run(tmp_path / "on", args, {}, _beside_spike)
     rec = [e for e in evs if e["event"] == "reclaim"]
     print(f"\n=== spike with reclaim: {left} MiB free before it; reclaim events {rec}")
     assert rc == 0, err[-4000:]
@@ -176,7 +198,7 @@ def test_a_sudden_spike_takes_the_shadow_s_memory_instead_of_an_oom(tmp_path):
     assert rec and rec[0]["levels"] == {"0": "L1"}, rec
     assert not [e for e in evs if e["event"] == "hof"], "generation 0 failed"
     compare_runs(ref, tmp_path / "on" / "out", 1, range(8), err[-3000:])
-    rc, err, evs, left = _memory_run(tmp_path / "off", args, CONTROL_OFF, SPIKE_MIB - 1000)
+    rc, err, evs, left = _memory_run(tmp_path / "off", args, CONTROL_OFF, _beside_spike)
     print(f"=== spike without the controller: {left} MiB free before it; rc {rc}")
     assert "out of memory" in err.lower(), err[-4000:]
     assert not [e for e in evs if e["event"] in ("reclaim", "preinit")]
