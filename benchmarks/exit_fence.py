@@ -17,12 +17,17 @@ moment the writes are last seen:
 * **last_write**: the last change of any of the kernel's counters seen by an observer that maps
   the same page (the parent, through its own CUDA context, reading every ~20 us).
 
+`--pages N` has the victim map N more retained pages (created and kept by this process, as a
+state manager keeps them; imported and mapped by the victim as a trainer maps its retained
+state), so the driver's teardown of a trainer with thousands of mappings -- what the fence
+waits for in the recovery harness -- is measured against the count.
+
 The page is a state manager's (`leto_run.state_manager.pages.CudaPages`: cuMemCreate, exported
 as a POSIX fd), mapped by the victim as a trainer maps it (`leto_runtime.rmp.mapping`). The
 writer kernel is built with NVRTC (cuda-python), one thread per SM, each bumping its counter
 until the kill.  Calling contract::
 
-    python -m benchmarks.exit_fence [--repeats N] [--mem-gib G] [--json FILE]
+    python -m benchmarks.exit_fence [--repeats N] [--mem-gib G] [--pages N] [--json FILE]
 
 Needs one CUDA GPU; exit 2 without one; stdout: a table of medians and extremes per signal, and
 for each signal whether it ever came before the last write (a fence must never).
@@ -72,6 +77,10 @@ from leto_runtime.rmp.mapping import CudaMapping
 from benchmarks.exit_fence import spin_kernel
 m = CudaMapping(1, int(sys.argv[3]), 0)
 m.map_pages([(0, int(sys.argv[4]))])
+extra = [int(x) for x in os.environ.get("EXIT_FENCE_PAGE_FDS", "").split(",") if x]
+if extra:                                      # the rest of a trainer's retained state
+    mx = CudaMapping(len(extra), int(sys.argv[3]), 0)
+    mx.map_pages(list(enumerate(extra)))
 launch, sms = spin_kernel()
 from leto_runtime import exit_notice
 fence_ok = exit_notice.check_fence()
@@ -150,7 +159,7 @@ def _nvml_gone(pid: int, out: dict, stop: threading.Event) -> None:
         time.sleep(0.0005)
 
 
-def trial(notices, pages, observe, mem_gib: float) -> dict:
+def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = ()) -> dict:
     from leto_run.exit_notice import fence_verdict
     from leto_runtime.wire import contract as C
     nfd, npage = notices.page()
@@ -159,11 +168,12 @@ def trial(notices, pages, observe, mem_gib: float) -> dict:
     hi_r, hi_w = os.pipe()
     page_fd = pages.create(PAGE)
     os.set_inheritable(page_fd, True)
-    env = dict(os.environ, **{C.LETO_EXIT_NOTICE_FD: str(nfd), C.LETO_EXIT_FENCE_FD: str(fence_w)})
+    env = dict(os.environ, **{C.LETO_EXIT_NOTICE_FD: str(nfd), C.LETO_EXIT_FENCE_FD: str(fence_w),
+                              "EXIT_FENCE_PAGE_FDS": ",".join(map(str, extra))})
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(lo_w), str(hi_w), str(PAGE),
                           str(page_fd), str(mem_gib)], env=env,
-                         pass_fds=(nfd, fence_w, lo_w, hi_w, page_fd), stdout=subprocess.PIPE,
-                         text=True, cwd=str(ROOT))
+                         pass_fds=(nfd, fence_w, lo_w, hi_w, page_fd) + tuple(extra),
+                         stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
     for fd in (nfd, fence_w, lo_w, hi_w):
         os.close(fd)
     pidfd = os.pidfd_open(p.pid)
@@ -239,25 +249,36 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--mem-gib", type=float, default=0.0,
                     help="device memory the victim holds besides the page")
+    ap.add_argument("--pages", type=int, default=0,
+                    help="more retained pages (2 MiB) the victim maps, kept by this process")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if a.pages < 0 or a.repeats < 1:
+        ap.error("--pages must be >= 0 and --repeats >= 1")
     try:
         from leto_run.state_manager.pages import CudaPages
         pages = CudaPages(0)
     except Exception as e:
         print(f"exit_fence: needs a CUDA GPU and cuda-python ({e})", file=sys.stderr)
         return 2
+    from leto_runtime.wire import protocol as P
+    P.raise_nofile_limit()
     notices = ExitNotices(enabled=True, gpu=True)
     observe = observer()
     rows = []
+    extra = tuple(pages.create(PAGE) for _ in range(a.pages))
+    for fd in extra:
+        os.set_inheritable(fd, True)
     try:
         for i in range(a.repeats):
-            rows.append(trial(notices, pages, observe, a.mem_gib))
+            rows.append(trial(notices, pages, observe, a.mem_gib, extra))
             print(f"trial {i}: {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         notices.close()
+        for fd in extra:
+            os.close(fd)
     print(f"## A victim SIGKILLed while its kernel writes a retained page ({a.repeats} trials, "
-          f"{a.mem_gib:g} GiB more device memory)\n")
+          f"{a.mem_gib:g} GiB more device memory, {a.pages} more retained pages mapped)\n")
     print("| kill -> (ms) | median | min | max | came before the last write |")
     print("|---|---:|---:|---:|---:|")
     for k in ("last_write",) + SIGNALS:

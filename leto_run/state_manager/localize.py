@@ -101,21 +101,26 @@ def localize(pool, device_failures: dict[str, list[int]]) -> dict:
 
 def scan_later(pool, later: dict) -> threading.Thread:
     """Scan `later` ({state: (its HostMapping, scan indices)}) in the background, a chunk per
-    hold of the pool lock; a newer localize's scan supersedes this one.  Returns the thread
+    hold of the pool lock; a newer scan of the same state supersedes this one's rest.  Also
+    how a new state's host pages are first walked (`Pool._scan_map`), so the page tables of
+    the state manager's view exist before a localization needs them.  Returns the thread
     (also `pool.deferred_scan`)."""
-    pool.scan_epoch = epoch = getattr(pool, "scan_epoch", 0) + 1
+    epochs = pool.__dict__.setdefault("scan_epochs", {})
+    mine = {}
+    for name in later:
+        epochs[name] = mine[name] = epochs.get(name, 0) + 1
 
     def run() -> None:
         for name, (hm0, idxs) in later.items():
             for lo in range(0, len(idxs), DEFER_CHUNK):
                 with pool.lock:
                     cur = pool.scan.get(name)
-                    if pool.scan_epoch != epoch:
-                        return
-                    if cur is None or cur[0] is not hm0:
-                        break                      # released or remapped since: not ours
+                    if epochs.get(name) != mine[name] or cur is None or cur[0] is not hm0:
+                        break                      # superseded, released or remapped since
                     hm, ids = cur
-                    lost = [ids[i] for i in hm.probe(idxs[lo:lo + DEFER_CHUNK])]
+                    # a page already flagged (the registry: injected, retired) was announced
+                    lost = [ids[i] for i in hm.probe(idxs[lo:lo + DEFER_CHUNK])
+                            if not pool.meta.flag(ids[i]).any()]
                     if [pid for pid in lost if _fail(pool.meta.flag(pid))]:
                         pool.meta.version += 1
                         pool._commit()

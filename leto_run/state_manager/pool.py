@@ -108,6 +108,10 @@ class Pool:
         hm = HostMapping(len(ids), st.page_bytes)
         hm.map_pages((i, os.dup(self.fds[pid])) for i, pid in enumerate(ids) if pid in self.fds)
         self.scan[st.name] = (hm, ids)
+        # walked once now, in the background: a localization's first scan of a cold view
+        # otherwise pays for building its page tables on the recovery's critical path
+        from leto_run.state_manager.localize import scan_later
+        scan_later(self, {st.name: (hm, list(range(len(ids))))})
 
     def restore(self, fds: dict[int, int]) -> list[int]:
         """Adopt the keeper's fds for the current metadata; returns page ids found missing."""

@@ -3,7 +3,9 @@ reads (the parity of groups with a failed device page, host-tier states whole); 
 scanned after the reply, and a loss found there is registered, committed and announced on the
 loss bulletin (`leto_run/state_manager/localize.py`).  A real pool of memfd pages in this
 process, real truncation (a lost page as the kernel sees it, *not* entered in the loss
-registry), real MADV_POPULATE_READ scans: the oracle is which pages were truncated."""
+registry), real MADV_POPULATE_READ scans: the oracle is which pages were truncated.  Also: a
+new state's host pages are walked once in the background when it is allocated, and a loss
+there is found by that walk."""
 from __future__ import annotations
 
 import os
@@ -25,6 +27,8 @@ def _pool(tmp_path) -> Pool:
                 log=lambda m: None, bulletin=board)
     with pool.lock:
         pool.allocate("w", 12 * GEOM.page_bytes, "model", True, "device", None, None, False)
+    pool.deferred_scan.join(30)      # the new state's host pages, walked once in the background
+    assert not pool.deferred_scan.is_alive() and pool.pending_losses() == 0
     return pool
 
 
@@ -77,3 +81,15 @@ def test_a_localize_with_nothing_new_commits_nothing_and_a_clean_deferred_scan_i
     assert not pool.deferred_scan.is_alive()
     assert commits == [] and pool.meta.version == version
     assert pool.bulletin.value() == before and pool.pending_losses() == 0
+
+
+def test_a_new_state_s_host_pages_are_walked_once_in_the_background(tmp_path):
+    pool = _pool(tmp_path)
+    with pool.lock:
+        st, _ = pool.allocate("v", 8 * GEOM.page_bytes, "model", True, "device", None, None,
+                              False)
+        os.ftruncate(pool.fds[st.groups[1].p1[1]], 0)   # lost before its first walk
+        before = pool.bulletin.value()
+    pool.deferred_scan.join(30)
+    assert _flags(pool, st.groups[1].p1[1]) and pool.bulletin.value() > before
+    assert pool.pending_losses() == 1
