@@ -10,12 +10,12 @@ relaunches the shadows.
 What it observes (GPU, through NVML: `leto_run.nvml`), per local rank's device, every
 `TICK_S`: total and free bytes; the bytes the active holds (its process's; none where the driver
 lists the shadow's pid and not the active's; everything on the device but the shadows where the
-driver hides processes), kept over `WINDOW_S` for the peak and
-its trend (`preinit.peak_trend`; the trend only once the active has completed `WARMUP_STEPS`
-steps in its role: the ramp of its set-up is no trend); and what each shadow holds at its level, which refines the
-level costs (the defaults are the H200 figures of docs/BENCHMARKS.md).  Without a driver (CPU)
-there is nothing to observe: the shadows run at the policy's level, and only an injected
-`preinit` (tests) moves them.
+driver hides processes), kept over `WINDOW_S` for the peak and its trend (`preinit.peak_trend`;
+the trend only once the active has completed `WARMUP_STEPS` steps in its role: the ramp of its
+set-up is no trend); and what each shadow holds at its level, which refines the level costs
+(the defaults are the H200 figures of docs/BENCHMARKS.md).  Without a driver (CPU) there is
+nothing to observe: the shadows run at the policy's level, and only an injected `preinit`
+(tests) moves them.
 
 Rules beyond `preinit.choose_level`: the generation's levels go through
 `preinit.generation_levels` (L3 is every shadow's or no one's); a step down sets the time the

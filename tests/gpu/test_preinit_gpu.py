@@ -83,7 +83,7 @@ def test_shadows_at_every_level_recover_bit_exactly_and_hold_their_level_s_memor
 SPIKE_MIB = 4096
 GROW = ["--steps", "20", "--at", "2", "--grow-mib", "256", "--grow-steps", "12",
         "--hold-steps", "3"]
-GROW_FREE_MIB = 2500        # free beside the L3 shadow: 3 GiB of growth fits only without it
+GROW_MIB = 12 * 256         # the growth: fits beside the active only without the L3 shadow
 CONTROL_OFF = {"LETO_PREINIT_CONTROL": "0", "LETO_RECLAIM": "0"}   # the shadow holds L3
 FAST = {"LETO_PREINIT_HORIZON": "10", "LETO_PREINIT_RAISE_HOLD": "10"}
 MEMORY_SCRIPT = ("tests", "gpu", "scripts", "memory_train.py")
@@ -172,14 +172,20 @@ def _memory_run(tmp_path, args, env_extra, free_mib, until=None):
     return proc.returncode, stderr, _events(ev), left
 
 
-def _beside_spike(shadow_mib: int | None) -> int:
-    """Free MiB beside the L3 shadow such that the spike does not fit, but fits once the
-    shadow's memory is reclaimed (with the 64 MiB slack the hook waits for, and 200 to spare):
-    from what the shadow holds now -- a smaller L3 (issue 21, item 4) moved it from 1.3 GiB to
-    0.7 GiB, and a fixed figure then left a spike no reclamation could fit."""
-    shadow = 1000 if shadow_mib is None else shadow_mib
-    assert shadow > 264, f"an L3 shadow holding {shadow} MiB leaves too little to reclaim"
-    return SPIKE_MIB - shadow + 264
+def _beside(need_mib: int):
+    """Free MiB beside the L3 shadow, as a function of what the shadow holds now, such that
+    `need_mib` more for the active does not fit, but fits once the shadow's memory is
+    reclaimed (with the 64 MiB slack the hook waits for, and 200 to spare).  From the shadow's
+    own figure: a smaller L3 (issue 21, item 4) moved it from 1.3 GiB to 0.7 GiB, and a fixed
+    figure then left a spike no reclamation could fit."""
+    def free(shadow_mib: int | None) -> int:
+        shadow = 1000 if shadow_mib is None else shadow_mib
+        assert shadow > 264, f"an L3 shadow holding {shadow} MiB leaves too little to reclaim"
+        return need_mib - shadow + 264
+    return free
+
+
+_beside_spike = _beside(SPIKE_MIB)
 
 
 def test_a_sudden_spike_takes_the_shadow_s_memory_instead_of_an_oom(tmp_path):
@@ -212,14 +218,14 @@ def _back_to_l3(evs) -> bool:
 
 
 def test_memory_growth_moves_the_shadow_down_before_the_peak_and_back_up_after(tmp_path):
-    """The active keeps 256 MiB more each second for 12 s, with 2.5 GiB free beside its L3
-    shadow: the controller (NVML, horizon and raise hold 10 s) moves the shadow down to L1
-    before the growth reaches the shadow's memory, back to L3 after the active released it, and
-    the run matches torchrun bit for bit with no OOM; with the controller off the same growth
-    runs out of memory."""
+    """The active keeps 256 MiB more each second for 12 s, with ~2.6 GiB free beside its L3
+    shadow (`_beside`): the controller (NVML, horizon and raise hold 10 s) moves the shadow
+    down to L1 before the growth reaches the shadow's memory, back to L3 after the active
+    released it, and the run matches torchrun bit for bit with no OOM; with the controller off
+    the same growth runs out of memory."""
     from leto_testing import compare_runs
     ref = _memory_reference(tmp_path, GROW)
-    rc, err, evs, left = _memory_run(tmp_path / "on", GROW, FAST, GROW_FREE_MIB,
+    rc, err, evs, left = _memory_run(tmp_path / "on", GROW, FAST, _beside(GROW_MIB),
                                      until=_back_to_l3)
     moves = [(e["levels"]["0"], e["reason"]) for e in evs if e["event"] == "preinit"]
     print(f"\n=== growth with the controller: {left} MiB free before it; moves:")
@@ -236,7 +242,7 @@ def test_memory_growth_moves_the_shadow_down_before_the_peak_and_back_up_after(t
     assert _back_to_l3(evs), moves
     compare_runs(ref, tmp_path / "on" / "out", 1, range(20), err[-3000:])
     rc, err, evs, left = _memory_run(tmp_path / "off", GROW, {**FAST, **CONTROL_OFF},
-                                     GROW_FREE_MIB)
+                                     _beside(GROW_MIB))
     print(f"=== growth without the controller: {left} MiB free before it; rc {rc}")
     assert "out of memory" in err.lower(), err[-4000:]
     assert not [e for e in evs if e["event"] in ("reclaim", "preinit")]

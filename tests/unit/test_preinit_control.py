@@ -4,8 +4,9 @@ tests/unit/test_preinit.py): the active's memory grows towards the device's size
 controller's levels, applied to the simulated shadows, never let the device run out, and a fixed
 L3 shadow does.  Also: what a shadow at a level holds refines the level costs; a lost sample
 decides nothing; the ramp of an active's first steps (its set-up) is no trend, and a new
-active's trend starts afresh; a pinned (injected) level applies at once; without a driver (CPU) the shadows
-run at the policy's level.  The NVML binding itself runs on the GPU (tests/gpu/test_preinit_gpu.py).
+active's trend starts afresh; a pinned (injected) level applies at once; without a driver (CPU)
+the shadows run at the policy's level.  The NVML binding itself runs on the GPU
+(tests/gpu/test_preinit_gpu.py).
 """
 from __future__ import annotations
 
