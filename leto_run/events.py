@@ -6,6 +6,8 @@ machine), ``wall`` (Unix time), ``event``, ``generation``, and where it applies 
 ``local_rank`` and ``role``.  Event names: ``job_start``, ``rendezvous``, ``spawn``, ``exit``,
 ``exit_started`` (an abrupt death, seen as its exit began: `leto_run.exit_notice`),
 ``exit_fence`` (GPU machines: a trainer's exit fence said whether its device work stopped),
+``device_strays`` (GPU machines: orphans holding a dead trainer's device files, killed and
+waited for before the promotion),
 ``failure_detected``, ``hang_detected``, ``stack_dump``, ``inject``, ``stop``, ``restart``,
 ``signal``, ``job_end``; in-place recovery (`leto_run.inplace`): ``inplace``, ``shadow_ready``,
 ``hof``, ``demote``, ``promote``, ``promoted``, ``phase``, ``inplace_done``, ``shadow_exit``,

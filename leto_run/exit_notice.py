@@ -23,7 +23,9 @@ The trainer moves the write end to its lowest free fd before CUDA opens anything
 byte into it if a device fd ever sits below it (`leto_runtime.exit_notice.check_fence`).  The
 agent's selector watches the read end (`fence_verdict`): EOF with nothing written, while the
 process is exiting, is "quiet"; a byte, or an EOF while the process lives (the trainer closed
-it), makes the fence "untrusted", and the reap decides when the promotion may write, as before.
+it), makes the fence "untrusted", and the reap decides when the promotion may write, as before
+-- with the orphans that still hold a device file killed and waited for first
+(`WorkerGroup.stop_device_strays`: a forked child keeps the dead trainer's context alive).
 `benchmarks/exit_fence.py` measures the order on the GPU (docs/BENCHMARKS.md).
 
 What the agent does with it (`leto_run.supervisor.Supervisor`): an active is judged failed at

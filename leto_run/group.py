@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from leto_run.inject import timed_for_generation, trainer_plan
-from leto_run.procs import kill_pids, spawn
+from leto_run.procs import device_strays, exited, kill_pids, spawn
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole, console_label
 from leto_run.stopper import stop_processes
 from leto_run.config_checkpoint import worker_env as checkpoint_worker_env
@@ -294,6 +294,18 @@ class WorkerGroup:
                 self.leftovers.append((slot, sp))
                 left.append(sp)
         return left
+
+    def stop_device_strays(self, prefix: str, timeout: float) -> tuple[list[int], list[int]]:
+        """SIGKILL the orphans holding a device file (`procs.device_strays`: not a process
+        this group started, nor the guardian) and wait, pumping the selector, at most `timeout`
+        s until each exited.  (found, still running).  They are our children (reparented), so
+        their pids cannot be reused before we reap them."""
+        known = self.known_pids() | {getattr(self.io.guardian, "pid", -1)}
+        found = device_strays(known, prefix)
+        if found:
+            kill_pids(found)
+            self.wait(lambda: all(exited(p) for p in found), time.monotonic() + timeout)
+        return found, [p for p in found if not exited(p)]
 
     def stop(self, reason: str, first_signal: int = signal.SIGTERM) -> None:
         """Stop every trainer of the group and every leftover (SIGTERM, grace, SIGKILL; a

@@ -311,6 +311,8 @@ class InplaceRecovery(ShadowLevelMoves):
                                  pid=sp.proc.pid, mode="replace")
         left = self.g.kill_and_reap(kill, "collateral", DEMOTE_WAIT_S)
         notices = self.g.io.notices
+        if notices is not None and notices.gpu:
+            left = self._stop_strays(g, left)
         if left and notices is not None and notices.gpu:
             # its device files are still held (its fence not quiet): GPU work of generation g
             # may still write retained memory, so no shadow is promoted onto it
@@ -319,6 +321,34 @@ class InplaceRecovery(ShadowLevelMoves):
                 f"process holding their device files) did not stop within {DEMOTE_WAIT_S:g} s "
                 "of SIGKILL: their GPU work may still write the retained state, so it is not "
                 "reused -- the job stops; restart it (it resumes from its checkpoint)")
+
+    def _stop_strays(self, g: int, left: list) -> list:
+        """A reaped trainer of generation g whose fence did not say quiet (untrusted, or still
+        held): a process it forked may still hold its device files, and so keep its GPU work
+        running, after the reap.  Such processes are orphans now (reparented to the agent):
+        kill every orphan holding a device file and wait for it.  Returns `left` without the
+        ones whose fence the strays alone held; raises Unrecoverable if a stray survives."""
+        unsure = [s.active for s in self.g.slots if s.active is not None
+                  and s.active.generation == g and s.active.proc.status is not None
+                  and s.active.proc.fence != "quiet"]
+        unsure += [sp for sp in left if sp.proc.status is not None and sp not in unsure]
+        if not unsure:
+            return left
+        found, running = self.g.stop_device_strays(settings.get().device_files, DEMOTE_WAIT_S)
+        if found:
+            self.events.emit("device_strays", g, pids=found, running=running,
+                             of=[sp.proc.pid for sp in unsure])
+            self.log(f"killed {len(found)} orphaned process(es) holding device files after the "
+                     f"death of generation {g}'s trainer(s) (pids {found[:8]}): their GPU work "
+                     "must stop before a shadow is promoted")
+            self.g.wait(lambda: all(sp.proc.quiet for sp in left), time.monotonic() + 1.0)
+        if running:
+            raise E.Unrecoverable(
+                f"pid(s) {', '.join(map(str, running))} hold device files of generation {g}'s "
+                f"dead trainer(s) and did not stop within {DEMOTE_WAIT_S:g} s of SIGKILL: "
+                "their GPU work may still write the retained state, so it is not reused -- "
+                "the job stops; restart it (it resumes from its checkpoint)")
+        return [sp for sp in left if not sp.proc.quiet]
 
     def _release(self, g: int, survivors) -> list:
         """Ask each survivor to demote itself; returns those that confirmed in time."""

@@ -198,6 +198,42 @@ def reap_orphans(known: set[int]) -> list[int]:
     return reaped
 
 
+def holds_file(pid: int, prefix: str) -> bool:
+    """Whether `pid` has an open file whose path starts with `prefix` (False once it exited:
+    a zombie holds no files)."""
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}").startswith(prefix):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def device_strays(known: set[int], prefix: str) -> list[int]:
+    """Children of this process that it did not start -- orphans reparented to it, the
+    subreaper -- holding a file under `prefix` (a GPU's device files): after a trainer's reap,
+    what may still run its GPU work (a forked child keeps the context's files open)."""
+    try:
+        kids = psutil.Process().children()
+    except psutil.Error:
+        return []
+    return [k.pid for k in kids if k.pid not in known and holds_file(k.pid, prefix)]
+
+
+def exited(pid: int) -> bool:
+    """`pid`, a child of this process, has exited (a zombie: its files are released) or is
+    gone (reaped)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def kill_pids(pids, sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:

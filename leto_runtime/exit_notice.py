@@ -52,14 +52,17 @@ def _take_fence() -> int | None:
     return fd
 
 
-def check_fence(devices: str = "/dev/nvidia") -> bool:
-    """Whether the fence still sits below every device file (a path starting with `devices`)
-    of this process; if not, say so to the agent (one byte) and drop it.  Idempotent; True
-    without a fence."""
+def check_fence(devices: str | None = None) -> bool:
+    """Whether the fence still sits below every device file (a path starting with `devices`,
+    default the `LETO_DEVICE_FILES` prefix, /dev/nvidia) of this process; if not, say so to the
+    agent (one byte) and drop it.  Idempotent; True without a fence."""
     global _fence
     fd = _fence
     if fd is None:
         return True
+    if devices is None:
+        from leto_runtime.wire import settings
+        devices = settings.get().device_files
     below = []
     for name in os.listdir("/proc/self/fd"):
         try:

@@ -93,6 +93,13 @@ def _text(var: str, raw: str) -> str:
     return raw
 
 
+def _path_prefix(var: str, raw: str) -> str:
+    if not raw.startswith("/") or len(raw) < 2:
+        raise SettingsError(var, raw, "is not an absolute path prefix",
+                            "use e.g. /dev/nvidia (or unset it)")
+    return raw
+
+
 def _optional_count(var: str, raw: str) -> int | None:
     return None if raw.strip() == "" else _count(0, 1 << 20)(var, raw)
 
@@ -145,6 +152,9 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     # ... and, with a GPU, when its device work stopped: "auto" (the fence, on a machine with
     # an NVIDIA device), "on" (as if it had one: the CPU tests of the fence), "off" (the reap)
     "exit_fence": ("LETO_EXIT_FENCE", _choice("auto", "on", "off"), "auto"),
+    # the path prefix of a GPU's device files: what the fence must sit below, and what marks a
+    # stray process that may still run a dead trainer's GPU work (tests point it at own files)
+    "device_files": ("LETO_DEVICE_FILES", _path_prefix, "/dev/nvidia"),
     # the toolchain the kernels are built with (the ecosystem's own variables, read here too)
     "cxx": ("CXX", _text, None),
     "cuda_home": ("CUDA_HOME", _text, None),
@@ -189,6 +199,7 @@ class Settings:
     sm_fault_emulation: str
     exit_notice: bool
     exit_fence: str
+    device_files: str
     cxx: str | None
     cuda_home: str | None
     cuda_path: str | None

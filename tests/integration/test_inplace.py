@@ -2,6 +2,8 @@
 generation is replaced by the pre-started shadows of the next one, the survivors are killed as
 collateral, fresh shadows follow, and nothing is left behind.  The trainer script speaks the
 protocol directly (tests/integration/scripts/inplace.py)."""
+from pathlib import Path
+
 import pytest
 from leto_testing import SCRIPTS, assert_nothing_left, base_env, events, inplace_cmd, of, run
 
@@ -87,6 +89,35 @@ def test_a_dead_trainer_whose_device_files_outlive_the_kill_stops_the_job(tmp_pa
     assert "did not stop within 10 s of SIGKILL" in r.stderr and "not reused" in r.stderr
     evs = events(ev)
     assert of(evs, "failure_detected") and not of(evs, "promote", generation=1)
+    assert_nothing_left(evs)
+
+
+def test_a_stray_holding_a_dead_trainer_s_device_files_is_stopped_before_the_promotion(
+        tmp_path, out_dir):
+    """LETO_EXIT_FENCE=on (as on a GPU machine) and the killed trainer's fence untrusted (a
+    device file below it), so the reap decides -- but a daemon it forked holds its device files
+    ("device files" here: LETO_DEVICE_FILES pointed at the test's own file) and keeps working,
+    as a forked child keeps a dead trainer's context and kernels alive.  The agent kills that
+    orphan and waits for it before promoting: every write of it comes before every promotion,
+    though it was still writing after the death."""
+    ev, dev = tmp_path / "ev.jsonl", tmp_path / "nvidia-fake"
+    r = run(leto(ev, "--inject", "kill:rank=1:step=5", SCRIPT, "devicechild", "10", "0.1"),
+            base_env(out_dir, LETO_EXIT_FENCE="on", LETO_DEVICE_FILES=str(dev)), timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in (0, 1):
+        assert (out_dir / f"result_{rank}").read_text() == "gen 1 last 9"
+    evs = events(ev)
+    [fail] = of(evs, "failure_detected")
+    [fence] = of(evs, "exit_fence", pid=fail["pid"])
+    assert fence["verdict"] == "untrusted", fence
+    [strays] = of(evs, "device_strays", generation=0)
+    assert len(strays["pids"]) == 1 and strays["running"] == [] and strays["of"] == [fail["pid"]]
+    writes = [float(x) for x in Path(f"{dev}0.writes").read_text().split()]
+    promotes = of(evs, "promote", generation=1)
+    assert sorted(e["rank"] for e in promotes) == [0, 1]
+    assert fail["mono"] < max(writes) < min(e["mono"] for e in promotes), \
+        (fail["mono"], max(writes), promotes)
+    assert "orphaned process(es) holding device files" in r.stderr
     assert_nothing_left(evs)
 
 

@@ -11,6 +11,10 @@ usage: inplace.py MODE [STEPS] [SLEEP]
                 data-loader worker: it holds the exit fence as it would hold device files)
   setsidchild   as forkchild, and the child daemonizes (setsid, fork again): neither the
                 agent's kill of the dead trainer's group nor of its children reaches it
+  devicechild   active rank 1 of generation 0 opens "a device file" ($LETO_DEVICE_FILES + "0")
+                below its exit fence (so the fence is untrusted) and forks a daemon that holds
+                it and keeps "working": it appends its clock to that path + ".writes" every
+                5 ms, as a forked child keeps a dead trainer's GPU context and kernels alive
 
 Active: announce in-place mode, form the generation's gloo group over
 PrefixStore(pg_prefix(gen, epoch), worker store), train.  Shadow: form the group first (level
@@ -45,7 +49,32 @@ def form_group() -> float:
     return time.monotonic() - t0
 
 
+def device_child() -> None:
+    dev = os.environ["LETO_DEVICE_FILES"] + "0"
+    fd = os.open(dev, os.O_RDWR | os.O_CREAT, 0o600)
+    os.dup2(fd, 0)                       # below the fence, which took the lowest free fd
+    os.close(fd)
+    from leto_runtime import exit_notice
+    fence = exit_notice._fence
+    assert not exit_notice.check_fence(), f"the fence ({fence}) should now be untrusted: " \
+        + str({n: os.readlink(f"/proc/self/fd/{n}") for n in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{n}")})
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() != 0:
+            os._exit(0)
+        end = time.monotonic() + 60
+        with open(dev + ".writes", "a") as w:
+            while time.monotonic() < end:
+                w.write(f"{time.monotonic()}\n")
+                w.flush()
+                time.sleep(0.005)
+        os._exit(0)
+
+
 if ctx.role == "active":
+    if MODE == "devicechild" and ctx.rank == 1 and ctx.generation == 0:
+        device_child()
     if MODE in ("forkchild", "setsidchild") and ctx.rank == 1 and ctx.generation == 0 \
             and os.fork() == 0:
         if MODE == "setsidchild":        # a daemon: its own session, no longer our child
