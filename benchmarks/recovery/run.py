@@ -102,6 +102,9 @@ def parse_args(argv):
                         "place: leto-ckpt falls back to its checkpoint)")
     p.add_argument("--mtbf", type=float, help="override the preset's seconds between kills")
     p.add_argument("--kills", type=int, help="override the preset's number of kills")
+    p.add_argument("--nproc", type=int, help="override the preset's ranks (one node; one GPU "
+                                             "each on a GPU machine): recovery time versus "
+                                             "world size")
     p.add_argument("--budget", type=float, help="override the preset's total time budget (s)")
     p.add_argument("--leto-args", help="override the preset's extra leto-run options (both "
                                        "modes), e.g. \"--page-bytes 2097152 --hang-timeout 120\"")
@@ -123,6 +126,8 @@ def parse_args(argv):
     a.system_list = [systems.BY_NAME[n] for n in names]
     if a.kills is not None and a.kills < 1:
         p.error(f"--kills must be >= 1, got {a.kills}")
+    if a.nproc is not None and not 1 <= a.nproc <= 64:
+        p.error(f"--nproc must be in 1..64, got {a.nproc}")
     return a
 
 
@@ -406,7 +411,7 @@ def _finish(res: dict, a, prev: dict | None, t_begin: float, save) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget,
+    preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget, nproc=a.nproc,
                          leto_args=None if a.leto_args is None else tuple(shlex.split(a.leto_args)),
                          kinds=presets.MIXED if a.mixed else None)
     for sysm in a.system_list:
