@@ -2,8 +2,9 @@
 cases that need at least two visible GPUs, each bit-exact against torchrun on the same GPUs.
 Skipped, with the reason, where fewer are visible (the lent single-GPU kinds, CI).
 
-Run on a multi-GPU kind (`nvidia-h100-x2` or larger): `pytest -q -rA tests/gpu/test_multigpu.py`
-(`-n` at most the number of GPU pairs: two jobs on one GPU pair would share its devices).
+Run on a multi-GPU kind (`nvidia-h100-x2` or larger): `pytest -q -rA tests/gpu/test_multigpu.py`,
+with `-n` at most the number of GPU pairs (each xdist worker takes a pair of its own through
+CUDA_VISIBLE_DEVICES; `_env`).
 Every inject spec below is parsed by leto-run's own parser in CI
 (tests/unit/test_gpu_inject_specs.py), so a typo cannot cost device time.
 
@@ -14,6 +15,7 @@ NCCL collective (the survivor blocked in it must leave it); survivors demoted in
 (`--demote release`: their NCCL communicator aborted, their CUDA context kept)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -64,11 +66,23 @@ CASES = {
 }
 
 
+def _env() -> dict[str, str]:
+    """This xdist worker's own GPUs (worker k: GPUs WORLD*k ... WORLD*k + WORLD - 1), so that
+    parallel workers never share a device; one worker (or none) uses the first WORLD."""
+    w = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    k = int(w[2:]) if w.startswith("gw") and w[2:].isdigit() else 0
+    n = torch.cuda.device_count()
+    if WORLD * (k + 1) > n:
+        pytest.fail(f"xdist worker {w} has no {WORLD} GPUs of its own ({n} visible): run with "
+                    f"-n {max(1, n // WORLD)} at most")
+    return base_env(CUDA_VISIBLE_DEVICES=",".join(str(WORLD * k + i) for i in range(WORLD)))
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("ref_multigpu")
     p = run(torchrun_cmd("--standalone", "--nproc-per-node", str(WORLD), SCRIPT, *MODEL,
-                         "--out", str(d)), base_env(), timeout=600)
+                         "--out", str(d)), _env(), timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return d
 
@@ -81,7 +95,7 @@ def test_one_rank_per_gpu_recovers_in_place_bit_exactly(case, reference, tmp_pat
             "--events", str(ev), "--log-dir", str(tmp_path / "logs"), *(extra[0] if extra else [])]
     for s in injects:
         args += ["--inject", s]
-    p = run(leto_cmd(*args, SCRIPT, *MODEL, "--out", str(tmp_path)), base_env(), timeout=900)
+    p = run(leto_cmd(*args, SCRIPT, *MODEL, "--out", str(tmp_path)), _env(), timeout=900)
     report = p.stderr[p.stderr.find("Recovery report"):]
     print(f"\n=== {case} (world {WORLD}, one GPU each) ===\n{report}")
     assert p.returncode == 0, p.stderr[-5000:]
