@@ -45,7 +45,7 @@ VARIANTS = ("cold", "blas", "fwd", "fwd_full", "step", "eager")
 
 CHILD = r"""
 import json, os, statistics, sys, time
-sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
+sys.path[:0] = [os.path.join(sys.argv[1], "examples"), sys.argv[1]]
 import dataclasses, torch
 from gpt import GPT, GPTConfig, batch, init_weights
 a = json.loads(sys.argv[2])
@@ -60,7 +60,6 @@ def held():
     if not cuda:
         return 0, None
     try:
-        sys.path.insert(0, a["root"])
         from leto_run.nvml import Nvml
         nv = Nvml.open()
         mine = nv.process_bytes(nv.physical(0)).get(os.getpid()) if nv else None
@@ -126,7 +125,7 @@ def run_one(a, variant: str) -> dict:
         env["CUDA_MODULE_LOADING"] = "EAGER"
     spec = {"model": a.model, "over": {"n_layer": a.n_layer, "block_size": a.block_size},
             "batch_size": a.batch_size, "steps": a.steps, "warm_tokens": a.warm_tokens,
-            "variant": variant, "root": str(ROOT)}
+            "variant": variant}
     p = subprocess.run([sys.executable, "-c", CHILD, str(ROOT), json.dumps(spec)], env=env,
                        capture_output=True, text=True, timeout=a.timeout, cwd=str(ROOT))
     line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from leto_runtime.wire.open_files import fds_under
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -198,22 +200,6 @@ def reap_orphans(known: set[int]) -> list[int]:
     return reaped
 
 
-def holds_file(pid: int, prefix: str) -> bool:
-    """Whether `pid` has an open file whose path starts with `prefix` (False once it exited:
-    a zombie holds no files)."""
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for name in names:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{name}").startswith(prefix):
-                return True
-        except OSError:
-            continue
-    return False
-
-
 def device_strays(known: set[int], prefix: str) -> list[int]:
     """Children of this process that it did not start -- orphans reparented to it, the
     subreaper -- holding a file under `prefix` (a GPU's device files): after a trainer's reap,
@@ -222,7 +208,7 @@ def device_strays(known: set[int], prefix: str) -> list[int]:
         kids = psutil.Process().children()
     except psutil.Error:
         return []
-    return [k.pid for k in kids if k.pid not in known and holds_file(k.pid, prefix)]
+    return [k.pid for k in kids if k.pid not in known and fds_under(prefix, k.pid)]
 
 
 def exited(pid: int) -> bool:

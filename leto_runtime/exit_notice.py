@@ -63,14 +63,8 @@ def check_fence(devices: str | None = None) -> bool:
     if devices is None:
         from leto_runtime.wire import settings
         devices = settings.get().device_files
-    below = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if int(name) < fd and os.readlink(f"/proc/self/fd/{name}").startswith(devices):
-                below.append(int(name))
-        except (OSError, ValueError):
-            continue
-    if not below:
+    from leto_runtime.wire.open_files import fds_under
+    if not [n for n in fds_under(devices) if n < fd]:
         return True
     try:
         os.write(fd, b"!")

@@ -105,7 +105,7 @@ def scan_later(pool, later: dict) -> threading.Thread:
     how a new state's host pages are first walked (`Pool._scan_map`), so the page tables of
     the state manager's view exist before a localization needs them.  Returns the thread
     (also `pool.deferred_scan`)."""
-    epochs = pool.__dict__.setdefault("scan_epochs", {})
+    epochs = pool.scan_epochs
     mine = {}
     for name in later:
         epochs[name] = mine[name] = epochs.get(name, 0) + 1

@@ -60,6 +60,8 @@ class Pool:
         self.host = MemfdPages("host", sealed=True)
         self.fds: dict[int, int] = {}
         self.scan: dict[str, tuple[HostMapping, list[int]]] = {}   # the SM's view of host pages
+        self.scan_epochs: dict[str, int] = {}     # per state: the newest background scan
+        self.deferred_scan: threading.Thread | None = None      # the latest one started
         self.lock = threading.RLock()
         self.keeper_ok = keeper is not None
         self.started = time.time()

@@ -23,8 +23,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from leto_testing import (ROOT, base_env, events, final_digest, leto_cmd, run,  # noqa: E402
-                          step_losses, torchrun_cmd)
+from leto_testing import (ROOT, base_env, compare_runs, events, leto_cmd, run,  # noqa: E402
+                          torchrun_cmd)
 
 SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
 STEPS = 12
@@ -99,12 +99,7 @@ def test_one_rank_per_gpu_recovers_in_place_bit_exactly(case, reference, tmp_pat
     report = p.stderr[p.stderr.find("Recovery report"):]
     print(f"\n=== {case} (world {WORLD}, one GPU each) ===\n{report}")
     assert p.returncode == 0, p.stderr[-5000:]
-    assert [final_digest(tmp_path, r) for r in range(WORLD)] == \
-        [final_digest(reference, r) for r in range(WORLD)]
-    for r in range(WORLD):
-        want, got = step_losses(reference, r), step_losses(tmp_path, r)
-        assert sorted(got) == list(range(STEPS))
-        assert all(v == want[s] for s, v in got.items()), f"rank {r} losses differ"
+    compare_runs(reference, tmp_path, WORLD, range(STEPS), case)
     evs = events(ev)
     assert any(e["event"] == "promote" for e in evs)
     # every rank trained on its own GPU with NCCL (not gloo on a shared one)
