@@ -137,9 +137,10 @@ def spin_kernel():
 
 
 def _wait_readable(fd: int, key: str, out: dict, stop: threading.Event) -> None:
+    poller = select.poll()            # poll: with thousands of page fds, fd > FD_SETSIZE
+    poller.register(fd, select.POLLIN)
     while not stop.is_set():
-        r, _, _ = select.select([fd], [], [], 0.2)
-        if r:                 # a pipe nobody writes to is readable at EOF; a pidfd at the exit
+        if poller.poll(200):  # a pipe nobody writes to is readable at EOF; a pidfd at the exit
             out[key] = time.monotonic()
             return
 

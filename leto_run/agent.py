@@ -59,7 +59,8 @@ from leto_run.status import StatusView
 from leto_run.supervisor import Supervisor
 from leto_run.unfired import InjectLedger
 from leto_run.worker_cmd import resolve_nproc, worker_argv
-from leto_run.worker_env import default_omp_threads, job_token_kv
+from leto_run.fork_server.client import Launcher
+from leto_run.worker_env import default_omp_threads, job_token_kv, shared_env
 from leto_runtime.control_auth import ForgedControlKey, key_to_hex
 from leto_runtime.wire import settings
 
@@ -112,6 +113,10 @@ class Agent:
         self.notices = ExitNotices(settings.get().exit_notice,
                                    gpu=True if fence == "on" else None, fence=fence != "off")
         self.sel.register(self.notices.fd, selectors.EVENT_READ, "exit")
+        # Started early: its `import torch` overlaps the rendezvous (docs/ARCHITECTURE.md).
+        self.launcher = Launcher(settings.get().fork_server and not cfg.launch.no_python,
+                                 worker_argv(cfg)[0],
+                                 shared_env(os.environ, self.token), self.log, self.events.emit)
         self._install_signals()
         inplace = cfg.recovery.mode == "inplace"
         # In-place mode: one state manager per local rank, outliving restarts (docs/MEMORY.md).
@@ -130,7 +135,8 @@ class Agent:
                        escalate_fd=self._sig_r),
             GroupIO(sel=self.sel, events=self.events, pump=self.pump, layout=self.layout,
                     guardian=self.guardian, status=self.status, ledger=self.ledger,
-                    log=self.log, sms=self.sms, notices=self.notices))
+                    log=self.log, sms=self.sms, notices=self.notices,
+                    launcher=self.launcher))
         self.group.pump_once = self._pump_once
         self.restart = RestartPolicy(self.group, cfg.launch.max_restarts)
         static_nodes = cfg.launch.max_nodes > 1 and self.handler.get_backend() == "static"
@@ -417,6 +423,8 @@ class Agent:
         self.hb.close()
         if getattr(self, "notices", None) is not None:
             self.notices.close()
+        if getattr(self, "launcher", None) is not None:
+            self.launcher.close()
         self.nodes.close(join=True)     # its thread off the store before the store goes
         try:
             self.handler.shutdown()

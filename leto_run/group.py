@@ -71,6 +71,7 @@ class GroupIO:
     log: Callable[[str], None]
     sms: object = None           # leto_run.state_managers.StateManagers (in-place mode)
     notices: object = None       # leto_run.exit_notice.ExitNotices
+    launcher: object = None      # leto_run.fork_server.client.Launcher (None: procs.spawn)
 
 
 class WorkerGroup:
@@ -158,7 +159,8 @@ class WorkerGroup:
         try:
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
-            proc = spawn(list(self.spec.argv), env, stdout=out_w, stderr=err_w,
+            start = self.io.launcher.spawn if self.io.launcher is not None else spawn
+            proc = start(list(self.spec.argv), env, stdout=out_w, stderr=err_w,
                          pass_fds=passed)
         except BaseException:
             if notice is not None:
@@ -196,7 +198,8 @@ class WorkerGroup:
         self.events.emit("spawn", gen, rank=ident.global_rank, local_rank=ident.local_rank,
                          role=role.value, pid=proc.pid, mono=proc.started_mono,
                          restart_count=self.restart_count, epoch=epoch,
-                         **({"level": level} if level else {}))
+                         forked=proc.gate_fd is not None, **({"level": level} if level else {}))
+        proc.release()              # recorded everywhere: a forked worker's code may run now
         return sp
 
     def _env_spec(self, slot: RankSlot, role: SlotRole, gen: int, epoch: int) -> WorkerEnvSpec:
@@ -229,7 +232,12 @@ class WorkerGroup:
     def known_pids(self) -> set[int]:
         return ({sp.proc.pid for s in self.slots for sp in s.all() if sp.proc.status is None}
                 | {sp.proc.pid for _, sp in self.leftovers if sp.proc.status is None}
-                | (self.sms.pids() if self.sms else set()))
+                | self.service_pids())
+
+    def service_pids(self) -> set[int]:
+        """The agent's long-lived children that are no workers: state managers, fork server."""
+        return ((self.sms.pids() if self.sms else set())
+                | (self.io.launcher.pids() if self.io.launcher is not None else set()))
 
     # ---- exits ---------------------------------------------------------------------------
     def recorded_exit(self, slot: RankSlot, sp: SlotProcess, **note) -> None:
@@ -330,7 +338,7 @@ class WorkerGroup:
         stop_processes([sp.proc for _, sp in live], grace=self.cfg.launch.shutdown_timeout,
                        first_signal=first_signal, token_kv=job_token_kv(self.spec.token),
                        escalate_fd=self.spec.escalate_fd, log=self.log,
-                       spare=frozenset(self.sms.pids() if self.sms else ()))
+                       spare=frozenset(self.service_pids()))
         for slot, sp in live:
             self.recorded_exit(slot, sp)
             st = sp.proc.status

@@ -83,7 +83,7 @@ class ExitStatus:
 class Proc:
     """One child process the agent started."""
 
-    popen: subprocess.Popen
+    popen: "subprocess.Popen | Adopted"
     pidfd: int
     started_mono: float
     status: ExitStatus | None = None
@@ -95,6 +95,14 @@ class Proc:
     # its device work stopped; "untrusted"): `leto_run.exit_notice`.
     fence_fd: int | None = None
     fence: str | None = None
+    # A forked worker (`leto_run.fork_server`) waits for this pipe's EOF before its user code
+    # runs: `release()` once the agent has recorded it.
+    gate_fd: int | None = None
+
+    def release(self) -> None:
+        if self.gate_fd is not None:
+            os.close(self.gate_fd)
+            self.gate_fd = None
 
     @property
     def pid(self) -> int:
@@ -166,6 +174,39 @@ def spawn(argv: list[str], env: dict[str, str], cwd: str | None = None,
     )
     pidfd = os.pidfd_open(popen.pid)
     return Proc(popen=popen, pidfd=pidfd, started_mono=time.monotonic())
+
+
+class Adopted:
+    """Popen's view (pid, returncode, poll, wait) of a child this process did not fork: a
+    worker forked by the fork server and orphaned to us, the subreaper."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:       # reaped elsewhere: its status is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() >= end:
+                raise subprocess.TimeoutExpired([str(self.pid)], timeout)
+            time.sleep(0.005)
+        return self.returncode
+
+
+def adopt(pid: int, gate_fd: int | None = None) -> Proc:
+    """Watch `pid`, already our child (adopted), as `spawn` watches what it starts."""
+    return Proc(popen=Adopted(pid), pidfd=os.pidfd_open(pid), started_mono=time.monotonic(),
+                gate_fd=gate_fd)
 
 
 def stat_fields(path: str) -> list[bytes] | None:

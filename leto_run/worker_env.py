@@ -128,6 +128,29 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
     return env
 
 
+# What differs between the workers of one job: build_worker_env sets these per worker.  The rest
+# of a worker's environment is the agent's own, the same for every worker (the fork server's).
+_PER_WORKER = frozenset({
+    C.RANK, C.GROUP_RANK, C.ROLE_RANK, C.ROLE_NAME, C.LOCAL_WORLD_SIZE, C.WORLD_SIZE,
+    C.GROUP_WORLD_SIZE, C.ROLE_WORLD_SIZE, C.MASTER_ADDR, C.MASTER_PORT, C.LOCAL_RANK,
+    C.TORCH_NCCL_ASYNC_ERROR_HANDLING})
+
+
+def per_worker(key: str) -> bool:
+    """`key` is one of the variables the agent sets per worker (nothing reads them at import)."""
+    return key in _PER_WORKER or key.startswith(("LETO_", "TORCHELASTIC_"))
+
+
+def shared_env(base: Mapping[str, str], token: str) -> dict[str, str]:
+    """The environment every worker of the job shares: `base` as `build_worker_env` takes it,
+    without the per-worker variables, plus the job token (a process forked with it carries the
+    token in /proc/PID/environ, where the guardian and the stop look for escaped descendants)."""
+    env = {k: v for k, v in base.items() if not k.startswith(C.CHECKPOINT_ENV_PREFIX)
+           and k != C.TORCH_SHARE_RDZV_STORE_OFF and not per_worker(k)}
+    env[C.LETO_JOB_TOKEN] = token
+    return env
+
+
 def default_omp_threads(environ: dict[str, str], nproc_per_node: int) -> str | None:
     """torchrun's rule: with nproc > 1 and OMP_NUM_THREADS unset, set it to 1 (and warn).
 

@@ -238,7 +238,7 @@ def assert_nothing_left(evs: list[dict]) -> None:
     assert not {p: n for p, n in exits.items() if n > 1}, "exit recorded more than once"
     if any(e["event"] == "job_end" for e in evs):
         trainers = {e["pid"] for e in evs
-                    if e["event"] == "spawn" and e.get("role") != "state_manager"}
+                    if e["event"] == "spawn" and e.get("role") not in ("state_manager", "fork_server")}
         assert trainers <= set(exits), f"no exit recorded for {sorted(trainers - set(exits))}"
 
 

@@ -5,7 +5,8 @@ RMU's paths (LETO_RMU_*), the memory pool's attach and repair paths (LETO_RMP_*)
 codec's (LETO_PARITY_*), activation lending (LETO_LEND*) and reclaiming (LETO_RECLAIM), the
 agent's preinitialization controller (LETO_PREINIT_CONTROL, _HORIZON, _RAISE_HOLD), a waiting
 shadow's context (LETO_SHADOW_STACK), the kernel cache (LETO_EXT_*) and the
-state manager's (LETO_SM_*), the exit notice and fence (LETO_EXIT_NOTICE, LETO_EXIT_FENCE), and the toolchain variables the kernel builds honour (CXX,
+state manager's (LETO_SM_*), the exit notice and fence (LETO_EXIT_NOTICE, LETO_EXIT_FENCE), the fork server
+(LETO_FORK_SERVER), and the toolchain variables the kernel builds honour (CXX,
 CUDA_HOME, CUDA_PATH, PYTORCH_NVCC, TORCH_CUDA_ARCH_LIST, TORCH_EXTENSIONS_DIR, XDG_CACHE_HOME).
 What the agent tells a trainer about its job (rank, generation,
 sockets) is the env contract instead (`leto_runtime.wire.contract`, read by `context`).  Nothing else
@@ -152,6 +153,8 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     # ... and, with a GPU, when its device work stopped: "auto" (the fence, on a machine with
     # an NVIDIA device), "on" (as if it had one: the CPU tests of the fence), "off" (the reap)
     "exit_fence": ("LETO_EXIT_FENCE", _choice("auto", "on", "off"), "auto"),
+    # workers forked from a process that imported torch already (leto_run/fork_server)
+    "fork_server": ("LETO_FORK_SERVER", _flag, True),
     # the path prefix of a GPU's device files: what the fence must sit below, and what marks a
     # stray process that may still run a dead trainer's GPU work (tests point it at own files)
     "device_files": ("LETO_DEVICE_FILES", _path_prefix, "/dev/nvidia"),
@@ -199,6 +202,7 @@ class Settings:
     sm_fault_emulation: str
     exit_notice: bool
     exit_fence: str
+    fork_server: bool
     device_files: str
     cxx: str | None
     cuda_home: str | None

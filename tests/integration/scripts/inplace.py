@@ -3,7 +3,7 @@
 usage: inplace.py MODE [STEPS] [SLEEP]
   ok            train STEPS all-reduce steps; every rank writes result_<rank> = "gen G last S"
   unrecoverable active rank 1 exits with contract.UNRECOVERABLE_EXIT at step 3
-  shadowdie     the rank-1 shadow of epoch 0 dies before its promotion; the actives wait at
+  shadowdie     the rank-1 shadow of generation 1, epoch 0, dies before its promotion; the actives wait at
                 step 3 until every shadow of epoch 1 formed its process group
   reclaim       active rank 0 sends, at step 3 once the shadows are ready, the `reclaim`
                 datagram cuda/lend_alloc.cpp sends for 1 GiB (leto_runtime.rmu.lend)
@@ -87,7 +87,7 @@ if ctx.role == "active":
     form_group()
     start = 0
 else:
-    if MODE == "shadowdie" and ctx.rank == 1 and ctx.shadow_epoch == 0:
+    if MODE == "shadowdie" and ctx.rank == 1 and ctx.shadow_epoch == 0 and ctx.generation == 1:
         print(f"rank={ctx.rank} shadow epoch 0: dying before promotion", flush=True)
         sys.exit(3)
     seconds = form_group()

@@ -1,0 +1,145 @@
+"""Workers forked by the fork server are the processes a plain spawn would start.
+
+The independent expectations: the interpreter itself (`python -u <args>` run directly, for
+every form of command line torchrun builds, and for how a script ends), a plain spawn
+(`LETO_FORK_SERVER=0`) and torchrun (the same probe script, side by side).  Only the preloaded
+torch (the point of the fork server) may differ.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from leto_testing import SCRIPTS, ROOT, base_env, events, leto_cmd, of, run, torchrun_cmd
+from leto_testing import assert_nothing_left
+
+FACTS = r'''import sys, os, json, signal
+print("PRELOADED=%s" % ("torch" in sys.modules))
+m = sys.modules["__main__"]
+spec = getattr(m, "__spec__", None)
+print(json.dumps({
+    "argv": sys.argv, "path": sys.path, "name": __name__, "file": vars(m).get("__file__"),
+    "globals": sorted(k for k in vars(m) if k.startswith("__")),
+    "loader": getattr(vars(m).get("__loader__"), "__name__", type(vars(m).get("__loader__")).__name__),
+    "spec": None if spec is None else [spec.name, spec.origin], "cached": vars(m).get("__cached__"),
+    "package": vars(m).get("__package__"), "cwd": os.getcwd(), "env": dict(os.environ),
+    "fds": sorted(int(f) for f in os.listdir("/proc/self/fd") if os.path.exists("/proc/self/fd/" + f)),
+    "signals": {s.name: str(signal.getsignal(s)) for s in signal.Signals},
+    "blocked": sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, []))),
+    "write_through": sys.stdout.write_through, "flags": list(sys.flags),
+}, sort_keys=True))
+'''
+FILES = {
+    "real/s.py": FACTS,
+    "pkg/__init__.py": "",
+    "pkg/mod.py": FACTS,
+    "pkg/boom.py": "def f():\n    raise RuntimeError('in a module')\nf()\n",
+    "app/__main__.py": FACTS,
+    "bad.py": "print('never')\ndef (\n",
+    "raise.py": ("import atexit\natexit.register(lambda: print('atexit ran'))\n"
+                 "print('partial', end='')\ntry:\n    {}['k']\nexcept KeyError as e:\n"
+                 "    raise ValueError('boom') from e\n"),
+    "exit3.py": "import sys\nprint('out')\nsys.exit(3)\n",
+    "exitmsg.py": "import sys\nsys.exit('a message')\n",
+    "kbint.py": ("import atexit\natexit.register(lambda: print('atexit ran'))\n"
+                 "raise KeyboardInterrupt\n"),
+}
+CASES = [
+    ["real/s.py", "a", "b"], ["d/../link.py", "x"], ["-m", "pkg.mod", "y"],
+    ["-c", FACTS, "z"], ["app"], ["missing.py"], ["bad.py"], ["raise.py"], ["exit3.py"],
+    ["exitmsg.py"], ["kbint.py"], ["-m", "pkg.boom"],
+]
+
+
+def test_a_forked_worker_runs_its_command_line_as_the_interpreter_does(tmp_path):
+    for name, text in FILES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "link.py").symlink_to(tmp_path / "real" / "s.py")
+    env = base_env()
+    p = subprocess.run([sys.executable, str(SCRIPTS / "forkserver_driver.py"), json.dumps(CASES)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    forked = json.loads(p.stdout)
+    for args, got in zip(CASES, forked):
+        want = subprocess.run([sys.executable, "-u", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        pre_got, pre_want = ("PRELOADED=True" in got["stdout"]), ("PRELOADED=True" in want.stdout)
+        if "PRELOADED=" in want.stdout:
+            assert pre_got and not pre_want, (args, "the worker was not forked from the server")
+        assert (got["rc"], got["stdout"].replace("PRELOADED=True", "PRELOADED=False"),
+                got["stderr"]) == (want.returncode, want.stdout, want.stderr), args
+
+
+VALUE_MAY_DIFFER = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "OUT_DIR"}
+RUN_SPECIFIC = VALUE_MAY_DIFFER | {"LETO_RUN_DIR", "LETO_HEARTBEAT_SOCKET", "LETO_JOB_TOKEN", "LETO_JOB_KEY",
+                                   "LETO_SM_SOCKET", "LETO_EXIT_NOTICE_FD", "LETO_EXIT_FENCE_FD"}
+SAME_AS_TORCHRUN = ("cmdline", "argv", "path", "file", "name", "main_globals", "loader", "spec", "cached",
+                    "cwd", "signals", "blocked", "rlimits", "umask", "nice", "write_through",
+                    "flags")
+
+
+def _probe(tmp_path, name, cmd, **env):
+    out = tmp_path / name
+    out.mkdir()
+    r = run(cmd("--nproc-per-node", "2", str(SCRIPTS / "procprobe.py")), base_env(out, **env))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {p.name: json.loads(p.read_text()) for p in out.glob("probe_*.json")}
+
+
+def test_workers_under_leto_run_are_the_processes_a_plain_spawn_and_torchrun_start(tmp_path):
+    ev = tmp_path / "ev.jsonl"
+    forked = _probe(tmp_path, "fork", lambda *a: leto_cmd("--no-status", "--events", str(ev), *a))
+    plain = _probe(tmp_path, "plain", lambda *a: leto_cmd("--no-status", *a), LETO_FORK_SERVER="0")
+    ref = _probe(tmp_path, "torchrun", torchrun_cmd)
+    assert sorted(forked) == sorted(plain) == sorted(ref) == ["probe_0_0.json", "probe_1_0.json"]
+    for f in ref:
+        a, b, t = forked[f], plain[f], ref[f]
+        assert a.pop("torch_preloaded") and not b.pop("torch_preloaded")
+        assert not t.pop("torch_preloaded")
+        for k in SAME_AS_TORCHRUN:
+            assert a[k] == b[k] == t[k], (f, k)
+        ea, eb = a.pop("env"), b.pop("env")
+        eb.pop("LETO_FORK_SERVER")                  # the knob of the plain run itself
+        assert sorted(ea) == sorted(eb), f
+        assert {k: v for k, v in ea.items() if k not in RUN_SPECIFIC} == \
+               {k: v for k, v in eb.items() if k not in RUN_SPECIFIC}, f
+        def kinds(facts, env):      # descriptors by kind, a passed one by its variable's name
+            names = {env[k]: k for k in ("LETO_EXIT_NOTICE_FD", "LETO_EXIT_FENCE_FD") if k in env}
+            return sorted((names.get(n, n), kind) for n, kind in facts["fds"].items())
+        assert [n for n, _ in kinds(a, ea)] == ["0", "1", "2", "LETO_EXIT_NOTICE_FD"], kinds(a, ea)
+        assert kinds(a, ea) == kinds(b, eb) and set(t["fds"]) == {"0", "1", "2"}, f
+        assert a["parent"][1:3] == b["parent"][1:3] == ["-m", "leto_run"], f
+        for k in ("own_group", "session_leader"):
+            assert a[k] == b[k], (f, k)
+    for run_ in (forked, plain, ref):     # a fresh interpreter seeds both generators anew
+        assert run_["probe_0_0.json"]["random"] != run_["probe_1_0.json"]["random"]
+        assert run_["probe_0_0.json"]["numpy"] != run_["probe_1_0.json"]["numpy"]
+    evs = events(ev)
+    assert [e["forked"] for e in of(evs, "spawn", role="active")] == [True, True]
+    assert_nothing_left(evs)
+
+
+def test_a_fork_server_killed_mid_job_leaves_the_next_workers_to_a_plain_spawn(tmp_path):
+    out, ev = tmp_path / "out", tmp_path / "ev.jsonl"
+    out.mkdir()
+    # restart mode: no shadow is spawned after the last active, the one that kills the server
+    r = run(leto_cmd("--no-status", "--events", str(ev), "--nproc-per-node", "2",
+                     "--recovery", "restart", "--max-restarts", "1",
+                     str(SCRIPTS / "procprobe.py")),
+            base_env(out, PROBE_KILL_FORK_SERVER="1", PROBE_EXIT="1:1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    evs = events(ev)
+    [down] = of(evs, "fork_server", state="down")
+    assert "Signal 9" in down["reason"] or "Broken pipe" in down["reason"], down
+    assert "fork server:" in r.stderr and "spawned plainly" in r.stderr
+    spawns = of(evs, "spawn", role="active")
+    assert [(e["restart_count"], e["forked"]) for e in spawns] == [(0, True), (0, True),
+                                                                   (1, False), (1, False)]
+    for rank in (0, 1):
+        assert json.loads((out / f"probe_{rank}_0.json").read_text())["torch_preloaded"]
+        assert not json.loads((out / f"probe_{rank}_1.json").read_text())["torch_preloaded"]
+    assert_nothing_left(evs)
