@@ -14,7 +14,8 @@ Per request the server forks an intermediate, which forks the worker and exits a
 worker is orphaned to the agent, the child subreaper (the agent waits on it and reads its exit
 status itself).  Only then does the worker set its parent-death signal (set earlier, the
 intermediate's exit would fire it), checks its parent is the agent, and takes its own process
-group, descriptors, working directory and environment, in that order.  A worker that cannot
+group, descriptors, working directory and environment, in that order, and arms its exit notice
+(`leto_runtime.exit_notice.arm`, as a script's import of leto_runtime does).  A worker that cannot
 set itself up says why on its stderr and exits 1 -- a failure of that worker, as if its
 interpreter had failed to start.
 
@@ -158,6 +159,10 @@ def _become_worker(sock, req: dict, fds: list[int], agent: int, middle: int) -> 
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     if "numpy" in sys.modules:          # a fresh interpreter seeds numpy's global state anew
         sys.modules["numpy"].random.seed()
+    # Every worker's abrupt death is seen as its exit begins, not only a script's that imports
+    # leto_runtime (whose import arms the notice the same way: leto_runtime/exit_notice.py).
+    from leto_runtime import exit_notice
+    exit_notice.arm()
     return list(req["argv"][2:])
 
 

@@ -104,14 +104,20 @@ def test_workers_under_leto_run_are_the_processes_a_plain_spawn_and_torchrun_sta
             assert a[k] == b[k] == t[k], (f, k)
         ea, eb = a.pop("env"), b.pop("env")
         eb.pop("LETO_FORK_SERVER")                  # the knob of the plain run itself
+        # A forked worker armed its exit notice before the script (as leto_runtime's import
+        # does): the page's fd is mapped and closed, its variable gone; the plain worker's
+        # script never imports leto_runtime, so its notice stays unarmed.
+        assert "LETO_EXIT_NOTICE_FD" not in ea and "LETO_EXIT_NOTICE_FD" in eb, f
+        notice_fd = eb.pop("LETO_EXIT_NOTICE_FD")
         assert sorted(ea) == sorted(eb), f
         assert {k: v for k, v in ea.items() if k not in RUN_SPECIFIC} == \
                {k: v for k, v in eb.items() if k not in RUN_SPECIFIC}, f
-        def kinds(facts, env):      # descriptors by kind, a passed one by its variable's name
-            names = {env[k]: k for k in ("LETO_EXIT_NOTICE_FD", "LETO_EXIT_FENCE_FD") if k in env}
-            return sorted((names.get(n, n), kind) for n, kind in facts["fds"].items())
-        assert [n for n, _ in kinds(a, ea)] == ["0", "1", "2", "LETO_EXIT_NOTICE_FD"], kinds(a, ea)
-        assert kinds(a, ea) == kinds(b, eb) and set(t["fds"]) == {"0", "1", "2"}, f
+        # the notice page's fd: mmap keeps its own duplicate (leto_runtime's import does too);
+        # no fence without a GPU
+        assert sorted(k for k, v in a["fds"].items() if v != "/memfd") == ["0", "1", "2"], a
+        assert list(a["fds"].values()).count("/memfd") == 1, (f, a["fds"])
+        assert set(b["fds"]) == {"0", "1", "2", notice_fd}, (f, b["fds"])
+        assert set(t["fds"]) == {"0", "1", "2"}, f
         assert a["parent"][1:3] == b["parent"][1:3] == ["-m", "leto_run"], f
         for k in ("own_group", "session_leader"):
             assert a[k] == b[k], (f, k)
@@ -142,4 +148,28 @@ def test_a_fork_server_killed_mid_job_leaves_the_next_workers_to_a_plain_spawn(t
     for rank in (0, 1):
         assert json.loads((out / f"probe_{rank}_0.json").read_text())["torch_preloaded"]
         assert not json.loads((out / f"probe_{rank}_1.json").read_text())["torch_preloaded"]
+    assert_nothing_left(evs)
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_plain_script_s_abrupt_death_is_seen_as_its_exit_begins(tmp_path, fork):
+    """A script that never imports leto_runtime: forked, its exit notice is armed all the same,
+    so the agent learns of a SIGKILL from the notice (`exit_started`) before the reap; spawned
+    plainly (LETO_FORK_SERVER=0), only the reap tells."""
+    out, ev = tmp_path / "out", tmp_path / "ev.jsonl"
+    out.mkdir()
+    r = run(leto_cmd("--no-status", "--events", str(ev), "--nproc-per-node", "2", "--recovery",
+                     "restart", "--inject", "signal=SIGKILL:rank=1:after=2s",
+                     str(SCRIPTS / "procprobe.py")),
+            base_env(out, PROBE_SLEEP="60", LETO_FORK_SERVER="1" if fork else "0"))
+    assert r.returncode == 1, r.stderr[-3000:]
+    evs = events(ev)
+    [victim] = of(evs, "spawn", role="active", rank=1)
+    [det] = of(evs, "failure_detected", rank=1)
+    started = of(evs, "exit_started", pid=victim["pid"])
+    if fork:
+        assert [e["exitcode"] for e in started] == [-9] and det["mono"] >= started[0]["mono"]
+    else:
+        assert not started
+    assert "Signal 9 (SIGKILL)" in r.stderr
     assert_nothing_left(evs)

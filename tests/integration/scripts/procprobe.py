@@ -2,12 +2,14 @@
 set it up, environment, descriptors, signals, limits, parent -- as JSON to
 $OUT_DIR/probe_<RANK>_<TORCHELASTIC_RESTART_COUNT>.json.  PROBE_EXIT=<rank>:<code> makes that
 rank exit with the code; PROBE_KILL_FORK_SERVER=1 makes rank 1 of attempt 0 SIGKILL this
-job's fork server first (found by the job token in its environment)."""
+job's fork server first (found by the job token in its environment); PROBE_SLEEP=<s> makes
+every rank sleep that long before it exits."""
 import json
 import os
 import resource
 import signal
 import sys
+import time
 
 TORCH_PRELOADED = "torch" in sys.modules        # before anything of the probe imports it
 
@@ -68,6 +70,7 @@ facts = {
 facts["parent"] = [p.decode() for p in facts["parent"]]
 with open(os.path.join(os.environ["OUT_DIR"], f"probe_{rank}_{attempt}.json"), "w") as f:
     json.dump(facts, f)
+time.sleep(float(os.environ.get("PROBE_SLEEP", "0")))
 code = os.environ.get("PROBE_EXIT", "")
 if code.split(":")[0] == rank and attempt == "0":
     sys.exit(int(code.split(":")[1]))
