@@ -79,6 +79,16 @@ def test_inplace_recovery_on_gpu_is_bit_exact(case, reference, tmp_path):
         assert all(v == want[s] for s, v in got.items()), f"rank {r} losses differ"
     evs = events(ev)
     assert any(e["event"] == "promote" for e in evs)
+    # No promoted trainer could write retained memory while a dead one's kernels could: every
+    # promotion (its go keys: the `promote` event) follows the exit fence -- verdict quiet --
+    # of every process of the failed generation that died (test_exit_fence_gpu.py: the fence
+    # comes after a killed process's last write).
+    for pr in (e for e in evs if e["event"] == "promote"):
+        fences = [e for e in evs if e["event"] == "exit_fence"
+                  and e["generation"] == pr["generation"] - 1]
+        assert fences, f"no exit fence before the promotion {pr}"
+        assert all(f["verdict"] == "quiet" and f["mono"] <= pr["mono"] for f in fences), \
+            (pr, fences)
     if "--demote" in args:
         asked = [e for e in evs if e["event"] == "demote" and e.get("mode") == "release"]
         done = [e for e in evs if e["event"] == "demoted"]
