@@ -1,0 +1,96 @@
+"""What the fork server saves: a whole leto-run job with its workers forked from the fork server
+(`LETO_FORK_SERVER=1`, the default) against the same job with every worker spawned by exec
+(`LETO_FORK_SERVER=0`), alternating, same machine, same run.
+
+Per run: the job's wall time and the CPU time of its whole process tree (user + system of every
+process the launcher started and waited for, `RUSAGE_CHILDREN` of this driver: the agent
+reaps its workers and the driver reaps the agent), and how many workers were forked (the
+job's event log).  The default job is the README's quick start (`configs/inplace_demo.yaml`:
+two ranks, three in-place recoveries, so shadows and their respawns too).  Calling contract::
+
+    python -m benchmarks.fork_server [--repeats N] [--config FILE] [--json FILE]
+
+stdout: a Markdown table (median per variant, and the ratio fork / exec); exit 0 when every
+run of the job succeeded, 1 otherwise (the failing run's tail on stderr).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.provenance import machine_info  # noqa: E402
+
+VARIANTS = (("fork", "1"), ("exec", "0"))
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def one_run(config: str, knob: str, work: Path) -> dict:
+    ev = work / f"events_{knob}_{time.monotonic_ns()}.jsonl"
+    env = dict(os.environ, LETO_FORK_SERVER=knob)
+    cpu0, t0 = _children_cpu(), time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "leto_run", "--config", config, "--no-status",
+                        "--events", str(ev)], cwd=str(ROOT), env=env, capture_output=True,
+                       text=True, timeout=900)
+    wall, cpu = time.monotonic() - t0, _children_cpu() - cpu0
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr[-4000:])
+        raise RuntimeError(f"the job failed with LETO_FORK_SERVER={knob} (exit {p.returncode})")
+    spawns = [json.loads(x) for x in ev.read_text().splitlines() if '"spawn"' in x]
+    workers = [e for e in spawns if e.get("role") in ("active", "shadow")]
+    return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "workers": len(workers),
+            "forked": sum(1 for e in workers if e.get("forked"))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--config", default="configs/inplace_demo.yaml")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    if a.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    runs: dict[str, list[dict]] = {name: [] for name, _ in VARIANTS}
+    with tempfile.TemporaryDirectory(prefix="fork-bench-") as tmp:
+        try:
+            for i in range(a.repeats):
+                order = VARIANTS if i % 2 == 0 else VARIANTS[::-1]   # drift and order cancel
+                for name, knob in order:
+                    runs[name].append(one_run(a.config, knob, Path(tmp)))
+                    print(f"{name} #{i}: {runs[name][-1]}", file=sys.stderr, flush=True)
+        except RuntimeError as e:
+            print(f"fork_server: {e}", file=sys.stderr)
+            return 1
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "cpu_s")}
+           for n, rs in runs.items()}
+    m = machine_info()
+    print(f"## The fork server: `leto-run --config {a.config}`, {a.repeats} runs each "
+          f"({m['nproc']} CPUs, {m['cpu']}; torch {m['torch']}; leto at {m['leto_tree']})\n")
+    print("| variant | wall (s) | CPU of the process tree (s) | workers (forked) |")
+    print("|---|---:|---:|---:|")
+    for n, rs in runs.items():
+        print(f"| {n} | {med[n]['wall_s']:.2f} | {med[n]['cpu_s']:.2f} | "
+              f"{rs[0]['workers']} ({rs[0]['forked']}) |")
+    print(f"| fork / exec | {med['fork']['wall_s'] / med['exec']['wall_s']:.2f} | "
+          f"{med['fork']['cpu_s'] / med['exec']['cpu_s']:.2f} | |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "machine": m, "runs": runs,
+                                            "median": med}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
