@@ -137,7 +137,7 @@ class Launcher:
                  log: Callable[[str], None], emit: Callable[..., None]):
         self.log, self.emit = log, emit
         self.server: ForkServer | None = None
-        self.fell_back: str | None = None if enabled else "off (LETO_FORK_SERVER=0)"
+        self.fell_back: str | None = None if enabled else "off (LETO_FORK_SERVER=0, --no-python)"
         if enabled:
             try:
                 self.server = ForkServer(python, env)
