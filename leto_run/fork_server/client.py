@@ -13,6 +13,7 @@ Calling contract: the agent's main thread only (as `procs.spawn`), after `become
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import time
@@ -23,6 +24,7 @@ from leto_run.fork_server import wire
 from leto_run.fork_server.server import BOOT, TITLE_ROOM
 from leto_run.worker_env import per_worker
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 READY_S = 120.0         # the server's `import torch` (a cold file system can take a minute)
 REPLY_S = 30.0          # one fork: milliseconds, seconds on a swapping machine
 STOP_S = 5.0
@@ -43,6 +45,13 @@ def refusal(server_env: Mapping[str, str], python: str, argv: list[str],
     return None
 
 
+def rlimits() -> dict[str, list[int]]:
+    """This process's resource limits now (an exec'd child would inherit them: the agent
+    raises its RLIMIT_NOFILE after the fork server started)."""
+    return {name: list(resource.getrlimit(getattr(resource, name)))
+            for name in dir(resource) if name.startswith("RLIMIT_")}
+
+
 class ForkServerDown(RuntimeError):
     pass
 
@@ -52,7 +61,7 @@ class ForkServer:
         self.python, self.env = python, env
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.proc = procs.spawn([python, "-u", "-c", BOOT, str(theirs.fileno()),
+            self.proc = procs.spawn([python, "-u", "-c", BOOT, str(theirs.fileno()), _ROOT,
                                      *[""] * TITLE_ROOM], env, pass_fds=(theirs.fileno(),))
         except BaseException:
             self.sock.close()
@@ -97,7 +106,7 @@ class ForkServer:
         try:
             self.sock.settimeout(REPLY_S)
             req = {"argv": argv, "env": dict(env), "cwd": os.getcwd(),
-                   "targets": list(pass_fds)}
+                   "targets": list(pass_fds), "rlimits": rlimits()}
             try:
                 wire.send(self.sock, req, (stdout, stderr, *pass_fds, gate_r))
             except (OSError, ValueError) as e:

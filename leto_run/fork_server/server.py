@@ -1,10 +1,10 @@
 """The fork server process: import torch once, then fork one worker per request of the agent.
 
-Runs as ``python -u -c BOOT <fd>``, started by the agent through `procs.spawn` (own process
+Runs as ``python -u -c BOOT <fd> <root> <padding>``, started by the agent through `procs.spawn` (own process
 group, parent-death signal, the environment every worker shares).  It says ``ready`` once the
 preload is imported, then serves requests one at a time until the agent closes the socket.
 
-A request is ``{"argv", "env", "cwd", "targets"}`` with the descriptors [stdout, stderr,
+A request is ``{"argv", "env", "cwd", "targets", "rlimits"}`` with the descriptors [stdout, stderr,
 *passed, gate]: the worker gets them at fds 1, 2 and `targets`; the gate is the read end of a
 pipe the agent closes once it has recorded the worker (its pid watched, allowed by its state
 manager, announced to the guardian), so no user code runs before that.  The reply is
@@ -14,7 +14,8 @@ Per request the server forks an intermediate, which forks the worker and exits a
 worker is orphaned to the agent, the child subreaper (the agent waits on it and reads its exit
 status itself).  Only then does the worker set its parent-death signal (set earlier, the
 intermediate's exit would fire it), checks its parent is the agent, and takes its own process
-group, descriptors, working directory and environment, in that order, and arms its exit notice
+group, descriptors, resource limits (the agent's at the request, as an exec'd worker inherits
+them), working directory and environment, in that order, and arms its exit notice
 (`leto_runtime.exit_notice.arm`, as a script's import of leto_runtime does).  A worker that cannot
 set itself up says why on its stderr and exits 1 -- a failure of that worker, as if its
 interpreter had failed to start.
@@ -34,8 +35,11 @@ import time
 
 from leto_run.fork_server import wire
 
-BOOT = ("import sys; del sys.path[0]; "          # the server's cwd is not the worker's sys.path
-        "from leto_run.fork_server.server import main; main(int(sys.argv[1]))")
+# sys.argv: [fd, the agent's leto_run root, padding].  The server's own modules come from the
+# agent's tree (a checkout may shadow an install); the entry goes again before any worker, whose
+# sys.path is then a fresh interpreter's (the cwd entry of -c is not the worker's either).
+BOOT = ("import sys; sys.path[0] = sys.argv[2]; from leto_run.fork_server.server import main; "
+        "del sys.path[0]; main(int(sys.argv[1]))")
 # What every worker imports first, and nothing that reads a worker's own variables at import:
 # `client.refusal` checks that the rest of a worker's environment equals the server's.
 PRELOAD = ("torch",)
@@ -152,6 +156,7 @@ def _become_worker(sock, req: dict, fds: list[int], agent: int, middle: int) -> 
         raise RuntimeError(f"the agent did not release the worker within {GATE_S:g} s")
     os.close(gate)
     _place(placed, [1, 2, *req["targets"]])
+    _limits(req.get("rlimits", {}))
     _retitle(req["argv"])
     os.chdir(req["cwd"])
     os.environ.clear()
@@ -164,6 +169,16 @@ def _become_worker(sock, req: dict, fds: list[int], agent: int, middle: int) -> 
     from leto_runtime import exit_notice
     exit_notice.arm()
     return list(req["argv"][2:])
+
+
+def _limits(limits: dict) -> None:
+    """The agent's resource limits at the request (an exec'd worker inherits them; the server
+    has the agent's at its own start)."""
+    import resource
+    for name, (soft, hard) in limits.items():
+        res = getattr(resource, name, None)
+        if res is not None and resource.getrlimit(res) != (soft, hard):
+            resource.setrlimit(res, (soft, hard))
 
 
 def _retitle(argv: list[str]) -> None:

@@ -173,3 +173,27 @@ def test_a_plain_script_s_abrupt_death_is_seen_as_its_exit_begins(tmp_path, fork
         assert not started
     assert "Signal 9 (SIGKILL)" in r.stderr
     assert_nothing_left(evs)
+
+
+def test_a_forked_worker_gets_the_limits_the_agent_has_when_it_starts(tmp_path):
+    """The agent raises its soft RLIMIT_NOFILE to the hard limit after its fork server started
+    (in-place mode: the fd keepers).  A worker spawned by exec inherits the raised limit; a
+    forked one must get it too, not the server's."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or hard <= 1024:
+        pytest.skip(f"the hard RLIMIT_NOFILE ({hard}) leaves no room to start lower")
+
+    def lower():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+    got = {}
+    for knob in ("1", "0"):
+        out = tmp_path / knob
+        out.mkdir()
+        r = run(leto_cmd("--no-status", "--nproc-per-node", "2", str(SCRIPTS / "procprobe.py")),
+                base_env(out, LETO_FORK_SERVER=knob), preexec_fn=lower)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[knob] = [json.loads((out / f"probe_{rank}_0.json").read_text())["rlimits"]
+                     ["RLIMIT_NOFILE"] for rank in (0, 1)]
+        assert json.loads((out / "probe_0_0.json").read_text())["torch_preloaded"] == (knob == "1")
+    assert got["1"] == got["0"] == [[hard, hard]] * 2, got
