@@ -45,11 +45,19 @@ def refusal(server_env: Mapping[str, str], python: str, argv: list[str],
     return None
 
 
-def rlimits() -> dict[str, list[int]]:
-    """This process's resource limits now (an exec'd child would inherit them: the agent
-    raises its RLIMIT_NOFILE after the fork server started)."""
-    return {name: list(resource.getrlimit(getattr(resource, name)))
-            for name in dir(resource) if name.startswith("RLIMIT_")}
+def process_attrs() -> dict:
+    """What an exec'd child of this process would inherit now and a fork of the server, started
+    earlier, might not have: resource limits (the agent raises its RLIMIT_NOFILE after the
+    server started), umask, CPU affinity, nice value (a `renice` or `taskset` of the agent)."""
+    umask = None
+    with open("/proc/self/status") as f:        # read, not set-and-restore: other threads
+        for line in f:
+            if line.startswith("Umask:"):
+                umask = int(line.split()[1], 8)
+    return {"rlimits": {name: list(resource.getrlimit(getattr(resource, name)))
+                        for name in dir(resource) if name.startswith("RLIMIT_")},
+            "umask": umask, "affinity": sorted(os.sched_getaffinity(0)),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0)}
 
 
 class ForkServerDown(RuntimeError):
@@ -106,7 +114,7 @@ class ForkServer:
         try:
             self.sock.settimeout(REPLY_S)
             req = {"argv": argv, "env": dict(env), "cwd": os.getcwd(),
-                   "targets": list(pass_fds), "rlimits": rlimits()}
+                   "targets": list(pass_fds), "attrs": process_attrs()}
             try:
                 wire.send(self.sock, req, (stdout, stderr, *pass_fds, gate_r))
             except (OSError, ValueError) as e:

@@ -4,7 +4,7 @@ Runs as ``python -u -c BOOT <fd> <root> <padding>``, started by the agent throug
 group, parent-death signal, the environment every worker shares).  It says ``ready`` once the
 preload is imported, then serves requests one at a time until the agent closes the socket.
 
-A request is ``{"argv", "env", "cwd", "targets", "rlimits"}`` with the descriptors [stdout, stderr,
+A request is ``{"argv", "env", "cwd", "targets", "attrs"}`` with the descriptors [stdout, stderr,
 *passed, gate]: the worker gets them at fds 1, 2 and `targets`; the gate is the read end of a
 pipe the agent closes once it has recorded the worker (its pid watched, allowed by its state
 manager, announced to the guardian), so no user code runs before that.  The reply is
@@ -14,8 +14,9 @@ Per request the server forks an intermediate, which forks the worker and exits a
 worker is orphaned to the agent, the child subreaper (the agent waits on it and reads its exit
 status itself).  Only then does the worker set its parent-death signal (set earlier, the
 intermediate's exit would fire it), checks its parent is the agent, and takes its own process
-group, descriptors, resource limits (the agent's at the request, as an exec'd worker inherits
-them), working directory and environment, in that order, and arms its exit notice
+group, descriptors, process attributes (the agent's resource limits, umask, CPU affinity and nice
+value at the request, as an exec'd worker inherits them), working directory and environment, in
+that order, and arms its exit notice
 (`leto_runtime.exit_notice.arm`, as a script's import of leto_runtime does).  A worker that cannot
 set itself up says why on its stderr and exits 1 -- a failure of that worker, as if its
 interpreter had failed to start.
@@ -156,7 +157,7 @@ def _become_worker(sock, req: dict, fds: list[int], agent: int, middle: int) -> 
         raise RuntimeError(f"the agent did not release the worker within {GATE_S:g} s")
     os.close(gate)
     _place(placed, [1, 2, *req["targets"]])
-    _limits(req.get("rlimits", {}))
+    _attrs(req.get("attrs", {}))
     _retitle(req["argv"])
     os.chdir(req["cwd"])
     os.environ.clear()
@@ -171,14 +172,20 @@ def _become_worker(sock, req: dict, fds: list[int], agent: int, middle: int) -> 
     return list(req["argv"][2:])
 
 
-def _limits(limits: dict) -> None:
-    """The agent's resource limits at the request (an exec'd worker inherits them; the server
-    has the agent's at its own start)."""
+def _attrs(attrs: dict) -> None:
+    """The agent's process attributes at the request (`client.process_attrs`: an exec'd
+    worker inherits them; the server has the agent's at its own start)."""
     import resource
-    for name, (soft, hard) in limits.items():
+    for name, (soft, hard) in attrs.get("rlimits", {}).items():
         res = getattr(resource, name, None)
         if res is not None and resource.getrlimit(res) != (soft, hard):
             resource.setrlimit(res, (soft, hard))
+    if attrs.get("umask") is not None:
+        os.umask(attrs["umask"])
+    if attrs.get("affinity") and sorted(os.sched_getaffinity(0)) != attrs["affinity"]:
+        os.sched_setaffinity(0, attrs["affinity"])
+    if attrs.get("nice") is not None and os.getpriority(os.PRIO_PROCESS, 0) != attrs["nice"]:
+        os.setpriority(os.PRIO_PROCESS, 0, attrs["nice"])
 
 
 def _retitle(argv: list[str]) -> None:

@@ -78,7 +78,8 @@ VALUE_MAY_DIFFER = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FI
 RUN_SPECIFIC = VALUE_MAY_DIFFER | {"LETO_RUN_DIR", "LETO_HEARTBEAT_SOCKET", "LETO_JOB_TOKEN", "LETO_JOB_KEY",
                                    "LETO_SM_SOCKET", "LETO_EXIT_NOTICE_FD", "LETO_EXIT_FENCE_FD"}
 SAME_AS_TORCHRUN = ("cmdline", "argv", "path", "file", "name", "main_globals", "loader", "spec", "cached",
-                    "cwd", "signals", "blocked", "rlimits", "umask", "nice", "write_through",
+                    "cwd", "signals", "blocked", "rlimits", "umask", "nice", "affinity",
+                    "write_through",
                     "flags")
 
 
@@ -178,7 +179,7 @@ def test_a_plain_script_s_abrupt_death_is_seen_as_its_exit_begins(tmp_path, fork
 def test_a_forked_worker_gets_the_limits_the_agent_has_when_it_starts(tmp_path):
     """The agent raises its soft RLIMIT_NOFILE to the hard limit after its fork server started
     (in-place mode: the fd keepers).  A worker spawned by exec inherits the raised limit; a
-    forked one must get it too, not the server's."""
+    forked one must get it too, not the server's (`client.process_attrs`)."""
     import resource
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard == resource.RLIM_INFINITY or hard <= 1024:
@@ -197,3 +198,25 @@ def test_a_forked_worker_gets_the_limits_the_agent_has_when_it_starts(tmp_path):
                      ["RLIMIT_NOFILE"] for rank in (0, 1)]
         assert json.loads((out / "probe_0_0.json").read_text())["torch_preloaded"] == (knob == "1")
     assert got["1"] == got["0"] == [[hard, hard]] * 2, got
+
+
+ATTRS = r'''import os, resource
+umask = [l.split()[1] for l in open("/proc/self/status") if l.startswith("Umask:")][0]
+print(umask, os.getpriority(os.PRIO_PROCESS, 0), sorted(os.sched_getaffinity(0)),
+      resource.getrlimit(resource.RLIMIT_NOFILE))
+'''
+
+
+def test_a_forked_worker_takes_the_agent_s_process_attributes_at_its_request(tmp_path):
+    """The agent's umask, nice value, CPU affinity and limits change after its fork server
+    started (a `renice`, a `taskset`, its own RLIMIT_NOFILE raise): a worker forked after that
+    has what a worker exec'd by the agent then has."""
+    p = subprocess.run([sys.executable, str(SCRIPTS / "forkserver_driver.py"),
+                        json.dumps([["-c", ATTRS]])], cwd=tmp_path,
+                       env=base_env(DRIVER_CHANGE="1"), capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode == 0, p.stderr[-3000:]
+    [got] = json.loads(p.stdout)
+    assert got["rc"] == got["exec"]["rc"] == 0, got
+    assert got["stdout"] == got["exec"]["stdout"], got
+    assert got["stdout"].split()[0] == "0027", got          # the change reached both

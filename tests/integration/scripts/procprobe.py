@@ -63,7 +63,7 @@ facts = {
     "parent": open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\0")[:3],
     "rlimits": {n: resource.getrlimit(getattr(resource, n)) for n in dir(resource)
                 if n.startswith("RLIMIT_")},
-    "umask": os.umask(0o22), "nice": os.nice(0), "write_through": sys.stdout.write_through,
+    "umask": os.umask(0o22), "nice": os.nice(0), "affinity": sorted(os.sched_getaffinity(0)), "write_through": sys.stdout.write_through,
     "flags": list(sys.flags), "random": random.random(), "numpy": float(numpy.random.rand()),
     "torch_preloaded": TORCH_PRELOADED,
 }
