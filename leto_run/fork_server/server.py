@@ -165,11 +165,24 @@ def _become_worker(sock, req: dict, fds: list[int], agent: int, middle: int) -> 
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
     if "numpy" in sys.modules:          # a fresh interpreter seeds numpy's global state anew
         sys.modules["numpy"].random.seed()
-    # Every worker's abrupt death is seen as its exit begins, not only a script's that imports
-    # leto_runtime (whose import arms the notice the same way: leto_runtime/exit_notice.py).
-    from leto_runtime import exit_notice
-    exit_notice.arm()
+    _arm_notice()
     return list(req["argv"][2:])
+
+
+def _arm_notice() -> None:
+    """Every worker's abrupt death is seen as its exit begins, not only a script's that imports
+    leto_runtime (whose import arms the notice the same way: leto_runtime/exit_notice.py).
+    Imported as the script would import it; where it cannot be (the agent runs from a tree the
+    worker's sys.path does not hold), the reap tells, as for an exec'd script."""
+    try:
+        from leto_runtime import exit_notice
+    except ImportError:
+        return
+    try:
+        exit_notice.arm()
+    except Exception as e:                          # noqa: BLE001 -- the worker runs on
+        sys.stderr.write(f"[leto-run fork-server] exit notice not armed: {type(e).__name__}: "
+                         f"{e}\n")
 
 
 def _attrs(attrs: dict) -> None:
