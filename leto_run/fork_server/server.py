@@ -157,8 +157,12 @@ def _become_worker(sock, req: dict, fds: list[int], agent: int, middle: int) -> 
         raise RuntimeError(f"the agent did not release the worker within {GATE_S:g} s")
     os.close(gate)
     _place(placed, [1, 2, *req["targets"]])
-    _attrs(req.get("attrs", {}))
-    _retitle(req["argv"])
+    for step, arg in ((_attrs, req.get("attrs", {})), (_retitle, req["argv"])):
+        try:            # best effort: a worker that differs here still trains, and says so
+            step(arg)
+        except (OSError, ValueError) as e:
+            sys.stderr.write(f"[leto-run fork-server] {step.__name__.strip('_')}: "
+                             f"{type(e).__name__}: {e}\n")
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
