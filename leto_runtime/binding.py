@@ -14,7 +14,9 @@ range), frozen parameters come after every group (retained, protected, never upd
   holds (its torch optimizer and DDP keep working), only its `.data` becomes a view of the
   retained params and its `.grad` a view of the retained gradients (frozen: no gradient).
   Until then the parameters are placeholders (`modules.placeholders`).
-* `preattach(job)` (a waiting shadow) and `attach_at_promotion(job)` (a promoted one).
+* `preattach(job)` (a waiting shadow) and `attach_at_promotion(job)` (a promoted one);
+  `states_watch(job)`: for a shadow that was ready before its active made the states, a
+  check that they exist now (it then pre-attaches while it waits, not at promotion).
 * `install_hooks(job)` — the forward / backward fault points.
 
 Calling contract: functions over a `leto_runtime.job.Job` whose `model` is set; the job's
@@ -104,17 +106,22 @@ def bind_views(job) -> None:
     job.bound = True
 
 
+STATES = frozenset({*MODEL, GRADS, MARKER, UNDO, QBUF})
+
+
 def preattach(job) -> None:
     """Shadow: map the retained states now, while waiting (issue: "the retained state mapped
-    but never written"), so that promotion only refreshes what changed since.  Skipped,
-    with attach at promotion, when the active has not created them yet."""
+    but never written"), so that promotion only refreshes what changed since.  Skipped when
+    the active has not created them yet (`job.states_absent` is then set: the wait watches
+    for them, `states_watch`), or, with attach at promotion, when mapping fails."""
     from leto_runtime.rmp.client import RmpClient
     t0 = time.monotonic()
     client = None
     try:
         client = RmpClient(job.ctx.sm_socket, timeout=job.ctx.pg_timeout)
         have = {s["name"] for s in client.list()}
-        if not {*MODEL, GRADS, MARKER, UNDO, QBUF} <= have:
+        job.states_absent = not STATES <= have
+        if job.states_absent:
             client.close()
             return
         materialize(job, client=client, attach_only=True)
@@ -129,6 +136,35 @@ def preattach(job) -> None:
         return
     job.recovery_info["preattach_s"] = time.monotonic() - t0
     warm_localization(job)
+
+
+def states_watch(job, timeout: float = 2.0):
+    """A waiting shadow whose pre-attach found no states (it was ready before its active made
+    them: a fast shadow beside a large model's initialization): a predicate for
+    `promotion.wait_for_promotion(until=...)`, true once every retained state exists, so
+    that the shadow pre-attaches while it waits instead of attaching at promotion (a second
+    of a 1B model's first recovery).  None when there is nothing to watch for.  A state
+    manager that does not answer reads as "not yet"; the wait goes on as without the watch."""
+    if job.ss is not None or not getattr(job, "states_absent", False):
+        return None
+    from leto_runtime.rmp.client import RmpClient
+    client = None
+
+    def made() -> bool:
+        nonlocal client
+        try:
+            if client is None:
+                client = RmpClient(job.ctx.sm_socket, timeout=timeout, connect_timeout=timeout)
+            if not STATES <= {s["name"] for s in client.list()}:
+                return False
+        except Exception:
+            return False
+        try:
+            client.close(unmap=False)
+        except Exception:
+            pass
+        return True
+    return made
 
 
 def warm_localization(job) -> None:

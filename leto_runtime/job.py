@@ -103,6 +103,7 @@ class Job:
         # A shadow preinitializes to its level (LETO_PREINIT_LEVEL; leto_runtime.levels).
         self.level = ctx.preinit_level if self.role == "shadow" else "L3"
         self._woke_early: float | None = None     # promoted inside init() (a shadow below L3)
+        self.states_absent = False     # a shadow's pre-attach found no states yet (binding)
         levels.device_up(self) if self.level != "L1" else None
         per_gpu = torch.cuda.device_count() >= ctx.local_world_size if self.device.type == "cuda" else False
         self.backend = backend or ("nccl" if per_gpu else "gloo")
@@ -332,7 +333,7 @@ class Job:
         the module docstring)."""
         if self.opt is None:
             raise PortingError("call job.optimizer(...) or job.adamw(model, ...) before job.steps()")
-        from leto_runtime import ckpt_snapshot, ckpt_writer
+        from leto_runtime import ckpt_writer
         ckpt_writer.check_job(self)
         if self.role != "shadow" and self.ctx.checkpoint_load:    # the agent's fallback
             ckpt_writer.fallback_load(self)
@@ -351,13 +352,7 @@ class Job:
             if self._woke_early is not None:      # below L3: promoted in init() already
                 self.recovery_info["woke"] = self._woke_early
             else:
-                self._prepare_lending()
-                with ckpt_snapshot.serving(self):     # rank 0's: checkpoints while it waits
-                    # Ready at L3: the script's set-up done, the retained state pre-attached.
-                    promotion.announce_inplace({"level": "L3",
-                                                "seconds": time.monotonic() - self._t0})
-                    self.recovery_info["woke"] = promotion.wait_for_promotion(self.ctx,
-                                                                              self.store)
+                self.recovery_info["woke"] = levels.wait_at_l3(self)
             self.role = "active"
             demotion.arm(self)
             hb.heartbeat(None)
@@ -395,21 +390,6 @@ class Job:
             ckpt.close(self.ctx.pg_timeout)
         demotion.finished()
         hb.done()
-
-    def _prepare_lending(self) -> None:
-        """Shadow, pre-attached: create the activation-lending pool before promotion (it is
-        the first `begin()`'s cost otherwise, on the recovery's critical path).  A failure here
-        is logged and the pool is created at the first step, as without this."""
-        if self.updater is None:
-            return
-        t0 = time.monotonic()
-        try:
-            self.updater.prepare_lending()
-        except Exception as e:
-            log(f"lending pool not prepared before promotion ({type(e).__name__}: {e}); "
-                 "creating it at the first step")
-            return
-        self.recovery_info["lend_prepare_s"] = time.monotonic() - t0
 
     def step_seed(self, t: int) -> int:
         return (self.seed * 1_000_003 + t) * 65_537 + self.rank

@@ -19,7 +19,9 @@ each level it brought up (`l2_s`, `l3_s`); the report shows them.
 Calling contract: `device_up(job)` once per process (the job's device, inplace and ctx are
 set); `wait_below_l3(job, t0)` from `Job.__init__` for a shadow whose level is below L3,
 after the job's fields exist; it returns promoted, with the process group formed and
-`job._woke_early` set to the wake time.
+`job._woke_early` set to the wake time.  `wait_at_l3(job)` from `job.steps()` for a shadow at
+L3: what it prepares while it waits (a late pre-attach, the rehearsed update, the lending
+pool), then its wake time.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import time
 import torch
 
 from leto_runtime import beats as hb
+from leto_runtime.trainer_log import log
 
 
 def device_up(job) -> None:
@@ -94,3 +97,51 @@ def wait_below_l3(job, t0: float) -> None:
     times["l3_s"] = time.monotonic() - t
     hb.heartbeat(None)
     promotion.report_phase("bringup", sum(times.values()), level=job.level, **times)
+
+
+def wait_at_l3(job) -> float:
+    """A shadow at L3, from `job.steps()`: ready (the script's set-up done, the retained state
+    pre-attached), it waits for its promotion and returns the wake time.  While it waits:
+    the update rehearsed on scratch and the lending pool made (`ready_for_first_step`).  One
+    that was ready before its active made the states pre-attaches them once they exist, then
+    waits on (`binding.states_watch`)."""
+    from leto_runtime import binding, ckpt_snapshot, promotion
+    ready_for_first_step(job)
+    promotion.announce_inplace({"level": "L3", "seconds": time.monotonic() - job._t0})
+    while True:
+        watch = binding.states_watch(job)
+        with ckpt_snapshot.serving(job):      # rank 0's: checkpoints while it waits
+            woke = promotion.wait_for_promotion(job.ctx, job.store, until=watch)
+        if woke is not None:
+            return woke
+        t0 = time.monotonic()
+        binding.preattach(job)
+        if job.ss is None:          # failed (logged): attach at promotion, as before
+            job.states_absent = False
+            continue
+        job.recovery_info["preattach_late_s"] = time.monotonic() - job._t0
+        log(f"pre-attached the retained states once the active had made them "
+            f"({time.monotonic() - t0:.2f} s)")
+        ready_for_first_step(job)
+
+
+def ready_for_first_step(job) -> None:
+    """A pre-attached shadow pays now what the promoted trainer's first step would: one
+    update on scratch memory (`rmu.rehearsal`: the update's kernels loaded, its code paths
+    warm) and the activation-lending pool (its library, regions and cuBLAS workspaces).  A
+    failure of either is logged; the first step then pays it, as without this."""
+    if job.updater is None:
+        return
+    from leto_runtime.rmu import rehearsal
+    try:
+        job.recovery_info["rehearsal_s"] = rehearsal.rehearse(job.updater)
+    except Exception as e:
+        log(f"update not rehearsed before promotion ({type(e).__name__}: {e})")
+    t0 = time.monotonic()
+    try:
+        job.updater.prepare_lending()
+    except Exception as e:
+        log(f"lending pool not prepared before promotion ({type(e).__name__}: {e}); "
+            "creating it at the first step")
+        return
+    job.recovery_info["lend_prepare_s"] = time.monotonic() - t0

@@ -119,9 +119,13 @@ def install_wake() -> None:
     _wake_installed = True
 
 
-def wait_for_promotion(ctx: Context, store, slice_s: float = WAKE_POLL_S) -> float:
+def wait_for_promotion(ctx: Context, store, slice_s: float = WAKE_POLL_S,
+                       until=None) -> float | None:
     """Block until the agent promotes this shadow (go key of its generation and rank is set);
-    return the monotonic wake time, after sending the `promoted` datagram.
+    return the monotonic wake time, after sending the `promoted` datagram.  `until`: a
+    predicate checked once per slice after the go key; when it is true the wait ends
+    without a promotion and returns None (the shadow has work to do while it waits, and
+    waits again).
 
     Why not `store.wait`: a TCPStore client whose wait timed out can miss the key set after
     (seen: a shadow woke 152 s after its go key, through two 60 s slices).  Non-blocking checks
@@ -140,6 +144,8 @@ def wait_for_promotion(ctx: Context, store, slice_s: float = WAKE_POLL_S) -> flo
             # DistNetworkError: the store is gone (restart or end)
             if store.check([key]) and _verified(store, key):
                 break
+            if until is not None and until():
+                return None
             if not waited:              # a smaller context while it waits (L2 and L3)
                 ctx_limits.shrink()
                 waited = True

@@ -152,6 +152,38 @@ def failure(records: list[dict], t_fault: float, t_iter: float,
     return out
 
 
+def first_step_phases(records: list[dict], fault: dict) -> dict | None:
+    """train.py --phases: the phases (forward, backward, optimizer: wall and CPU seconds,
+    device allocations) of the first step each new trainer ran after `fault`, the slowest
+    rank's, beside the medians of the steady steps (every step after a process's first two
+    that completed before the fault).  None without phase records."""
+    incs = {tuple(x) for x in fault.get("new_incarnations") or []}
+    steps = [r for r in steps_of(records) if r.get("phases")]
+    new = [r for r in steps if incarnation(r) in incs]
+    if not new:
+        return None
+    firsts = {}
+    for r in new:
+        if r["rank"] not in firsts or r["t0"] < firsts[r["rank"]]["t0"]:
+            firsts[r["rank"]] = r
+    first = max(firsts.values(), key=lambda r: r["t1"] - r["t0"])
+    seen: dict = {}
+    steady = []
+    for r in sorted(steps, key=lambda r: r["t0"]):
+        if r["t1"] > fault["t_fault"] or incarnation(r) in incs:
+            continue
+        seen[incarnation(r)] = seen.get(incarnation(r), 0) + 1
+        if seen[incarnation(r)] > 2:
+            steady.append(r)
+    med = {}
+    for name in first["phases"]:
+        rows = [r["phases"][name] for r in steady if name in r["phases"]]
+        if rows:
+            med[name] = {k: statistics.median(x[k] for x in rows) for k in ("s", "cpu_s", "allocs")}
+    return {"step": first["step"], "rank": first["rank"], "first": first["phases"],
+            "steady": med, "steady_steps": len(steady)}
+
+
 def restart_breakdown(records: list[dict], fault: dict) -> dict:
     """For a restarted process group: fault -> the new processes' first statement (detection,
     stop, rendezvous, spawn), -> ready (imports, process group, model, checkpoint load), and

@@ -113,6 +113,7 @@ def markdown(res: dict) -> str:
                 + (f">= {_s(f['R_at_least'])}" if f.get("R_at_least") is not None
                    else _s(f['R']))
                 + f" | {_s(f['recovery'])} | {_breakdown(f)} |")
+    lines += _phase_lines(res)
     for name, why in res.get("skipped", {}).items():
         lines.append(f"\n{name}: skipped ({why})")
     noisy = [r["label"] for r in res["systems"].values()
@@ -127,6 +128,30 @@ def markdown(res: dict) -> str:
     for g in res.get("goals", []):
         lines.append(f"- {'PASS' if g['ok'] else 'MISS'} {g['goal']}: {g['detail']}")
     return "\n".join(lines)
+
+
+def _phase_lines(res: dict) -> list[str]:
+    """train.py --phases: the first step after each recovery against the steady step, by
+    phase (ms wall / ms CPU of the main thread / new allocator segments)."""
+    rows = []
+    for r in res["systems"].values():
+        for f in r["failures"]:
+            ph = f.get("first_step_phases")
+            if not ph:
+                continue
+            cells = []
+            for name, x in ph["first"].items():
+                st = ph["steady"].get(name)
+                cells.append(f"{name} {x['s'] * 1e3:.0f}/{x['cpu_s'] * 1e3:.0f}/{x['allocs']}"
+                             + (f" (steady {st['s'] * 1e3:.0f}/{st['cpu_s'] * 1e3:.0f}/"
+                                f"{st['allocs']:g})" if st else ""))
+            rows.append(f"| {r['label']} | {f['index'] + 1} | {ph['step']} | {ph['rank']} "
+                        f"| {', '.join(cells)} |")
+    if not rows:
+        return []
+    return ["", "First step after each recovery by phase (train.py --phases; ms wall / ms "
+            "main-thread CPU / new allocator segments, the steady steps' medians beside):", "",
+            "| system | # | step | rank | phases |", "|---|---|---|---|---|", *rows]
 
 
 def _kinds(res: dict) -> list[str]:

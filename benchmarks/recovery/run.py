@@ -44,7 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from benchmarks.provenance import machine_info
 from benchmarks.recovery import metrics as M
@@ -108,6 +108,13 @@ def parse_args(argv):
     p.add_argument("--budget", type=float, help="override the preset's total time budget (s)")
     p.add_argument("--leto-args", help="override the preset's extra leto-run options (both "
                                        "modes), e.g. \"--page-bytes 2097152 --hang-timeout 120\"")
+    p.add_argument("--phases", action="store_true",
+                   help="leto systems: time each step's forward, backward and optimizer step "
+                        "apart (train.py --phases; synchronized, so the step is a little slower) "
+                        "and report the first step after each recovery by phase")
+    p.add_argument("--profile", action="store_true",
+                   help="leto systems: cProfile the first two steps of each promoted trainer "
+                        "(train.py --profile; .pstats files beside the step records)")
     p.add_argument("--work-dir", help="keep logs, step files and checkpoints here "
                                       "(default: a temp dir, removed at the end)")
     p.add_argument("--json", metavar="FILE", help="write every figure here")
@@ -253,6 +260,7 @@ def evaluate(sysm, preset, ln: Launch, ref: dict, ref_recs: list[dict], interval
                  resume_at_s=rel(f["t_resume"]), done_at_s=rel(f["t_done"]),
                  kill_delay_s=k.delay_s, kind=k.kind, inject=k.inject)
         f["breakdown"] = M.restart_breakdown(recs, f)
+        f["first_step_phases"] = M.first_step_phases(recs, f)
         if events:
             f["breakdown"]["detect_s"] = leto_detect_s(events, k.pid, k.t_fault)
         if k.inject is not None:
@@ -414,6 +422,10 @@ def main(argv: list[str] | None = None) -> int:
     preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget, nproc=a.nproc,
                          leto_args=None if a.leto_args is None else tuple(shlex.split(a.leto_args)),
                          kinds=presets.MIXED if a.mixed else None)
+    if a.phases:
+        preset = replace(preset, model_args=(*preset.model_args, "--phases"))
+    if a.profile:
+        preset = replace(preset, model_args=(*preset.model_args, "--profile"))
     for sysm in a.system_list:
         why = systems.schedule_problem(sysm, preset.kill_kinds())
         if why:

@@ -54,10 +54,11 @@ import torch.distributed as dist  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, ROOT)
-from gpt import GPT, GPTConfig, batch, init_weights  # noqa: E402
+from gpt import GPT, GPTConfig, batch, corpus, init_weights  # noqa: E402
 
 import leto_runtime as leto  # noqa: E402
 from leto_runtime.rmu.adamw import AdamWConfig, lr_at  # noqa: E402
+from benchmarks.recovery.phases import Phases, Profiler  # noqa: E402
 
 PROBE_STEPS = 5          # ref: steps timed before the run is sized (step 0 is warm-up)
 CALIB_PLAIN_STEPS = 3    # ref --calibrate: plain steps that give the per-step baseline
@@ -86,6 +87,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt-dir", help="dcp / ref --calibrate: checkpoint directory")
     p.add_argument("--opt", choices=("rmu", "torch"), default="rmu",
                    help="leto: job.adamw (rmu) or torch.optim.AdamW through job.optimizer")
+    p.add_argument("--phases", action="store_true",
+                   help="leto: time forward, backward and the optimizer step of every step "
+                        "apart (each synchronized), with the device allocations and the main "
+                        "thread's CPU time of each (the step record's `phases`)")
+    p.add_argument("--profile", action="store_true",
+                   help="leto: cProfile the first two steps of the first trainer promoted on "
+                        "each rank (prof_<rank>_<step>.pstats in --out; it slows them, so later "
+                        "recoveries are the ones to time)")
     a = p.parse_args(argv)
     if a.mode == "ref" and not (a.steps or a.train_seconds):
         p.error("--mode ref needs --train-seconds or --steps")
@@ -194,19 +203,32 @@ def run_leto(a) -> None:
     model = job.retain(model, init=init_params)
     opt = leto_optimizer(job, model, adamw_config(a), a.opt)
     first = True
+    corpus(a.seed, cfg.vocab_size)     # the data set before the loop, as a script's DataLoader
+    prof = Profiler(a.out, job.rank) if a.profile else None
     for step in job.steps(a.steps):
         t0 = time.monotonic()
+        if prof is not None:
+            prof.begin(promoted=job.recovery_info.get("woke") is not None)
         if first:      # after promotion and recovery (attach, localize, agree, finish/redo)
             log.put("ready", t=t0, step=step, load_s=0.0)
             first = False
+        phases = Phases(job.device) if a.phases else None
         idx, tgt = batch(a.seed, step, job.rank, a.batch_size, cfg, job.device)
         with job.autocast():
             _, loss = model(idx, tgt)
+        if phases:
+            phases.mark("fwd")
         loss.backward()
+        if phases:
+            phases.mark("bwd")
         opt.step()
         sync(job.device)
+        if phases:
+            phases.mark("opt")
+        if prof is not None:
+            prof.end(step)
         log.put("step", step=step, t0=t0, t1=time.monotonic(), loss=loss.item(), ckpt=None,
-                ckpt_s=0.0)
+                ckpt_s=0.0, **({"phases": phases.rows} if phases else {}))
     log.put("end", t=time.monotonic())
 
 
@@ -311,6 +333,7 @@ def run_plain(a) -> None:
     log = StepLog(a.out, pl.rank, {"rank": pl.rank, "pid": os.getpid(), "gen": gen,
                                    "attempt": attempt})
     log.put("start", mode=a.mode, role="plain", t_exec=T_EXEC)
+    corpus(a.seed, pl.cfg.vocab_size)     # the data set before the loop (as in run_leto)
     start, load_s = 0, 0.0
     if a.mode == "dcp":
         os.makedirs(a.ckpt_dir, exist_ok=True)

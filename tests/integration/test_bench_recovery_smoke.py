@@ -62,6 +62,31 @@ def test_metrics_on_synthetic_records():
     assert m["ettr"] == pytest.approx((1 / 1.05) * (1 - 40 / 600))
 
 
+def test_first_step_phases_on_synthetic_records():
+    """The first step of the new trainers by phase (the slowest rank's), beside the medians of
+    the steady steps of the processes the fault interrupted (their first two steps left out)."""
+    def ph(fwd, opt, allocs=0):
+        return {"fwd": {"s": fwd, "cpu_s": fwd / 2, "allocs": allocs},
+                "opt": {"s": opt, "cpu_s": 0.0, "allocs": 0}}
+    pre = _steps(0, 100, range(0, 5), 0.0, 1.0) + _steps(1, 101, range(0, 5), 0.0, 1.0)
+    for r in pre:     # steps 0 and 1 are cold (9 s forward); steady forwards 1, 2, 3, 4 s
+        r["phases"] = ph(9.0 if r["step"] < 2 else float(r["step"] - 1), 0.5, allocs=r["step"])
+    post = _steps(0, 200, range(5, 8), 7.0, 1.0) + _steps(1, 201, range(5, 8), 7.0, 1.0)
+    for r in post:
+        r["phases"] = ph(0.5, 0.25)
+    post[3]["phases"] = ph(0.75, 2.0, allocs=7)            # rank 1's first step: the slowest
+    post[3]["t1"] = post[3]["t0"] + 3.0
+    f = M.failure(pre + post, 5.5, 1.0)
+    got = M.first_step_phases(pre + post, f)
+    assert got["step"] == 5 and got["rank"] == 1 and got["steady_steps"] == 6   # steps 2..4
+    assert got["first"] == ph(0.75, 2.0, allocs=7)
+    assert got["steady"]["fwd"] == {"s": 2.0, "cpu_s": 1.0, "allocs": 3}   # steps 2,3,4 x 2 ranks
+    assert got["steady"]["opt"] == {"s": 0.5, "cpu_s": 0.0, "allocs": 0}
+    for r in pre + post:
+        r.pop("phases")
+    assert M.first_step_phases(pre + post, f) is None
+
+
 def _ours_left(marker: str) -> list[int]:
     left = []
     for d in os.listdir("/proc"):
@@ -85,11 +110,12 @@ def test_recovery_harness_smoke(tmp_path):
     """Two calls, one run: the reference and Leto, then `--continue` adds torchrun + DCP (as
     the H200 run must, one device call holding only part of it)."""
     out, md, work = tmp_path / "rec.json", tmp_path / "rec.md", tmp_path / "work"
-    proc = _harness("--systems", SYSTEMS[0], "--work-dir", str(work), "--json", str(out))
+    proc = _harness("--systems", SYSTEMS[0], "--phases", "--work-dir", str(work), "--json",
+                    str(out))
     assert proc.returncode == 0, f"harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     first = json.loads(out.read_text())
     assert set(first["systems"]) == {SYSTEMS[0]} and "continued" not in first
-    proc = _harness("--systems", ",".join(SYSTEMS), "--continue", str(out), "--work-dir",
+    proc = _harness("--systems", ",".join(SYSTEMS), "--phases", "--continue", str(out), "--work-dir",
                     str(work / "second"), "--json", str(out), "--md", str(md))
     assert proc.returncode == 0, f"harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert not _ours_left(str(work)), "processes of the benchmark outlived it"
@@ -120,6 +146,10 @@ def test_recovery_harness_smoke(tmp_path):
     [f] = leto["failures"]
     assert f["resume"] in ("redo", "finish") and f["recomputed_steps"] == 0, f
     assert f["breakdown"]["detect_s"] is not None and 0 <= f["breakdown"]["detect_s"] < 1.0
+    ph = f["first_step_phases"]          # --phases: the promoted trainer's first step by phase
+    assert ph["step"] == f["resumed_step"] and set(ph["first"]) == {"fwd", "bwd", "opt"}, ph
+    assert set(ph["steady"]) == {"fwd", "bwd", "opt"} and ph["steady_steps"] >= 1, ph
+    assert all(x["s"] > 0 and x["cpu_s"] >= 0 for x in ph["first"].values()), ph
 
     tr = res["systems"]["torchrun-dcp-async"]
     [f] = tr["failures"]
@@ -129,6 +159,8 @@ def test_recovery_harness_smoke(tmp_path):
 
     text = md.read_text()
     assert "| system | ckpt every (steps) |" in text and "Per failure" in text
+    assert "First step after each recovery by phase" in text
+    assert res["systems"]["torchrun-dcp-async"]["failures"][0]["first_step_phases"] is None
     assert "continued" in text
     assert {g["goal"] for g in res["goals"]} and all(isinstance(g["ok"], bool)
                                                     for g in res["goals"])
