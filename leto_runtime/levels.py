@@ -129,12 +129,15 @@ def ready_for_first_step(job) -> None:
     """A pre-attached shadow pays now what the promoted trainer's first step would: one
     update on scratch memory (`rmu.rehearsal`: the update's kernels loaded, its code paths
     warm) and the activation-lending pool (its library, regions and cuBLAS workspaces).  A
-    failure of either is logged; the first step then pays it, as without this."""
+    failure of either is logged; the first step then pays it, as without this.
+    `LETO_REHEARSE=0` skips the rehearsal."""
     if job.updater is None:
         return
     from leto_runtime.rmu import rehearsal
+    from leto_runtime.wire import settings
     try:
-        job.recovery_info["rehearsal_s"] = rehearsal.rehearse(job.updater)
+        if settings.get().rehearse:
+            job.recovery_info["rehearsal_s"] = rehearsal.rehearse(job.updater)
     except Exception as e:
         log(f"update not rehearsed before promotion ({type(e).__name__}: {e})")
     t0 = time.monotonic()

@@ -33,7 +33,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Under xdist (`-n 2` in CI, `-n 8` for tests/gpu) tests run side by side; one marked
+    """Under xdist (`-n 3` in CI, `-n 8` for tests/gpu) tests run side by side; one marked
     `alone` or `gpu_alone` must have the machine (the cores, the GPU) to itself.  A
     readers-writer lock over flock(2) in the run's shared temp folder, held over each test's
     whole protocol (its setup and teardown, so module fixtures that start runs are inside too):

@@ -120,6 +120,8 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "rmu_stream_marker": ("LETO_RMU_STREAM_MARKER", _choice("kernel", "hostfunc", "1", "0"), "kernel"),
     "rmu_undo_pipeline": ("LETO_RMU_UNDO_PIPELINE", _flag, False),
     "rmu_wb_overlap": ("LETO_RMU_WB_OVERLAP", _flag, True),
+    # a waiting shadow's rehearsed update on scratch (leto_runtime/rmu/rehearsal.py)
+    "rehearse": ("LETO_REHEARSE", _flag, True),
     "plain_rmu": ("LETO_PLAIN_RMU", _flag, False),      # job.optimizer in plain mode: RMU, not torch
     "lend": ("LETO_LEND", _flag, True),
     "lend_warmup": ("LETO_LEND_WARMUP", _count(0, 1 << 20), 0),
@@ -179,6 +181,7 @@ class Settings:
     rmu_stream_marker: str
     rmu_undo_pipeline: bool
     rmu_wb_overlap: bool
+    rehearse: bool
     plain_rmu: bool
     lend: bool
     lend_warmup: int
