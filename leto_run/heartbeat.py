@@ -5,21 +5,34 @@ attaches the sender's credentials (SO_PASSCRED), so a datagram is only accepted 
 agent started in this generation and from our own uid; anything else — wrong uid, unknown pid,
 oversized, not JSON, wrong version — is counted and dropped, never trusted.
 
+A reader thread moves datagrams out of the kernel's queue as they arrive.  That queue holds
+only net.unix.max_dgram_qlen (often 10) datagrams, and a trainer's control datagram waits
+(bounded) for room in it: while the agent's control loop was busy in a recovery (deciding,
+spawning the replacement shadows), a promoted trainer's phase reports waited for it -- 41 ms
+of a CPU recovery's critical path, between its wake and its first step.  The thread only
+reads (no parsing, no agent state); `drain()` parses in the control loop, in arrival order.
+
 Contract: `HeartbeatServer.fileno()` goes into the agent's selector; when readable, `drain()`
-returns the accepted `Beat`s.  Nothing here blocks.
+returns the accepted `Beat`s (`Beat.mono`: when the datagram was read).  Nothing here blocks;
+`close()` stops the thread.
 """
 from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import struct
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from leto_runtime.wire import contract as C
 
 _UCRED = struct.Struct("3i")
+READ_POLL_MS = 200          # the reader thread checks for close() this often
+MAX_PENDING = 65536         # datagrams read and not yet drained; beyond, new ones are dropped
 # Datagram kinds (leto_runtime.wire.contract, "Heartbeat datagram"); anything else is dropped.
 KINDS = frozenset({"beat", "register", "inject", "unfired", "bye", "inplace", "promoted",
                    "phase", "demoted", "forged", "reclaim"})
@@ -50,19 +63,64 @@ class HeartbeatServer:
             os.umask(old)
         self._sock.setblocking(False)
         self._uid = os.getuid()
+        self.dropped = 0                    # read but over MAX_PENDING: never parsed
+        self._pending: deque = deque()      # (data, anc, flags, mono), arrival order
+        self._lock = threading.Lock()       # the socket's reads and `_pending` (no blocking call)
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._stop = threading.Event()
+        self._reader = threading.Thread(target=self._read_loop, name="leto-heartbeat-reader",
+                                        daemon=True)
+        self._reader.start()
 
     def fileno(self) -> int:
-        return self._sock.fileno()
+        """Readable when datagrams wait for `drain()`."""
+        return self._wake_r
 
-    def drain(self, known_pids: set[int]) -> list[Beat]:
-        beats: list[Beat] = []
+    def _read_available(self) -> int:
+        """Move every datagram the kernel holds into `_pending` (caller holds `_lock`)."""
+        n = 0
         while True:
             try:
                 data, anc, flags, _ = self._sock.recvmsg(
                     C.HEARTBEAT_MAX_BYTES + 1, socket.CMSG_SPACE(_UCRED.size))
             except (BlockingIOError, InterruptedError):
-                break
-            now = time.monotonic()
+                return n
+            except OSError:             # closed under us
+                return n
+            if len(self._pending) >= MAX_PENDING:
+                self.dropped += 1
+                continue
+            self._pending.append((data, anc, flags, time.monotonic()))
+            n += 1
+
+    def _read_loop(self) -> None:
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(READ_POLL_MS):
+                    continue
+            except (OSError, ValueError):
+                return
+            with self._lock:
+                n = self._read_available()
+            if n:
+                try:
+                    os.write(self._wake_w, b"!")
+                except (BlockingIOError, OSError):
+                    pass                # a wake-up is pending already (or we are closing)
+
+    def drain(self, known_pids: set[int]) -> list[Beat]:
+        with self._lock:
+            self._read_available()      # what arrived since the thread last looked, after it
+            got, self._pending = self._pending, deque()
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        beats: list[Beat] = []
+        for data, anc, flags, now in got:
             pid = uid = None
             for level, ctype, cdata in anc:
                 if level == socket.SOL_SOCKET and ctype == socket.SCM_CREDENTIALS:
@@ -96,7 +154,15 @@ class HeartbeatServer:
             return None
 
     def close(self) -> None:
-        self._sock.close()
+        self._stop.set()
+        self._reader.join(timeout=2 * READ_POLL_MS / 1000 + 1.0)
+        with self._lock:
+            self._sock.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -63,3 +63,32 @@ def test_other_process_pid_is_what_counts(server):
     p = subprocess.run([sys.executable, "-c", code, server.path], timeout=30)
     assert p.returncode == 0
     assert server.drain({os.getpid()}) == []       # came from the child's pid, not ours
+
+
+def test_a_sender_is_not_held_while_the_control_loop_does_not_drain(server):
+    """The kernel queues only max_dgram_qlen (often 10) datagrams; a trainer's control datagram
+    waits for room.  The reader thread empties the queue while the control loop is busy (no
+    `drain()` here until the end), so 300 datagrams go out without waiting long, the selector
+    fd says so, and `drain()` returns them all, in the order they were sent."""
+    import select
+    import time
+
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    c.setblocking(False)
+    deadline = time.monotonic() + 20
+    for step in range(300):
+        while True:
+            try:
+                c.sendto(beat(step=step), server.path)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"datagram {step} waited 20 s for room"
+                time.sleep(0.001)
+    c.close()
+    assert select.select([server.fileno()], [], [], 5.0)[0], "the selector was not woken"
+    got = []
+    while len(got) < 300 and time.monotonic() < deadline:
+        got += server.drain({os.getpid()})
+        time.sleep(0.01)
+    assert [b.step for b in got] == list(range(300))
+    assert server.rejected == 0 and server.dropped == 0
