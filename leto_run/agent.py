@@ -297,12 +297,15 @@ class Agent:
     def _pump_once(self, timeout: float) -> None:
         """One turn of the selector: wait at most `timeout` s and hand what it reports to
         its handler (datagrams first: an `inject` sent just before a death is part of its
-        facts)."""
+        facts -- drained whenever anything is ready, since the heartbeat's reader thread may
+        not have woken the selector yet for a datagram the kernel already holds)."""
         ready = self.sel.select(timeout=max(0.0, timeout))
-        for key, _ in sorted(ready, key=lambda kv: kv[0].data != "hb"):
+        if ready:
+            self.sup.on_beats()
+        for key, _ in ready:
             data = key.data
             if data == "hb":
-                self.sup.on_beats()
+                continue
             elif data == "sig":
                 self.sup.on_signals()
             elif data == "exit":

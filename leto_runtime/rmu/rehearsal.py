@@ -47,7 +47,10 @@ def rehearse(updater) -> float:
     layout = Layout.of([("rehearsal", (numel,))], geo.page_bytes)
     ss = open_states(layout, client=None, geo=geo, device=str(ss0.device),
                      chunk_pages=ss0.chunk_pages)
-    cfg = updater.cfg if updater.plan is None and updater.cfg is not None else A.AdamWConfig()
+    # A script's own optimizer (a plan of parameter groups) rehearses the AdamW chunk path with
+    # its clipping: the groups' own arithmetic is torch's, loaded by any step of theirs.
+    cfg = (updater.cfg if updater.plan is None and updater.cfg is not None
+           else A.AdamWConfig(lr=1e-3, clip_grad_norm=updater.clip))
     up = Updater(ss, cfg, backend=updater.backend, transactions=updater.transactions,
                  lend=False)
     try:

@@ -123,6 +123,8 @@ def test_own_optimizer_and_scheduler_recover_bit_exactly(case, tmp_path):
     promoted = {e["generation"] for e in events(ev) if e["event"] == "promote"}
     assert promoted == {1, 2}, f"both failures recovered in place; {why}"
     assert "Recovery report" in p.stderr
+    # the waiting shadows rehearsed an update of this optimizer's kind (rmu/rehearsal.py)
+    assert "update not rehearsed" not in p.stderr, why
 
 
 def test_a_process_group_made_before_init_is_refused_in_place():

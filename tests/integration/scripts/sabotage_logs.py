@@ -37,9 +37,18 @@ if mode == "full":
         for name in ("stdout.log", "stderr.log"):
             os.symlink("/dev/full", os.path.join(d, name))
 elif mode == "root-file":
-    shutil.rmtree(root)
-    with open(root, "w") as f:
-        f.write("not a directory any more\n")
+    # The launcher may add a file under the root while it is removed (a peer's log line):
+    # remove again until the root is a file of ours.
+    for _ in range(100):
+        shutil.rmtree(root, ignore_errors=True)
+        try:
+            with open(root, "x") as f:
+                f.write("not a directory any more\n")
+            break
+        except (FileExistsError, IsADirectoryError):
+            time.sleep(0.05)
+    else:
+        raise SystemExit(f"could not replace the log root {root} with a file")
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 open(os.path.join(out_dir, "sabotaged"), "w").close()
