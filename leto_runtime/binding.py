@@ -138,13 +138,15 @@ def preattach(job) -> None:
     warm_localization(job)
 
 
-def states_watch(job, timeout: float = 2.0):
+def states_watch(job, timeout: float = 0.5):
     """A waiting shadow whose pre-attach found no states (it was ready before its active made
     them: a fast shadow beside a large model's initialization): a predicate for
     `promotion.wait_for_promotion(until=...)`, true once every retained state exists, so
     that the shadow pre-attaches while it waits instead of attaching at promotion (a second
     of a 1B model's first recovery).  None when there is nothing to watch for.  A state
-    manager that does not answer reads as "not yet"; the wait goes on as without the watch."""
+    manager that does not answer within `timeout` reads as "not yet" (a short bound: the check
+    runs between the wait's slices, so it must not delay a promotion); the wait goes on as
+    without the watch."""
     if job.ss is not None or not getattr(job, "states_absent", False):
         return None
     from leto_runtime.rmp.client import RmpClient
