@@ -16,6 +16,9 @@ moment the writes are last seen:
 * **pidfd**: the pidfd readable (what the agent waited for before the notice);
 * **last_write**: the last change of any of the kernel's counters seen by an observer that maps
   the same page (the parent, through its own CUDA context, reading every ~20 us).
+* **drained** (`--drain covered|endless|open`): the agent's "drained" verdict on the victim's
+  drain words (`leto_runtime/drain.py`), which the victim opens around its kernel; with it the
+  page as read right after the verdict, which must be the page's final contents.
 
 `--pages N` has the victim map N more retained pages (created and kept by this process, as a
 state manager keeps them; imported and mapped by the victim as a trainer maps its retained
@@ -89,7 +92,15 @@ gib = float(sys.argv[5])
 if gib > 0:
     from cuda.bindings import driver as cu
     mem = cu.cuMemAlloc(int(gib * (1 << 30)))[1]
-launch(m.base, sms, 60_000_000_000)
+drain = sys.argv[6]
+if drain != "none":                            # the update's drain words (leto_runtime/drain.py)
+    import torch
+    from leto_runtime import drain as D
+    d = D.for_device("cuda")
+    d.begin()
+launch(m.base, sms, int(float(sys.argv[7]) * 1e9))
+if drain in ("covered", "endless"):
+    d.close([torch.cuda.current_stream()])     # the kernel ran on the legacy default stream
 hi = 1000
 os.dup2(int(sys.argv[2]), hi)                  # a high fd, after every fd CUDA opened
 os.close(int(sys.argv[2]))
@@ -100,7 +111,7 @@ for f in os.listdir("/proc/self/fd"):
     except OSError:
         pass
 print("ready " + json.dumps({"low": lo, "high": hi, "sms": sms, "fence_fd": exit_notice._fence,
-      "fence_ok": fence_ok,
+      "fence_ok": fence_ok, "drain_on": drain != "none" and d.on,
       "nvidia_fds": sorted(int(k) for k, v in fds.items() if "nvidia" in v)}), flush=True)
 time.sleep(600)
 """
@@ -160,7 +171,15 @@ def _nvml_gone(pid: int, out: dict, stop: threading.Event) -> None:
         time.sleep(0.0005)
 
 
-def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = ()) -> dict:
+DRAIN_MODES = {"none": 60.0, "covered": 0.06, "endless": 60.0, "open": 0.06}
+
+
+def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = (),
+          drain: str = "none") -> dict:
+    """One victim, killed while its kernel writes.  `drain`: "none" (no drain words), or the
+    victim opens its drain window around a kernel of DRAIN_MODES[drain] seconds and closes it
+    after the launch ("covered": the kernel ends ~35 ms after the kill; "endless": it never
+    ends on its own) or not ("open": the words must never prove anything)."""
     from leto_run.exit_notice import fence_verdict
     from leto_runtime.wire import contract as C
     nfd, npage = notices.page()
@@ -172,7 +191,7 @@ def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = ()) 
     env = dict(os.environ, **{C.LETO_EXIT_NOTICE_FD: str(nfd), C.LETO_EXIT_FENCE_FD: str(fence_w),
                               "EXIT_FENCE_PAGE_FDS": ",".join(map(str, extra))})
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(lo_w), str(hi_w), str(PAGE),
-                          str(page_fd), str(mem_gib)], env=env,
+                          str(page_fd), str(mem_gib), drain, str(DRAIN_MODES[drain])], env=env,
                          pass_fds=(nfd, fence_w, lo_w, hi_w, page_fd) + tuple(extra),
                          stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
     for fd in (nfd, fence_w, lo_w, hi_w):
@@ -196,7 +215,7 @@ def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = ()) 
         for t in threads:
             t.start()
         before = read()
-        time.sleep(0.2)
+        time.sleep(0.2 if drain == "none" else 0.02)
         moving = read() != before
         t0 = time.monotonic()
         os.kill(p.pid, signal.SIGKILL)
@@ -205,15 +224,20 @@ def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = ()) 
             cur = read()
             if cur != last:
                 last, last_t = cur, time.monotonic()
-            if "notice" not in got:
-                for n in notices.drain():
-                    if n[0] == p.pid:
-                        got["notice"] = n[2]
+            for n in notices.drain():
+                if n[0] == p.pid and n[3] == "began":
+                    got["notice"] = n[2]
+                elif n[0] == p.pid and n[3] == "drained":
+                    # what the page holds once the agent may promote: nothing may change after
+                    got["drained"], got["at_drained"] = n[2], read()
         for t in threads:
             t.join(5)
         verdict = {"v": fence_verdict(fence_r, p.pid) if "fence" in got else None}
-        row = {k: round(got[k] - t0, 6) for k in SIGNALS if k in got}
-        row.update(last_write=round(last_t - t0, 6), moving_before_kill=moving,
+        row = {k: round(got[k] - t0, 6) for k in SIGNALS + ("drained",) if k in got}
+        if "at_drained" in got:
+            row["changed_after_drained"] = got["at_drained"] != last
+        row.update(last_write=round(last_t - t0, 6), moving_before_kill=moving, drain=drain,
+                   drain_on=info.get("drain_on"),
                    nvidia_fds=info["nvidia_fds"], low_fd=info["low"], fence_fd=info["fence_fd"],
                    fence_ok=info["fence_ok"], verdict=verdict.get("v"))
         return row
@@ -252,6 +276,8 @@ def main(argv=None) -> int:
                     help="device memory the victim holds besides the page")
     ap.add_argument("--pages", type=int, default=0,
                     help="more retained pages (2 MiB) the victim maps, kept by this process")
+    ap.add_argument("--drain", choices=tuple(DRAIN_MODES), default="none",
+                    help="the victim's drain words around its kernel (trial's docstring)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.pages < 0 or a.repeats < 1:
@@ -272,17 +298,18 @@ def main(argv=None) -> int:
         os.set_inheritable(fd, True)
     try:
         for i in range(a.repeats):
-            rows.append(trial(notices, pages, observe, a.mem_gib, extra))
+            rows.append(trial(notices, pages, observe, a.mem_gib, extra, a.drain))
             print(f"trial {i}: {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         notices.close()
         for fd in extra:
             os.close(fd)
     print(f"## A victim SIGKILLed while its kernel writes a retained page ({a.repeats} trials, "
-          f"{a.mem_gib:g} GiB more device memory, {a.pages} more retained pages mapped)\n")
+          f"{a.mem_gib:g} GiB more device memory, {a.pages} more retained pages mapped, drain "
+          f"{a.drain})\n")
     print("| kill -> (ms) | median | min | max | came before the last write |")
     print("|---|---:|---:|---:|---:|")
-    for k in ("last_write",) + SIGNALS:
+    for k in ("last_write",) + SIGNALS + ("drained",):
         xs = sorted(r[k] for r in rows if k in r)
         if not xs:
             print(f"| {k} | - | - | - | never seen |")

@@ -78,6 +78,12 @@ def main() -> None:
                                 clip_grad_norm=1.0, warmup_steps=max(1, a.steps // 10),
                                 total_steps=a.steps, min_lr=a.lr / 10)
     opt = job.adamw(model, ocfg)
+
+    def warm():                     # a waiting shadow's forward (job.warmup): one sequence
+        idx, targets = batch(a.seed, 0, job.rank, a.batch_size, cfg, job.device)
+        with job.autocast(), exact():
+            model(idx[:1], targets[:1])
+    job.warmup(warm)
     log = open(os.path.join(a.out, f"loss_{job.rank}.jsonl"), "a") if a.out else None
     gen = job.ctx.generation
     for step in job.steps(a.steps):

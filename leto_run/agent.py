@@ -109,9 +109,7 @@ class Agent:
         os.set_blocking(self._sig_r, False)
         os.set_blocking(self._sig_w, False)
         self.sel.register(self._sig_r, selectors.EVENT_READ, "sig")
-        fence = settings.get().exit_fence
-        self.notices = ExitNotices(settings.get().exit_notice,
-                                   gpu=True if fence == "on" else None, fence=fence != "off")
+        self.notices = ExitNotices.from_settings(settings.get())
         self.sel.register(self.notices.fd, selectors.EVENT_READ, "exit")
         # Started early: its `import torch` overlaps the rendezvous (docs/ARCHITECTURE.md).
         self.launcher = Launcher(settings.get().fork_server and not cfg.launch.no_python,

@@ -5,7 +5,7 @@ Every record carries ``mono`` (CLOCK_MONOTONIC seconds, comparable across proces
 machine), ``wall`` (Unix time), ``event``, ``generation``, and where it applies ``rank``,
 ``local_rank`` and ``role``.  Event names: ``job_start``, ``rendezvous``, ``spawn``, ``exit``,
 ``exit_started`` (an abrupt death, seen as its exit began: `leto_run.exit_notice`),
-``exit_fence`` (GPU machines: a trainer's exit fence said whether its device work stopped),
+``exit_fence`` (GPU machines: a trainer's exit fence, or its drain words -- verdict drained --, said whether its device work stopped),
 ``device_strays`` (GPU machines: orphans holding a dead trainer's device files, killed and
 waited for before the promotion),
 ``failure_detected``, ``hang_detected``, ``stack_dump``, ``inject``, ``stop``, ``restart``,

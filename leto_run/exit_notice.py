@@ -28,6 +28,11 @@ it), makes the fence "untrusted", and the reap decides when the promotion may wr
 (`WorkerGroup.stop_device_strays`: a forked child keeps the dead trainer's context alive).
 `benchmarks/exit_fence.py` measures the order on the GPU (docs/BENCHMARKS.md).
 
+The drain words (GPU machines, `LETO_EXIT_DRAIN`): after a verified notice the waiter also
+reads the dead trainer's drain words (`leto_runtime/drain.py`) every DRAIN_POLL_S and posts
+(pid, exitcode, mono, "drained") once they prove every retained-memory write it queued done
+(`exit_page.drain_verdict`); the supervisor then counts it as stopped before its fence.
+
 What the agent does with it (`leto_run.supervisor.Supervisor`): an active is judged failed at
 the notice ("began"), so the recovery's CPU-side work starts at once; it counts as stopped --
 nothing of it can write retained memory, and the promotion may go on -- at once where the
@@ -50,6 +55,8 @@ PF_EXITING = 0x4
 ARM_POLL_S = 0.05          # how often a waiter looks whether its trainer armed the page
 WAIT_SLICE_S = 1.0         # one bounded wait in the mutex
 VERIFY_S = 0.05            # how long the threads of a dying process may take to reach do_exit
+DRAIN_POLL_S = 0.0002      # how often a waiter reads a dead trainer's drain words
+DRAIN_WAIT_S = 2.0         # ... and for how long at most (the fence or the reap decides anyway)
 
 
 def verified_exit(pid: int, deadline_s: float = VERIFY_S) -> int | None:
@@ -119,16 +126,24 @@ class ExitNotices:
     at "quiet" or its reap (default: the machine has an NVIDIA device); `fence`: give trainers
     fences ("quiet" needs one)."""
 
-    def __init__(self, enabled: bool, gpu: bool | None = None, fence: bool = True) -> None:
+    def __init__(self, enabled: bool, gpu: bool | None = None, fence: bool = True,
+                 drain: bool = True) -> None:
         self.enabled = enabled
         self.gpu = machine_has_gpu() if gpu is None else gpu
         self.use_fence = fence
+        self.use_drain = drain
         # pids whose trainer armed its notice -- and so took its fence below its device files
         # (leto_runtime.exit_notice); a fence of any other process is never trusted
         self.armed: set[int] = set()
         self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
         self._pages: dict[int, mmap.mmap] = {}
+
+    @classmethod
+    def from_settings(cls, knobs) -> "ExitNotices":
+        """The agent's: LETO_EXIT_NOTICE, LETO_EXIT_FENCE (auto / on / off), LETO_EXIT_DRAIN."""
+        return cls(knobs.exit_notice, gpu=True if knobs.exit_fence == "on" else None,
+                   fence=knobs.exit_fence != "off", drain=knobs.exit_drain)
 
     @property
     def fd(self) -> int:
@@ -191,12 +206,30 @@ class ExitNotices:
                     status = verified_exit(pid)
                     if status is not None:
                         self._post(pid, status, mono, "began")
+                        if self.gpu and self.use_drain:
+                            self._await_drain(pid, page, status)
                     return
         finally:
             page.close()
 
+    def _await_drain(self, pid: int, page: mmap.mmap, status: int) -> None:
+        """After a verified notice (no thread of `pid` runs user code: its drain words are
+        final but for the GPU's own writes): post "drained" once they prove its queued device
+        work done (`exit_page.drain_verdict`); give up when they cannot, at the reap or after
+        DRAIN_WAIT_S."""
+        end = time.monotonic() + DRAIN_WAIT_S
+        while pid in self._pages and not self._stop.is_set() and time.monotonic() < end:
+            verdict, _ = X.drain_verdict(*X.drain_words(page))
+            if verdict == "drained":
+                self._post(pid, status, time.monotonic(), "drained")
+                return
+            if verdict == "unprovable":
+                return
+            time.sleep(DRAIN_POLL_S)
+
     def drain(self) -> list[tuple[int, int, float, str]]:
-        """(pid, exitcode, mono, "began") of every notice posted since the last call."""
+        """(pid, exitcode, mono, kind) of every notice posted since the last call: "began" (the
+        exit began) or "drained" (its device work is proven done: `_await_drain`)."""
         out = []
         while True:
             try:

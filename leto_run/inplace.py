@@ -330,7 +330,7 @@ class InplaceRecovery(ShadowLevelMoves):
         ones whose fence the strays alone held; raises Unrecoverable if a stray survives."""
         unsure = [s.active for s in self.g.slots if s.active is not None
                   and s.active.generation == g and s.active.proc.status is not None
-                  and s.active.proc.fence != "quiet"]
+                  and s.active.proc.fence != "quiet" and not s.active.proc.drained]
         unsure += [sp for sp in left if sp.proc.status is not None and sp not in unsure]
         if not unsure:
             return left

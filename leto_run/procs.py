@@ -95,6 +95,8 @@ class Proc:
     # its device work stopped; "untrusted"): `leto_run.exit_notice`.
     fence_fd: int | None = None
     fence: str | None = None
+    # ... or, sooner, its drain words proved its queued device work done (leto_runtime/drain.py)
+    drained: bool = False
     # A forked worker (`leto_run.fork_server`) waits for this pipe's EOF before its user code
     # runs: `release()` once the agent has recorded it.
     gate_fd: int | None = None
@@ -117,6 +119,8 @@ class Proc:
         """Nothing of it can write retained memory any more: while its exit fence is watched
         or said so, the fence decides (it waits for every process holding its device files,
         forked children too); else its reap, or -- without a GPU -- its exit notice."""
+        if self.drained:
+            return True
         if self.fence_fd is not None or self.fence == "quiet":
             return self.fence == "quiet"
         return self.status is not None or self.stopped

@@ -82,13 +82,27 @@ class Supervisor:
         """Trainers whose exit began (the status is the kernel's, read before the reap)."""
         notices = self.group.io.notices
         by_pid = {sp.proc.pid: (slot, sp) for slot in self.group.slots for sp in slot.all()}
-        for pid, code, mono, _ in notices.drain():
+        for pid, code, mono, kind in notices.drain():
             if pid not in by_pid:
                 continue
             slot, sp = by_pid[pid]
+            if kind == "drained":
+                self.on_drained(slot, sp, mono)
+                continue
             acted = self._exit_began(slot, sp, ExitStatus(code, mono), gpu=notices.gpu)
             self.events.emit("exit_started", sp.generation, rank=slot.rank, role=sp.role.value,
                              pid=pid, exitcode=code, mono=mono, acted=acted)
+
+    def on_drained(self, slot: RankSlot, sp: SlotProcess, mono: float) -> None:
+        """`sp`'s drain words proved its queued device work done (leto_runtime/drain.py): it
+        counts as stopped (`Proc.quiet`) before its fence says so."""
+        if sp.proc.drained or sp.proc.fence == "quiet":
+            return
+        sp.proc.drained = True
+        self.status.changed()
+        self.events.emit("exit_fence", sp.generation, rank=slot.rank, role=sp.role.value,
+                         pid=sp.proc.pid, verdict="drained", mono=mono,
+                         reaped=sp.proc.status is not None)
 
     def on_fence(self, slot: RankSlot, sp: SlotProcess) -> None:
         """`sp`'s exit fence became readable: its verdict (`exit_notice.fence_verdict`), which

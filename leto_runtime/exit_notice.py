@@ -108,6 +108,11 @@ def _map_page() -> mmap.mmap | None:
             pass
 
 
+def page() -> mmap.mmap | None:
+    """The armed exit page (the drain words live in it: `leto_runtime.drain`), or None."""
+    return _page
+
+
 def disarm() -> None:
     """This exit is deliberate: let the agent judge it by its status (idempotent)."""
     global _page

@@ -125,6 +125,8 @@ class Job:
         self._grad_views: dict[int, int] = {}     # id(param) -> data_ptr of its gradient view
         self._ddp_sync: bool | None = None        # DDP's sync of this step (None: no DDP)
         self.init_fn = self.buffers_fn = None
+        self.warmup_fn = None                     # a shadow's warm-up forward (warmup.py)
+        self._warming = False
         self.layout = None
         self.step_t: int | None = None
         self._stepped = True
@@ -192,10 +194,20 @@ class Job:
         return modules.meta_params()
 
     def autocast(self):
-        """bf16 compute with fp32 master state on GPUs; a no-op on CPU."""
+        """bf16 compute with fp32 master state on GPUs; a no-op on CPU.  (No weight-cast cache
+        during a shadow's warm-up: it would hold a bf16 copy of every weight at once.)"""
         if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=not self._warming)
         return contextlib.nullcontext()
+
+    def warmup(self, fn) -> None:
+        """Register `fn()`, one forward pass of the model (the script's contexts included): a
+        waiting shadow runs it once before its promotion, on placeholder parameters and under
+        no_grad, so the promoted trainer's first forward runs at steady speed
+        (leto_runtime/warmup.py; a no-op for actives and under torchrun)."""
+        if not callable(fn):
+            raise PortingError(f"job.warmup(fn): fn must be callable, got {type(fn).__name__}")
+        self.warmup_fn = fn
 
     def retain(self, model: torch.nn.Module, init=None, buffers=None) -> torch.nn.Module:
         """Make `model`'s parameters views of retained memory (a shadow: at promotion).

@@ -128,8 +128,9 @@ def wait_at_l3(job) -> float:
 def ready_for_first_step(job) -> None:
     """A pre-attached shadow pays now what the promoted trainer's first step would: one
     update on scratch memory (`rmu.rehearsal`: the update's kernels loaded, its code paths
-    warm) and the activation-lending pool (its library, regions and cuBLAS workspaces).  A
-    failure of either is logged; the first step then pays it, as without this.
+    warm), the activation-lending pool (its library, regions and cuBLAS workspaces) and the
+    script's warm-up forward, if it registered one (`warmup`, once).  A failure of any is
+    logged; the first step then pays it, as without this.
     `LETO_REHEARSE=0` skips the rehearsal."""
     if job.updater is None:
         return
@@ -148,3 +149,7 @@ def ready_for_first_step(job) -> None:
             "creating it at the first step")
         return
     job.recovery_info["lend_prepare_s"] = time.monotonic() - t0
+    from leto_runtime import warmup
+    s = warmup.run(job)
+    if s is not None:
+        job.recovery_info["warmup_s"] = s

@@ -91,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="leto: time forward, backward and the optimizer step of every step "
                         "apart (each synchronized), with the device allocations and the main "
                         "thread's CPU time of each (the step record's `phases`)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="leto: register no warm-up forward (job.warmup) for waiting shadows")
     p.add_argument("--profile", action="store_true",
                    help="leto: cProfile the first two steps of the first trainer promoted on "
                         "each rank (prof_<rank>_<step>.pstats in --out; it slows them, so later "
@@ -202,6 +204,12 @@ def run_leto(a) -> None:
         model = GPT(cfg)
     model = job.retain(model, init=init_params)
     opt = leto_optimizer(job, model, adamw_config(a), a.opt)
+    if not a.no_warmup:             # a waiting shadow's forward: one sequence of step 0's batch
+        def warm():
+            idx, tgt = batch(a.seed, 0, job.rank, a.batch_size, cfg, job.device)
+            with job.autocast():
+                model(idx[:1], tgt[:1])
+        job.warmup(warm)
     first = True
     corpus(a.seed, cfg.vocab_size)     # the data set before the loop, as a script's DataLoader
     prof = Profiler(a.out, job.rank) if a.profile else None

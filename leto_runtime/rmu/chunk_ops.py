@@ -57,7 +57,7 @@ class ChunkOps:
         self.E = ss.geo.page_bytes // 4                   # fp32 elements per page
         self.scratch = None
         cuda = str(ss.device).startswith("cuda")
-        self._undo_stream = torch.cuda.Stream(device=ss.device) if cuda and slots == 2 else None
+        self.undo_stream = torch.cuda.Stream(device=ss.device) if cuda and slots == 2 else None
         self._undone: tuple | None = None        # (t, group, chunk, event) of a queued undo copy
         nc = [len(ss.chunks(g)) for g in range(len(ss.model[0].groups))]
         self._chunk_base = [sum(nc[:g]) for g in range(len(nc))]
@@ -109,17 +109,17 @@ class ChunkOps:
         slot (chunk j-2's kernel), not the kernel queued next (chunk j-1's, which reads the
         other slot).  Safe without a marker change: nothing reads an undo slot before the
         marker says so (sub = 1 + slot), and that write waits for the copy (`undo`)."""
-        if self._undo_stream is None:
+        if self.undo_stream is None:
             return
         if j >= len(self.ss.chunks(g)):
             g, j = g + 1, 0
         if g >= len(self.ss.model[0].groups):
             return
-        self._undo_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._undo_stream):
+        self.undo_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.undo_stream):
             self._copy_undo(g, j)
             ev = torch.cuda.Event()
-            ev.record(self._undo_stream)
+            ev.record(self.undo_stream)
         self._undone = (t, g, j, ev)
 
     # ---- AdamW and the parity delta --------------------------------------------------------

@@ -52,7 +52,7 @@ def rehearse(updater) -> float:
     cfg = (updater.cfg if updater.plan is None and updater.cfg is not None
            else A.AdamWConfig(lr=1e-3, clip_grad_norm=updater.clip))
     up = Updater(ss, cfg, backend=updater.backend, transactions=updater.transactions,
-                 lend=False)
+                 lend=False, drain=False)
     try:
         ss.flat(ss.grads).fill_(1e-3)
         up.begin(0)

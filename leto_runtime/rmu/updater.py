@@ -92,7 +92,7 @@ def _noinject(point: str, **where) -> None:
 class Updater:
     def __init__(self, ss: StateSet, cfg: "A.AdamWConfig | None", *, inject=None,
                  backend: str = "auto", transactions: bool = True, lend: bool | None = None,
-                 plan=None):
+                 plan=None, drain: bool = True):
         from leto_runtime.parity import ParityCode
 
         self.ss, self.cfg, self.backend, self.transactions = ss, cfg, backend, transactions
@@ -137,19 +137,13 @@ class Updater:
         self.streamed = (self.cuda and transactions and smode != "0"
                          and self.marker.use_stream(ss.device, "hostfunc" if smode in ("1", "hostfunc")
                                                     else "kernel"))
-        # Undo slots (LETO_RMU_UNDO_PIPELINE=1): two where the undo state's chunks 3..5 are free
-        # (the one-kernel chunk writes no delta pages; on CPU the scratch is allocated apart), so
-        # chunk j+1's undo copy is queued on its own stream while chunk j's kernel reads the
-        # other slot.  Off by default: on the H200 the copy and the kernel contend for HBM and
-        # the update was no faster (docs/BENCHMARKS.md, "RMU steady-state overhead").
+        # Undo slots (LETO_RMU_UNDO_PIPELINE=1, off by default: no faster on the H200, docs/
+        # BENCHMARKS.md): chunk j+1's undo copy queued on its own stream beside chunk j's kernel.
         piped = knobs.rmu_undo_pipeline
         self.slots = 2 if transactions and piped and (self.fused_syndrome or not self.cuda) else 1
-        # Write-back overlap (default; LETO_RMU_WB_OVERLAP=0 turns it off): group g's tier-1
-        # write-back and tier-2 refresh are queued on the side stream (on CPU: run in line)
-        # while the marker already moves on to group g+1 and names g in `wb`; the next marker
-        # write that drops it waits for them.  Recovery finishes a named write-back from its
-        # buffer first.  It keeps the write-back's DtoH/HtoD from leaving the GPU idle between
-        # groups (docs/BENCHMARKS.md, "RMU steady-state overhead").
+        # Write-back overlap (default; LETO_RMU_WB_OVERLAP=0: off): group g's write-back and
+        # tier-2 refresh queued on the side stream while the marker moves on to g+1 and names g
+        # in `wb` (the next marker write that drops it waits for them; recovery finishes it).
         self.wb_overlap = transactions and knobs.rmu_wb_overlap
         # A chunk's undo copy, AdamW and parity delta (chunk_ops.py); `_chunk` makes them a
         # transaction.
@@ -157,6 +151,10 @@ class Updater:
                                transactions=transactions, fused=self.fused,
                                one_kernel=self.fused_syndrome, slots=self.slots, plan=plan,
                                group_kernel=self._group_kernel() if plan is not None else None)
+        # CUDA under leto-run: the drain words (leto_runtime/drain.py) let the agent promote
+        # without the exit fence when this process dies while the update waits for the GPU.
+        from leto_runtime import drain as D
+        self.drain = D.for_device(ss.device) if self.cuda and drain else D.OFF
 
     def _group_kernel(self):
         """With a plan on CUDA with transactions: hyper -> its checked fused kernel or None."""
@@ -188,6 +186,12 @@ class Updater:
         """Everything queued so far has happened (before a marker write claims it)."""
         if self.cuda:
             torch.cuda.current_stream().synchronize()
+
+    def _drain_close(self) -> None:
+        """Before the host waits for the GPU: what the update queued so far is covered."""
+        if self.drain.on:
+            self.drain.close((torch.cuda.current_stream(self.ss.device), self.side.stream,
+                              self.chunks.undo_stream))
 
     def _mark(self, **changes):
         """Marker write claiming everything queued so far: queued in stream order on CUDA
@@ -310,8 +314,10 @@ class Updater:
             import torch.distributed as dist
             # The barrier is entered only with the gradients protected and PROTECTED in memory
             # (a peer past it may finish the update from this rank's gradient parity).
+            self._drain_close()         # (the all-reduce writes `norm` only: not retained)
             self.marker.settle()
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pg)
+            self.drain.open()
         coef = (A.clip_coef(norm[0], self.clip)
                 if self.clip is not None else torch.ones((), dtype=torch.float32))
         self.lap("global sync")
@@ -321,9 +327,13 @@ class Updater:
         return coef
 
     def step(self, t: int, pg=None) -> None:
-        self.protect_grads(t)
-        self.synchronize(t, pg)
-        self.update(t)
+        self.drain.begin()
+        try:
+            self.protect_grads(t)
+            self.synchronize(t, pg)
+            self.update(t)
+        finally:
+            self.drain.end()            # the script launches next: nothing of it is covered
 
     def update(self, t: int) -> None:
         self.end_lending(t)
@@ -364,7 +374,9 @@ class Updater:
         self.side.finish_writeback()
         self._mark(phase=Phase.DONE, group=0, chunk=0, sub=0, auth=0, gstate=GState.LOAD, wb=-1,
                    wb_auth=0)
+        self._drain_close()
         self.marker.settle()            # the update is over when the GPU and the marker say so
+        self.drain.open()
         self.lap("markers")
 
     def _group(self, t: int, g: int, coef: torch.Tensor, lr: float) -> None:

@@ -12,7 +12,18 @@ or an exit Leto itself decides) unlocks it first (`state` CLEAN): the agent then
 exit from the process's pidfd, with its status, as before.
 
 Layout: bytes [0, 64) the mutex (glibc's `pthread_mutex_t` is 40 bytes on x86-64, 48 on
-aarch64), [64, 68) `state` (u32), [68, 72) the pid that armed it.  Both sides use glibc through
+aarch64), [64, 68) `state` (u32), [68, 72) the pid that armed it; the drain words (GPU
+trainers, `leto_runtime.drain`): [128, 136) `intent` (u64), [136, 140) the stream slots in use
+(u32), [192, 256) `done`, one u64 per slot.
+
+The drain proof (issue 22, item 1): a dead trainer's device work has provably stopped writing
+retained memory when `intent` is an epoch e != 0 and every slot's `done` is e.  The trainer
+stores 0 into `intent` before it launches anything that may write retained memory, and e only
+after it queued, on every stream it launches such work on, a stream-ordered write of e into that
+stream's `done` word (`cuStreamWriteValue64`: it runs once everything queued before it on that
+stream has finished).  So `done == intent` on every slot, read once no thread of the process
+runs user code any more (the agent's `verified_exit`), means that every retained-memory write the
+process ever queued has happened.  `drain_verdict` is that rule.  Both sides use glibc through
 ctypes (no build step; `pthread_*` live in libc since glibc 2.34, and in libpthread before).
 
 Calling contract: `init_mutex(buf)` once (the agent, before the spawn); `lock`/`unlock` from
@@ -32,6 +43,7 @@ PAGE = 4096
 MUTEX_BYTES = 64
 STATE_AT, PID_AT = 64, 68
 NOT_ARMED, ARMED, CLEAN = 0, 1, 2
+INTENT_AT, SLOTS_AT, DONE_AT, MAX_SLOTS = 128, 136, 192, 8
 EOWNERDEAD = errno.EOWNERDEAD
 _PSHARED, _ROBUST = 1, 1          # PTHREAD_PROCESS_SHARED, PTHREAD_MUTEX_ROBUST
 
@@ -98,3 +110,28 @@ def set_state(buf: mmap.mmap, state: int, pid: int) -> None:
 
 def state(buf: mmap.mmap) -> tuple[int, int]:
     return struct.unpack("<II", buf[STATE_AT:PID_AT + 4])
+
+
+def drain_words(buf) -> tuple[int, list[int]]:
+    """(intent, done of every slot in use) as the page holds them now (more slots than
+    MAX_SLOTS read as that many + 1 zeros: unprovable)."""
+    intent, n = struct.unpack_from("<QI", buf, INTENT_AT)
+    if n > MAX_SLOTS:
+        return intent, [0] * (MAX_SLOTS + 1)
+    return intent, list(struct.unpack_from(f"<{n}Q", buf, DONE_AT))
+
+
+def drain_verdict(intent: int, done: list[int]) -> tuple[str, str]:
+    """("drained" | "pending" | "unprovable", why) for a dead trainer's drain words: drained
+    when every slot's done word reached the epoch `intent` names; pending while some is below
+    it (its stream still runs work queued before the sentinel); unprovable otherwise (it died
+    while launching, outside the update, or the words make no sense)."""
+    if intent == 0:
+        return "unprovable", "it was launching work the drain words do not cover"
+    if not done or len(done) > MAX_SLOTS:
+        return "unprovable", f"{len(done)} stream slots (1 to {MAX_SLOTS} can be proven)"
+    if any(d > intent for d in done):
+        return "unprovable", f"a done word is past the intent {intent}: {done}"
+    if all(d == intent for d in done):
+        return "drained", f"every stream reached epoch {intent}"
+    return "pending", f"streams at {done}, epoch {intent}"

@@ -122,6 +122,8 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "rmu_wb_overlap": ("LETO_RMU_WB_OVERLAP", _flag, True),
     # a waiting shadow's rehearsed update on scratch (leto_runtime/rmu/rehearsal.py)
     "rehearse": ("LETO_REHEARSE", _flag, True),
+    # the device memory a waiting shadow's warm-up forward may take (leto_runtime/warmup.py)
+    "warmup_mib": ("LETO_WARMUP_MIB", _count(1, 1 << 20), 1024),
     "plain_rmu": ("LETO_PLAIN_RMU", _flag, False),      # job.optimizer in plain mode: RMU, not torch
     "lend": ("LETO_LEND", _flag, True),
     "lend_warmup": ("LETO_LEND_WARMUP", _count(0, 1 << 20), 0),
@@ -155,6 +157,9 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     # ... and, with a GPU, when its device work stopped: "auto" (the fence, on a machine with
     # an NVIDIA device), "on" (as if it had one: the CPU tests of the fence), "off" (the reap)
     "exit_fence": ("LETO_EXIT_FENCE", _choice("auto", "on", "off"), "auto"),
+    # ... or, sooner, when its update's drain words prove its queued device work done
+    # (leto_runtime/drain.py); 0: the fence alone
+    "exit_drain": ("LETO_EXIT_DRAIN", _flag, True),
     # workers forked from a process that imported torch already (leto_run/fork_server)
     "fork_server": ("LETO_FORK_SERVER", _flag, True),
     # the path prefix of a GPU's device files: what the fence must sit below, and what marks a
@@ -182,6 +187,7 @@ class Settings:
     rmu_undo_pipeline: bool
     rmu_wb_overlap: bool
     rehearse: bool
+    warmup_mib: int
     plain_rmu: bool
     lend: bool
     lend_warmup: int
@@ -205,6 +211,7 @@ class Settings:
     sm_fault_emulation: str
     exit_notice: bool
     exit_fence: str
+    exit_drain: bool
     fork_server: bool
     device_files: str
     cxx: str | None

@@ -36,4 +36,5 @@ def test_a_shadow_ready_before_the_states_exist_pre_attaches_them_while_it_waits
         final = json.loads((out / f"final_{rank}.json").read_text())
         assert final["gen"] == 1 and final["recovery"].get("preattach_late_s"), final
         assert final["recovery"].get("rehearsal_s"), final     # rehearsed after the attach
+        assert final["recovery"].get("warmup_s"), final        # the script's warm-up forward ran
     compare_runs(ref, out, 2, range(STEPS), p.stderr[-3000:])
