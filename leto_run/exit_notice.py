@@ -108,6 +108,19 @@ def exiting(pid: int) -> bool:
     return f[0] in ("Z", "X") or bool(int(f[6]) & PF_EXITING)
 
 
+ROOM_SLACK = 256 << 20     # what the promoted trainer may need beyond what the dead one held
+
+
+def room_beside_the_dead(free: int, held: int) -> tuple[bool, str]:
+    """A dead trainer still holding `held` bytes of its device (until the driver's teardown)
+    while `free` bytes are free: may its replacement start now, or would it run out of memory
+    growing to the dead one's footprint?  (ok, why)."""
+    if free >= held + ROOM_SLACK:
+        return True, f"{free >> 20} MiB free beside the dead process's {held >> 20} MiB"
+    return False, (f"only {free >> 20} MiB free while the dead process still holds "
+                   f"{held >> 20} MiB: wait for the driver to free it")
+
+
 def fence_verdict(fd: int, pid: int) -> str | None:
     """Read the fence `fd` of `pid` (readable): "quiet" -- EOF, with nothing ever written, at
     an exit --, "untrusted" -- the trainer flagged it, or it was closed while `pid` lived --,
@@ -138,6 +151,11 @@ class ExitNotices:
         self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._stop = threading.Event()
         self._pages: dict[int, mmap.mmap] = {}
+        # pid -> the token of its latest watch: a waiter's posts carry its token, and `drain`
+        # drops those of an earlier process whose pid a new spawn reused
+        self._tokens: dict[int, int] = {}
+        self._seq = 0
+        self._nvml = None
 
     @classmethod
     def from_settings(cls, knobs) -> "ExitNotices":
@@ -173,23 +191,24 @@ class ExitNotices:
         return r, w
 
     def watch(self, pid: int, page: mmap.mmap) -> None:
-        self._pages[pid] = page
-        threading.Thread(target=self._wait, args=(pid, page), daemon=True,
+        self._seq += 1
+        self._pages[pid], self._tokens[pid] = page, self._seq
+        threading.Thread(target=self._wait, args=(pid, page, self._seq), daemon=True,
                          name=f"leto-exit-notice-{pid}").start()
 
     def forget(self, pid: int) -> None:
         """`pid` was reaped: its waiter ends within a slice (the page is unmapped then)."""
         self._pages.pop(pid, None)
 
-    def _post(self, pid: int, status: int, mono: float, kind: str) -> None:
+    def _post(self, pid: int, status: int, mono: float, kind: str, token: int) -> None:
         try:
-            os.write(self._w, f"{pid} {status} {mono!r} {kind}\n".encode())
+            os.write(self._w, f"{pid} {status} {mono!r} {kind} {token}\n".encode())
         except OSError:
             pass                       # the pipe is full or closed: the pidfd decides
 
-    def _wait(self, pid: int, page: mmap.mmap) -> None:
+    def _wait(self, pid: int, page: mmap.mmap, token: int) -> None:
         try:
-            while not self._stop.is_set() and pid in self._pages:
+            while not self._stop.is_set() and self._pages.get(pid) is page:
                 state, armer = X.state(page)
                 if state == X.CLEAN:
                     return
@@ -205,27 +224,47 @@ class ExitNotices:
                     mono = time.monotonic()
                     status = verified_exit(pid)
                     if status is not None:
-                        self._post(pid, status, mono, "began")
+                        self._post(pid, status, mono, "began", token)
                         if self.gpu and self.use_drain:
-                            self._await_drain(pid, page, status)
+                            self._await_drain(pid, page, status, token)
                     return
         finally:
             page.close()
 
-    def _await_drain(self, pid: int, page: mmap.mmap, status: int) -> None:
+    def _await_drain(self, pid: int, page: mmap.mmap, status: int, token: int) -> None:
         """After a verified notice (no thread of `pid` runs user code: its drain words are
         final but for the GPU's own writes): post "drained" once they prove its queued device
-        work done (`exit_page.drain_verdict`); give up when they cannot, at the reap or after
-        DRAIN_WAIT_S."""
+        work done (`exit_page.drain_verdict`) and its device has room for what the dead
+        process still holds until the driver frees it (`room`); give up when they cannot, at
+        the reap or after DRAIN_WAIT_S."""
         end = time.monotonic() + DRAIN_WAIT_S
-        while pid in self._pages and not self._stop.is_set() and time.monotonic() < end:
+        while self._pages.get(pid) is page and not self._stop.is_set() \
+                and time.monotonic() < end:
             verdict, _ = X.drain_verdict(*X.drain_words(page))
-            if verdict == "drained":
-                self._post(pid, status, time.monotonic(), "drained")
-                return
             if verdict == "unprovable":
                 return
+            if verdict == "drained" and self.room(pid)[0]:
+                self._post(pid, status, time.monotonic(), "drained", token)
+                return
             time.sleep(DRAIN_POLL_S)
+
+    def room(self, pid: int) -> tuple[bool, str]:
+        """Whether a promoted trainer can grow to what `pid` held on its device while the dead
+        context still holds it (`room_beside_the_dead`, from NVML); no NVML: no room claimed
+        (the fence decides)."""
+        from leto_run.nvml import Nvml, NvmlError
+        try:
+            if self._nvml is None:
+                self._nvml = Nvml.open() or False
+            if not self._nvml:
+                return False, "no NVML to see the device's memory"
+            for dev in range(self._nvml.count()):
+                held = self._nvml.process_bytes(dev).get(pid)
+                if held is not None:
+                    return room_beside_the_dead(self._nvml.memory(dev)[1], held)
+        except NvmlError as e:
+            return False, f"NVML: {e}"
+        return True, "the dead process holds no device memory any more"
 
     def drain(self) -> list[tuple[int, int, float, str]]:
         """(pid, exitcode, mono, kind) of every notice posted since the last call: "began" (the
@@ -239,8 +278,9 @@ class ExitNotices:
             if not data:
                 break
             for line in data.decode().splitlines():
-                pid, status, mono, kind = line.split()
-                out.append((int(pid), int(status), float(mono), kind))
+                pid, status, mono, kind, token = line.split()
+                if self._tokens.get(int(pid)) == int(token):    # else: a reused pid's predecessor
+                    out.append((int(pid), int(status), float(mono), kind))
         return out
 
     def close(self) -> None:

@@ -45,21 +45,27 @@ from leto_runtime.wire import exit_page as X
 
 log = logging.getLogger("leto.drain")
 
-_CUDA_HOST_REGISTER_PORTABLE, _CUDA_HOST_REGISTER_MAPPED = 1, 2
+_CU_MEMHOSTREGISTER_PORTABLE, _CU_MEMHOSTREGISTER_DEVICEMAP = 1, 2
 _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 _NONE = object()
 _drain = _NONE
 
 
 def _driver():
+    """The driver API's calls (not the runtime's: a refused one must not leave the runtime's
+    sticky last error for torch's next launch check to trip on)."""
     lib = ctypes.CDLL("libcuda.so.1")
-    write = getattr(lib, "cuStreamWriteValue64_v2", None) or lib.cuStreamWriteValue64
-    write.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)
-    write.restype = ctypes.c_int
-    devptr = getattr(lib, "cuMemHostGetDevicePointer_v2", None) or lib.cuMemHostGetDevicePointer
-    devptr.argtypes = (ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint)
-    devptr.restype = ctypes.c_int
-    return write, devptr
+    fns = []
+    for names, args in ((("cuStreamWriteValue64_v2", "cuStreamWriteValue64"),
+                         (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint)),
+                        (("cuMemHostRegister_v2", "cuMemHostRegister"),
+                         (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint)),
+                        (("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"),
+                         (ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint))):
+        fn = getattr(lib, names[0], None) or getattr(lib, names[1])
+        fn.argtypes, fn.restype = args, ctypes.c_int
+        fns.append(fn)
+    return fns
 
 
 class Drain:
@@ -70,7 +76,8 @@ class Drain:
         self.addr = ctypes.addressof(ctypes.c_char.from_buffer(page))
         self.epoch = 0
         self.slots: dict[int, int] = {}       # stream handle -> slot
-        self.streams: list = []               # kept alive: a handle must not be reused
+        self.streams: list = []               # kept alive (torch pools its streams: a handle may
+                                              # be shared, which only adds sentinels)
         self.dev_done = None                  # device address of the done words, once registered
         self.on = True
         self.owned = False
@@ -103,16 +110,19 @@ class Drain:
                 self.words[X.INTENT_AT // 8] = 0       # the slot count changes under intent 0
                 for s in new:
                     self._add(s)
-            e = self.epoch + 1
+            # the epoch is spent before any sentinel is queued: one queued by a close that did
+            # not finish must never stand for work queued after it
+            e = self.epoch = self.epoch + 1
             for s in self.streams:
                 rc = self._write(ctypes.c_void_p(s.cuda_stream),
                                  self.dev_done + 8 * self.slots[s.cuda_stream], e, 0)
                 if rc != 0:
                     raise OSError(f"cuStreamWriteValue64: CUresult {rc}")
-        except Exception as exc:                    # the fence decides from now on
+        except BaseException as exc:                # the fence decides from now on
             self.off(f"{type(exc).__name__}: {exc}")
+            if not isinstance(exc, Exception):
+                raise
             return
-        self.epoch = e
         self.words[X.INTENT_AT // 8] = e           # one aligned 8-byte store: never torn
 
     def _add(self, stream) -> None:
@@ -123,12 +133,11 @@ class Drain:
         self.words32[X.SLOTS_AT // 4] = len(self.streams)
 
     def _register(self) -> None:
-        import torch
-        self._write, devptr = _driver()
-        flags = _CUDA_HOST_REGISTER_MAPPED | _CUDA_HOST_REGISTER_PORTABLE
-        rc = int(torch.cuda.cudart().cudaHostRegister(self.addr, X.PAGE, flags))
+        self._write, register, devptr = _driver()
+        rc = register(ctypes.c_void_p(self.addr), X.PAGE,
+                      _CU_MEMHOSTREGISTER_DEVICEMAP | _CU_MEMHOSTREGISTER_PORTABLE)
         if rc not in (0, _CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
-            raise OSError(f"cudaHostRegister: cudaError {rc}")
+            raise OSError(f"cuMemHostRegister: CUresult {rc}")
         dev = ctypes.c_uint64()
         rc = devptr(ctypes.byref(dev), ctypes.c_void_p(self.addr), 0)
         if rc != 0:

@@ -151,9 +151,7 @@ class Updater:
                                transactions=transactions, fused=self.fused,
                                one_kernel=self.fused_syndrome, slots=self.slots, plan=plan,
                                group_kernel=self._group_kernel() if plan is not None else None)
-        # CUDA under leto-run: the drain words (leto_runtime/drain.py) let the agent promote
-        # without the exit fence when this process dies while the update waits for the GPU.
-        from leto_runtime import drain as D
+        from leto_runtime import drain as D     # CUDA: promotion without the exit fence
         self.drain = D.for_device(ss.device) if self.cuda and drain else D.OFF
 
     def _group_kernel(self):
@@ -187,8 +185,7 @@ class Updater:
         if self.cuda:
             torch.cuda.current_stream().synchronize()
 
-    def _drain_close(self) -> None:
-        """Before the host waits for the GPU: what the update queued so far is covered."""
+    def _drain_close(self) -> None:      # before the host waits: what was queued is covered
         if self.drain.on:
             self.drain.close((torch.cuda.current_stream(self.ss.device), self.side.stream,
                               self.chunks.undo_stream))
@@ -310,18 +307,20 @@ class Updater:
             norm = self.local_norm().to(torch.float32).reshape(1).clone()
         else:
             norm = torch.zeros(1, dtype=torch.float32, device=self.gflat.device)
+        # The host waits (barrier, coefficient): drain-covered; meanwhile only norm/coef are written
+        self._drain_close()
         if pg is not None:
             import torch.distributed as dist
             # The barrier is entered only with the gradients protected and PROTECTED in memory
             # (a peer past it may finish the update from this rank's gradient parity).
-            self._drain_close()         # (the all-reduce writes `norm` only: not retained)
             self.marker.settle()
             dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=pg)
-            self.drain.open()
         coef = (A.clip_coef(norm[0], self.clip)
                 if self.clip is not None else torch.ones((), dtype=torch.float32))
+        bits = Record.bits(coef)
+        self.drain.open()
         self.lap("global sync")
-        self._mark(t=t, phase=Phase.SYNCED, coef_bits=Record.bits(coef), coef_t=t)
+        self._mark(t=t, phase=Phase.SYNCED, coef_bits=bits, coef_t=t)
         self.inject("sync.after", step=t)
         self.lap("markers")
         return coef
@@ -375,6 +374,7 @@ class Updater:
         self._mark(phase=Phase.DONE, group=0, chunk=0, sub=0, auth=0, gstate=GState.LOAD, wb=-1,
                    wb_auth=0)
         self._drain_close()
+        self.inject("rmu.settle", step=t)
         self.marker.settle()            # the update is over when the GPU and the marker say so
         self.drain.open()
         self.lap("markers")

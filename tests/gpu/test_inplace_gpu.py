@@ -46,10 +46,13 @@ CASES = {
         "kill:rank=0:step=5:at=rmu.writeback:group=0",
         "kill:rank=0:step=0:gen=1:at=recovery.reconstruct"]),
     "nccl-hang-sync.after": (1, ["hang:rank=0:step=6:at=sync.after"]),
+    # deaths while the host waits for the update's queued work: promoted on the drain words
+    "nccl-rmu.settle-drained": (1, ["kill:rank=0:step=5:at=rmu.settle"]),
     # two gloo ranks on one GPU
     "gloo2-two-ranks-rmu": (2, ["kill:rank=0:step=4:at=rmu.commit:group=0:chunk=2",
                                 "kill:rank=1:step=4:at=rmu.delta:group=1:chunk=0:garbage=1"]),
     "gloo2-sync": (2, ["kill:rank=1:step=5:at=sync"]),
+    "gloo2-rmu.settle-drained": (2, ["kill:rank=0:step=4:at=rmu.settle"]),
     # survivors demoted in process (CUDA context kept, device memory released), then the
     # demoted process itself is promoted at the second HOF
     "gloo2-release-two-hofs": (2, ["kill:rank=1:step=3:at=backward",
@@ -91,8 +94,11 @@ def test_inplace_recovery_on_gpu_is_bit_exact(case, reference, tmp_path):
         assert all(f["verdict"] in ("quiet", "drained") for f in fences), (pr, fences)
         for pid in {f["pid"] for f in fences}:
             assert min(f["mono"] for f in fences if f["pid"] == pid) <= pr["mono"], (pr, fences)
-    print("exit verdicts:", [(e["generation"], e["pid"], e["verdict"]) for e in evs
-                             if e["event"] == "exit_fence"])
+    verdicts = [(e["generation"], e["pid"], e["verdict"]) for e in evs
+                if e["event"] == "exit_fence"]
+    print("exit verdicts:", verdicts)
+    if case.endswith("-drained"):           # the case's point: promoted before the fence
+        assert any(v == "drained" for _, _, v in verdicts), verdicts
     if "--demote" in args:
         asked = [e for e in evs if e["event"] == "demote" and e.get("mode") == "release"]
         done = [e for e in evs if e["event"] == "demoted"]

@@ -41,9 +41,17 @@ time.sleep(600)
 """
 
 
+class RoomyNotices(ExitNotices):
+    """The agent's notices with the device-memory check answered "room" (this machine has no
+    device: `room` reads NVML, which `test_without_nvml_nothing_is_drained` checks here)."""
+
+    def room(self, pid):
+        return True, "no device here"
+
+
 @pytest.fixture
 def notices():
-    n = ExitNotices(enabled=True, gpu=True)
+    n = RoomyNotices(enabled=True, gpu=True)
     yield n
     n.close()
 
@@ -116,8 +124,16 @@ def test_a_living_process_s_words_prove_nothing(notices):
         mine.close()
 
 
-def test_with_the_drain_off_only_the_notice_is_posted():
-    notices = ExitNotices(enabled=True, gpu=True, drain=False)
+@pytest.mark.parametrize("how", ["drain off", "no NVML"])
+def test_with_the_drain_off_or_no_device_memory_seen_only_the_notice_is_posted(how):
+    """`LETO_EXIT_DRAIN=0`; or NVML cannot say whether the device has room beside the dead
+    process's memory (none here): the fence decides."""
+    if how == "drain off":
+        notices = RoomyNotices(enabled=True, gpu=True, drain=False)
+    else:
+        from leto_run.nvml import Nvml
+        assert Nvml.open() is None, "this test needs a machine without NVML"
+        notices = ExitNotices(enabled=True, gpu=True)
     try:
         p, mine = _start(notices, 2, [2])
         os.kill(p.pid, signal.SIGKILL)
@@ -127,6 +143,33 @@ def test_with_the_drain_off_only_the_notice_is_posted():
         mine.close()
     finally:
         notices.close()
+
+
+def test_a_reused_pid_s_predecessor_s_posts_are_dropped(notices):
+    """A waiter posts under its watch's token; once a later spawn got the same pid (a new
+    watch), what the earlier waiter still posts is dropped by the agent's drain -- the new
+    process must not inherit a "drained" -- and the earlier waiter stops."""
+    p, mine = _start(notices, 3, [3])
+    try:
+        old = notices._tokens[p.pid]
+        notices.watch(p.pid, mmap.mmap(-1, X.PAGE))       # a new process with the same pid
+        new = notices._tokens[p.pid]
+        notices._post(p.pid, -9, time.monotonic(), "drained", old)   # a late post of the first
+        notices._post(p.pid, -9, time.monotonic(), "began", new)
+        assert [n[3] for n in notices.drain()] == ["began"]
+        os.kill(p.pid, signal.SIGKILL)                   # its waiter was stopped: nothing
+        assert _kinds(notices, p.pid, 0.6, began=False) == {}
+    finally:
+        _stop(p)
+        mine.close()
+
+
+def test_room_beside_the_dead():
+    from leto_run.exit_notice import ROOM_SLACK, room_beside_the_dead
+    held = 10 << 30
+    assert room_beside_the_dead(held + ROOM_SLACK, held)[0]
+    ok, why = room_beside_the_dead(held + ROOM_SLACK - 1, held)
+    assert not ok and "wait for the driver" in why
 
 
 def test_the_rule():
