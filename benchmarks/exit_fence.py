@@ -93,14 +93,13 @@ if gib > 0:
     from cuda.bindings import driver as cu
     mem = cu.cuMemAlloc(int(gib * (1 << 30)))[1]
 drain = sys.argv[6]
-if drain != "none":                            # the update's drain words (leto_runtime/drain.py)
+if drain == "none":
+    launch(m.base, sms, int(float(sys.argv[7]) * 1e9))
+else:                                          # the update's drain words (leto_runtime/drain.py)
     import torch
     from leto_runtime import drain as D
     d = D.for_device("cuda")
-    d.begin()
-launch(m.base, sms, int(float(sys.argv[7]) * 1e9))
-if drain in ("covered", "endless"):
-    d.close([torch.cuda.current_stream()])     # the kernel ran on the legacy default stream
+    torch.cuda.current_stream()
 hi = 1000
 os.dup2(int(sys.argv[2]), hi)                  # a high fd, after every fd CUDA opened
 os.close(int(sys.argv[2]))
@@ -113,6 +112,13 @@ for f in os.listdir("/proc/self/fd"):
 print("ready " + json.dumps({"low": lo, "high": hi, "sms": sms, "fence_fd": exit_notice._fence,
       "fence_ok": fence_ok, "drain_on": drain != "none" and d.on,
       "nvidia_fds": sorted(int(k) for k, v in fds.items() if "nvidia" in v)}), flush=True)
+if drain != "none":                            # launched once the parent observes the page
+    sys.stdin.readline()
+    d.begin()
+    launch(m.base, sms, int(float(sys.argv[7]) * 1e9))
+    if drain in ("covered", "endless"):
+        d.close([torch.cuda.current_stream()]) # the kernel ran on the legacy default stream
+    print("launched", flush=True)
 time.sleep(600)
 """
 
@@ -193,7 +199,8 @@ def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = (),
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(lo_w), str(hi_w), str(PAGE),
                           str(page_fd), str(mem_gib), drain, str(DRAIN_MODES[drain])], env=env,
                          pass_fds=(nfd, fence_w, lo_w, hi_w, page_fd) + tuple(extra),
-                         stdout=subprocess.PIPE, text=True, cwd=str(ROOT))
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                         cwd=str(ROOT))
     for fd in (nfd, fence_w, lo_w, hi_w):
         os.close(fd)
     pidfd = os.pidfd_open(p.pid)
@@ -214,22 +221,17 @@ def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = (),
         threads.append(threading.Thread(target=_nvml_gone, args=(p.pid, got, stop), daemon=True))
         for t in threads:
             t.start()
+        if drain != "none":             # the kernel starts now, with the page observed
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            if p.stdout.readline().strip() != "launched":
+                raise RuntimeError("the victim did not launch its kernel")
         before = read()
         time.sleep(0.2 if drain == "none" else 0.02)
         moving = read() != before
         t0 = time.monotonic()
         os.kill(p.pid, signal.SIGKILL)
-        last, last_t = read(), t0
-        while time.monotonic() - last_t < 1.0 and time.monotonic() - t0 < 20:
-            cur = read()
-            if cur != last:
-                last, last_t = cur, time.monotonic()
-            for n in notices.drain():
-                if n[0] == p.pid and n[3] == "began":
-                    got["notice"] = n[2]
-                elif n[0] == p.pid and n[3] == "drained":
-                    # what the page holds once the agent may promote: nothing may change after
-                    got["drained"], got["at_drained"] = n[2], read()
+        last, last_t = _until_still(notices, p.pid, read, t0, got)
         for t in threads:
             t.join(5)
         verdict = {"v": fence_verdict(fence_r, p.pid) if "fence" in got else None}
@@ -249,6 +251,23 @@ def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = (),
         notices.forget(p.pid)
         for fd in (fence_r, lo_r, hi_r, pidfd, page_fd):
             os.close(fd)
+
+
+def _until_still(notices, pid: int, read, t0: float, got: dict) -> tuple:
+    """Read the page until it has been still for a second (20 s at most), and the agent's
+    notices meanwhile: (last contents, when they last changed)."""
+    last, last_t = read(), t0
+    while time.monotonic() - last_t < 1.0 and time.monotonic() - t0 < 20:
+        cur = read()
+        if cur != last:
+            last, last_t = cur, time.monotonic()
+        for n in notices.drain():
+            if n[0] == pid and n[3] == "began":
+                got["notice"] = n[2]
+            elif n[0] == pid and n[3] == "drained":
+                # what the page holds once the agent may promote: nothing may change after
+                got["drained"], got["at_drained"] = n[2], read()
+    return last, last_t
 
 
 def observer():

@@ -20,7 +20,7 @@ updater queues its work and its marker writes in stream order without waiting
 
 An injection that can no longer fire is reported to the agent (datagram `unfired`, detail
 JSON {"spec", "reason"}; the agent records an `inject_unfired` warning) and dropped from the
-plan: one at a point inside a step once that step's update is over (`rmu.done`) or a later step
+plan: one at a point inside a step once that step's update is over (`rmu.settle`) or a later step
 began -- typically an `rmu.*` point naming a group or chunk the model does not have, or a point
 the step never reaches -- and a `recovery.*` one once the training loop began.
 
@@ -120,7 +120,7 @@ class Faults:
         elif group is not None and step is not None:
             self._saw(point, step, group, chunk)
         self._fire(point, step, group, chunk, garbage)
-        if point == "rmu.done" and step is not None and self.plan:
+        if point == "rmu.settle" and step is not None and self.plan:
             self._expire(step, through=True)
 
     def fire_in_thread(self, point: str, step: int) -> None:

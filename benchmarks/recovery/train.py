@@ -218,7 +218,9 @@ def run_leto(a) -> None:
         if prof is not None:
             prof.begin(promoted=job.recovery_info.get("woke") is not None)
         if first:      # after promotion and recovery (attach, localize, agree, finish/redo)
-            log.put("ready", t=t0, step=step, load_s=0.0)
+            log.put("ready", t=t0, step=step, load_s=0.0,      # and what its shadow prepared
+                    **{k: v for k, v in job.recovery_info.items()
+                       if k in ("rehearsal_s", "lend_prepare_s", "warmup_s", "woke")})
             first = False
         phases = Phases(job.device) if a.phases else None
         idx, tgt = batch(a.seed, step, job.rank, a.batch_size, cfg, job.device)

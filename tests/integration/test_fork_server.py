@@ -71,7 +71,23 @@ def test_a_forked_worker_runs_its_command_line_as_the_interpreter_does(tmp_path)
         if "PRELOADED=" in want.stdout:
             assert pre_got and not pre_want, (args, "the worker was not forked from the server")
         assert (got["rc"], got["stdout"].replace("PRELOADED=True", "PRELOADED=False"),
-                got["stderr"]) == (want.returncode, want.stdout, want.stderr), args
+                got["stderr"]) == (want.returncode, want.stdout, want.stderr), \
+            (args, _differences(got["stdout"], want.stdout), got["stderr"][-800:],
+             want.stderr[-800:])
+
+
+def _differences(got: str, want: str):
+    """The facts that differ (key: (forked, exec'd)), or the raw lines where not JSON."""
+    def facts(text):
+        lines = text.splitlines()
+        try:
+            return json.loads(lines[-1]) if lines else {}
+        except ValueError:
+            return {"raw": lines}
+    g, w = facts(got), facts(want)
+    if not isinstance(g, dict) or not isinstance(w, dict):
+        return g, w
+    return {k: (g.get(k), w.get(k)) for k in sorted(set(g) | set(w)) if g.get(k) != w.get(k)}
 
 
 VALUE_MAY_DIFFER = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "OUT_DIR"}

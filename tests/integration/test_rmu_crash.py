@@ -103,6 +103,8 @@ CASES = {
     "rmu.writeback": ({"at": "rmu.writeback", "step": 2, "group": 1}, "finish"),
     "rmu.tier2": ({"at": "rmu.tier2", "step": 2, "group": 0}, "finish"),
     "rmu.done": ({"at": "rmu.done", "step": 2}, "finish"),
+    # the update queued to its end, DONE among it (in memory on CPU): nothing left to finish
+    "rmu.settle": ({"at": "rmu.settle", "step": 2}, "next"),
     "update+pages@tolerance": ({"at": "rmu.update", "step": 2, "group": 1, "chunk": 3,
                                 "garbage": True, "pages": [ROW16, P1]}, "finish"),
     "writeback+pages@tolerance": ({"at": "rmu.writeback", "step": 3, "group": 1,

@@ -57,6 +57,7 @@ for step in (0, 1):
         for c in (0, 1, 2):
             f.fire("rmu.update", step=step, group=g, chunk=c)
     f.fire("rmu.done", step=step)
+    f.fire("rmu.settle", step=step)
 print("alive", flush=True)
 """
 
