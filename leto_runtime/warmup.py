@@ -5,7 +5,9 @@ item 3: the first step after promotion at steady-state speed).
 
 Why the script's help: Leto knows the model but not its input.  `job.warmup(fn)` registers a
 callable that runs one forward (`lambda: model(*sample())`, inside the script's own contexts:
-`job.autocast()`, an attention backend).  A shadow at L3 calls it once while it waits, after the
+`job.autocast()`, an attention backend).  It must run the module itself, never its DDP
+wrapper or anything else that calls a collective: shadows wait at different times, and a
+collective of one shadow's warm-up would wait for the others'.  A shadow at L3 calls it once while it waits, after the
 rehearsed update and the lending pool (`levels.ready_for_first_step`); an active never does
 (its first step is its warm-up).
 
