@@ -87,7 +87,14 @@ def _differences(got: str, want: str):
     g, w = facts(got), facts(want)
     if not isinstance(g, dict) or not isinstance(w, dict):
         return g, w
-    return {k: (g.get(k), w.get(k)) for k in sorted(set(g) | set(w)) if g.get(k) != w.get(k)}
+    out = {}
+    for k in sorted(set(g) | set(w)):
+        a, b = g.get(k), w.get(k)
+        if a != b and isinstance(a, dict) and isinstance(b, dict):
+            out[k] = {i: (a.get(i), b.get(i)) for i in sorted(set(a) | set(b)) if a.get(i) != b.get(i)}
+        elif a != b:
+            out[k] = (a, b)
+    return out
 
 
 VALUE_MAY_DIFFER = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "OUT_DIR"}
