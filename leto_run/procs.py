@@ -39,6 +39,12 @@ def become_subreaper() -> bool:
     return _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
 
+# The agent blocks/ignores some signals for its own loop; every worker starts with these at
+# their defaults (the fork server's workers too: the server is spawned this way).
+RESET_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
+                 signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGPIPE)
+
+
 def _child_setup(parent_pid: int):
     # Runs in the child between fork and exec.  The re-check of getppid closes the race where
     # the parent died before prctl took effect.
@@ -46,9 +52,7 @@ def _child_setup(parent_pid: int):
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent_pid:
             os._exit(137)
-        # The agent blocks/ignores some signals for its own loop; children start clean.
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT,
-                  signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGPIPE):
+        for s in RESET_SIGNALS:         # children start clean
             signal.signal(s, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
 

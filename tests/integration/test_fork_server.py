@@ -7,6 +7,7 @@ torch (the point of the fork server) may differ.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 
 from leto_testing import SCRIPTS, ROOT, base_env, events, leto_cmd, of, run, torchrun_cmd
 from leto_testing import assert_nothing_left
+from leto_run.procs import RESET_SIGNALS
 
 FACTS = r'''import sys, os, json, signal
 print("PRELOADED=%s" % ("torch" in sys.modules))
@@ -66,7 +68,8 @@ def test_a_forked_worker_runs_its_command_line_as_the_interpreter_does(tmp_path)
     forked = json.loads(p.stdout)
     for args, got in zip(CASES, forked):
         want = subprocess.run([sys.executable, "-u", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True, timeout=60,
+                              preexec_fn=_as_the_agent_spawns)
         pre_got, pre_want = ("PRELOADED=True" in got["stdout"]), ("PRELOADED=True" in want.stdout)
         if "PRELOADED=" in want.stdout:
             assert pre_got and not pre_want, (args, "the worker was not forked from the server")
@@ -74,6 +77,14 @@ def test_a_forked_worker_runs_its_command_line_as_the_interpreter_does(tmp_path)
                 got["stderr"]) == (want.returncode, want.stdout, want.stderr), \
             (args, _differences(got["stdout"], want.stdout), got["stderr"][-800:],
              want.stderr[-800:])
+
+
+def _as_the_agent_spawns() -> None:
+    """The interpreter as the agent execs a worker: the signals it resets at their defaults,
+    none blocked -- not what this test process inherited (under `nohup`, SIGHUP ignored)."""
+    for s in RESET_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 def _differences(got: str, want: str):
