@@ -68,6 +68,7 @@ extern "C" __global__ void spin(unsigned long long* p, unsigned long long ns) {
     q[0] = ++i;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   }
+  q[0] = i | (1ull << 63);  // ran to its end (a block the driver's teardown stops never gets here)
 }
 """
 
@@ -239,6 +240,7 @@ def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = (),
         if "at_drained" in got:
             row["changed_after_drained"] = got["at_drained"] != last
         row.update(last_write=round(last_t - t0, 6), moving_before_kill=moving, drain=drain,
+                   kernel_finished=all(v >> 63 for v in last),
                    drain_on=info.get("drain_on"),
                    nvidia_fds=info["nvidia_fds"], low_fd=info["low"], fence_fd=info["fence_fd"],
                    fence_ok=info["fence_ok"], verdict=verdict.get("v"))

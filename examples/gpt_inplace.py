@@ -82,7 +82,7 @@ def main() -> None:
     def warm():                     # a waiting shadow's forward (job.warmup): one sequence
         idx, targets = batch(a.seed, 0, job.rank, a.batch_size, cfg, job.device)
         with job.autocast(), exact():
-            model(idx[:1], targets[:1])
+            return model(idx[:1], targets[:1])      # (logits, loss): the backward's warm-up
     job.warmup(warm)
     log = open(os.path.join(a.out, f"loss_{job.rank}.jsonl"), "a") if a.out else None
     gen = job.ctx.generation

@@ -201,9 +201,10 @@ class Job:
         return contextlib.nullcontext()
 
     def warmup(self, fn) -> None:
-        """Register `fn()`, one forward pass of the model (the script's contexts included): a
-        waiting shadow runs it once before its promotion, on placeholder parameters and under
-        no_grad, so the promoted trainer's first forward runs at steady speed
+        """Register `fn()`, one forward pass of the model (the script's contexts included) that
+        returns the forward's output (its loss): a waiting shadow runs it before its promotion,
+        on placeholder parameters, under no_grad and then once with gradients for the
+        backward's warm-up, so the promoted trainer's first step runs at steady speed
         (leto_runtime/warmup.py; a no-op for actives and under torchrun)."""
         if not callable(fn):
             raise PortingError(f"job.warmup(fn): fn must be callable, got {type(fn).__name__}")

@@ -153,3 +153,4 @@ def ready_for_first_step(job) -> None:
     s = warmup.run(job)
     if s is not None:
         job.recovery_info["warmup_s"] = s
+        job.recovery_info["warmup_backward"] = getattr(job, "warmup_backward", None)

@@ -1,20 +1,26 @@
-"""A waiting shadow's warm-up forward: the script's own forward pass, run once before promotion
-so that the promoted trainer's first forward does not pay CUDA's lazy kernel loading, cuBLAS's
-first choices at the step's shapes and the other first-use costs of the model's ops (issue 22,
-item 3: the first step after promotion at steady-state speed).
+"""A waiting shadow's warm-up: the script's own forward pass, run once before promotion so that
+the promoted trainer's first step does not pay CUDA's lazy kernel loading, cuBLAS's first
+choices at the step's shapes and the other first-use costs of the model's ops (issue 22,
+item 3: the first step after promotion at steady-state speed).  Then the backward's: the
+autograd engine's device thread and that thread's cuBLAS handle and workspace (a small product
+of its own), and, where it fits the cap, the script's forward once more with gradients taken
+with respect to one parameter of each shape (`torch.autograd.grad`: returned, never
+accumulated into `.grad`), which loads the backward's kernels.
 
 Why the script's help: Leto knows the model but not its input.  `job.warmup(fn)` registers a
 callable that runs one forward (`lambda: model(*sample())`, inside the script's own contexts:
 `job.autocast()`, an attention backend).  It must run the module itself, never its DDP
 wrapper or anything else that calls a collective: shadows wait at different times, and a
-collective of one shadow's warm-up would wait for the others'.  A shadow at L3 calls it once while it waits, after the
-rehearsed update and the lending pool (`levels.ready_for_first_step`); an active never does
-(its first step is its warm-up).
+collective of one shadow's warm-up would wait for the others'.  Return what the forward
+returns (the loss): the backward's warm-up starts from it.  A shadow at L3 calls it while it
+waits, after the rehearsed update and the lending pool (`levels.ready_for_first_step`); an
+active never does (its first step is its warm-up).
 
 What it may touch: nothing retained.  Until `job.steps()` binds them after the promotion, the
 parameters are placeholders (`modules.placeholders`: one zero element expanded to the shape),
-so the forward reads zeros and writes only its own activations; gradients are off
-(`torch.no_grad`).  What it could change is put back: every buffer's values (a module that
+so the forward reads zeros and writes only its own activations: under `torch.no_grad` the
+first time, with gradients the second, whose backward returns gradients of placeholders and
+writes no `.grad`.  What it could change is put back: every buffer's values (a module that
 counts its calls, a norm's running statistics) and the CPU and CUDA random states.  Its memory
 is capped (`LETO_WARMUP_MIB`, the caching allocator's per-process limit for the call: a warm-up
 that needs more fails with an OOM here instead of taking memory the active needs) and given
@@ -23,10 +29,12 @@ would hold a low-precision copy of every weight at once).  A failure is logged; 
 then pays what the warm-up would have, as without it.
 
 Calling contract: `run(job) -> float | None` (seconds; None when nothing ran), from the
-shadow's main thread, before the promotion.
+shadow's main thread, before the promotion; `job.warmup_backward` then says how far the
+backward's warm-up went (`BACKWARD_*`).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -52,14 +60,16 @@ def run(job) -> float | None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, (held + cap) / total), job.device)
     job._warming = True
     try:
-        with torch.no_grad():
-            fn()
-        if cuda:
-            torch.cuda.synchronize(job.device)
-    except Exception as e:
-        log(f"warm-up forward failed before promotion ({type(e).__name__}: {str(e)[:200]}); "
-            "the first step pays its first use")
-        return None
+        try:
+            with torch.no_grad():
+                fn()
+            if cuda:
+                torch.cuda.synchronize(job.device)
+        except Exception as e:
+            log(f"warm-up forward failed before promotion ({type(e).__name__}: {str(e)[:200]}); "
+                "the first step pays its first use")
+            return None
+        job.warmup_backward = _backward(job, fn, cap)
     finally:
         job._warming = False
         bufs = dict(job.model.named_buffers())
@@ -71,3 +81,78 @@ def run(job) -> float | None:
             torch.cuda.set_per_process_memory_fraction(1.0, job.device)
             torch.cuda.empty_cache()
     return time.monotonic() - t0
+
+
+BACKWARD_FULL = "forward and backward"      # the script's forward with gradients, then backward
+BACKWARD_ENGINE = "autograd engine only"    # the small product: thread, handle, workspace
+BACKWARD_NONE = "none"                      # even the small product failed
+PARAM_SHARE = 8                             # one parameter's gradient: at most cap / 8
+PARAMS_SHARE = 4                            # all of them together: at most cap / 4
+
+
+def _backward(job, fn, cap: int) -> str:
+    """The backward's first-use costs, as far as the cap allows (module docstring)."""
+    autocast = getattr(job, "autocast", contextlib.nullcontext)
+    try:
+        with torch.enable_grad():
+            a = torch.ones(64, 64, device=job.device, requires_grad=True)
+            with autocast():
+                y = (a @ a).float().sum()
+            torch.autograd.grad(y, [a])
+    except Exception as e:
+        log(f"warm-up backward failed ({type(e).__name__}: {str(e)[:200]})")
+        return BACKWARD_NONE
+    params = one_per_shape(job.model, cap)
+    if not params:
+        return BACKWARD_ENGINE
+    try:
+        with torch.enable_grad():
+            target = scalar_of(fn())
+            if target is None:
+                return BACKWARD_ENGINE
+            torch.autograd.grad(target, params, allow_unused=True)
+        if job.device.type == "cuda":
+            torch.cuda.synchronize(job.device)
+    except Exception as e:
+        log(f"warm-up backward of the script's forward did not run ({type(e).__name__}: "
+            f"{str(e)[:200]}); the first backward pays its kernels' first use")
+        return BACKWARD_ENGINE
+    return BACKWARD_FULL
+
+
+def one_per_shape(model: torch.nn.Module, cap: int) -> list[torch.Tensor]:
+    """One parameter that needs a gradient per (shape, dtype), each at most cap / PARAM_SHARE
+    bytes and together at most cap / PARAMS_SHARE: the backward then runs every kind of
+    weight-gradient product the model has, without a gradient for every parameter."""
+    seen, out, total = set(), [], 0
+    for p in model.parameters():
+        key = (tuple(p.shape), p.dtype)
+        size = p.numel() * p.element_size()
+        if (not p.requires_grad or key in seen or size > cap // PARAM_SHARE
+                or total + size > cap // PARAMS_SHARE):
+            continue
+        seen.add(key)
+        out.append(p)
+        total += size
+    return out
+
+
+def scalar_of(out) -> torch.Tensor | None:
+    """What the backward starts from: the first scalar that needs a gradient in what the
+    warm-up function returned (a loss), else the sum of the first such tensor."""
+    found = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+    for t in found:
+        if t.dim() == 0:
+            return t.float()
+    return found[0].float().sum() if found else None
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)

@@ -208,7 +208,7 @@ def run_leto(a) -> None:
         def warm():
             idx, tgt = batch(a.seed, 0, job.rank, a.batch_size, cfg, job.device)
             with job.autocast():
-                model(idx[:1], tgt[:1])
+                return model(idx[:1], tgt[:1])
         job.warmup(warm)
     first = True
     corpus(a.seed, cfg.vocab_size)     # the data set before the loop, as a script's DataLoader
@@ -220,7 +220,8 @@ def run_leto(a) -> None:
         if first:      # after promotion and recovery (attach, localize, agree, finish/redo)
             log.put("ready", t=t0, step=step, load_s=0.0,      # and what its shadow prepared
                     **{k: v for k, v in job.recovery_info.items()
-                       if k in ("rehearsal_s", "lend_prepare_s", "warmup_s", "woke")})
+                       if k in ("rehearsal_s", "lend_prepare_s", "warmup_s", "warmup_backward",
+                                "woke")})
             first = False
         phases = Phases(job.device) if a.phases else None
         idx, tgt = batch(a.seed, step, job.rank, a.batch_size, cfg, job.device)

@@ -8,9 +8,13 @@ counters in the page and is SIGKILLed while the kernel runs (`benchmarks/exit_fe
 `trial`).  This process reads the page through its own mapping.  What the agent's exit-notice
 waiter says is checked against what the page does:
 
-* "covered" -- the window closed after the launch, the kernel ends ~35 ms after the kill: the
-  verdict "drained" comes, and the page never changes after it (read right after the verdict,
-  against its final contents); it comes before the fence in most trials (that is the point);
+* "covered" -- the window closed after the launch, the kernel would end ~35 ms after the kill.
+  The driver's teardown stops it earlier in some trials (H100, 2026-12-06: in 3 of 5, ~11 ms
+  after the kill); then the sentinel queued behind it never runs and no "drained" comes (the
+  fence decides, as without the words).  The kernel marks its own end in the page, so the test
+  knows which trials ran to the end: each of those gets "drained", and the page never changes
+  after it (read right after the verdict, against its final contents); it comes before the
+  fence in most of them (that is the point);
 * "endless" -- closed, but the kernel would run for a minute: the driver's teardown stops it;
   a "drained" verdict, if any, still sees the final page;
 * "open" -- the kernel launched inside the open window (a death while launching): never
@@ -38,21 +42,26 @@ def test_the_drain_verdict_never_comes_while_a_killed_process_s_kernel_can_write
     rows = []
     try:
         observe = F.observer()
-        for _ in range(5):
+        for _ in range(8 if drain == "covered" else 5):
             rows.append(F.trial(notices, pages, observe, 0.0, (), drain))
     finally:
         notices.close()
     print(f"\ndrain {drain}: " + "; ".join(
         f"last write {1e3 * r['last_write']:.1f} ms, notice {1e3 * r.get('notice', -1):.2f} ms, "
         f"drained {1e3 * r.get('drained', -1):.1f} ms, fence {1e3 * r.get('fence', -1):.1f} ms"
-        for r in rows))
+        f"{'' if r['kernel_finished'] else ', kernel stopped by the teardown'}" for r in rows))
     for r in rows:
         assert r["moving_before_kill"] and r["drain_on"], r
         assert r["verdict"] == "quiet" and r["fence"] > r["last_write"], r
         if "drained" in r:
             assert not r["changed_after_drained"], f"the page changed after 'drained': {r}"
     if drain == "covered":
-        assert all("drained" in r for r in rows), rows
-        assert sum(r["drained"] < r["fence"] for r in rows) >= 3, rows
+        ended = [r for r in rows if r["kernel_finished"]]
+        assert ended, ("the driver's teardown stopped the kernel in every trial, so the "
+                       f"'drained' verdict was never exercised: {rows}")
+        assert all("drained" in r for r in ended), ended
+        assert 2 * sum(r["drained"] < r["fence"] for r in ended) >= len(ended), ended
+    if drain == "endless":
+        assert not any(r["kernel_finished"] for r in rows), rows
     if drain == "open":
         assert not any("drained" in r for r in rows), rows
