@@ -7,7 +7,10 @@ is the active trainer under every launcher (a Leto shadow logs no step until it 
 A kill that falls due while the system is not in steady state yet -- the rank is still
 recovering from the previous kill (no live trainer has logged a step since), or, under leto-run
 in place, the next generation's shadows are not ready yet -- is delivered as soon as it is;
-the delay is recorded with the kill.
+the delay is recorded with the kill.  With `kill_phase="update"` a HOF is aimed instead at the
+middle of the victim's next update phase (`update_target`, from its last step record): a
+periodic schedule otherwise lands every kill in the same phase, as recoveries cost about the
+same each time.
 
 An FF of leto-ckpt (a schedule entry that names a leto-run `--inject` spec, mixed.py) is not
 delivered by the harness: leto-run's runtime fires it at its step.  The harness waits for its
@@ -15,7 +18,7 @@ delivered by the harness: leto-run's runtime fires it at its step.  The harness 
 it as it waits for any recovery; its delay is the event's time minus the scheduled one.
 
 Calling contract: `run_system(argv, env, run_dir, schedule, timeout_s, events_path=...,
-nproc=...)` -> `Launch` (`events_path`: leto-run's event log, for shadow readiness).  It never
+nproc=..., kill_phase="any"|"update")` -> `Launch` (`events_path`: leto-run's event log, for shadow readiness).  It never
 raises for a failed or timed-out run (the result says so), and leaves no process behind: the
 launcher's session is stopped SIGTERM -> grace -> SIGKILL, then any process whose command line
 names `run_dir` (trainers, shadows, state managers: torchrun puts workers in sessions of their
@@ -37,6 +40,7 @@ from benchmarks.recovery.mixed import inject_event
 
 POLL_S = 0.02            # how often step files are read: the kill lands within this of its time
 TERM_GRACE_S = 10.0      # launcher SIGTERM -> SIGKILL
+UPDATE_AT = 0.87         # without phase times: where in a step the middle of its update phase is
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Kill:
     skipped: str | None = None     # why it was not delivered
     kind: str = "hof"              # hof | ff (presets.Preset.kinds)
     inject: str | None = None      # leto-run fires it (this spec), the harness only sees it
+    aimed_at: float | None = None  # kill_phase="update": the predicted middle of an update phase
 
 
 @dataclass
@@ -187,8 +192,26 @@ def _tail(path: str, n: int = 40) -> str:
         return ""
 
 
+def update_target(last: dict, now: float) -> float:
+    """When the victim's next update phase is half done, predicted from its last step record
+    `last` (the next step starts at about last["t1"]): its forward + backward + half its update
+    after that, from the record's phase times (train.py --phases), else UPDATE_AT of its
+    length.  A time already past moves on by whole steps."""
+    dt = last["t1"] - last["t0"]
+    ph = last.get("phases") or {}
+    if all(k in ph for k in ("fwd", "bwd", "opt")):
+        into = ph["fwd"]["s"] + ph["bwd"]["s"] + ph["opt"]["s"] / 2
+    else:
+        into = UPDATE_AT * dt
+    t = last["t1"] + into
+    while t < now and dt > 0:
+        t += dt
+    return t
+
+
 def _next_kill(kills: list[Kill], t_first: float, records: list[dict], events: list[dict] | None,
-               killed: set[int], marker: bytes, nproc: int, progress) -> None:
+               killed: set[int], marker: bytes, nproc: int, progress,
+               kill_phase: str = "any") -> None:
     """Deliver (or, for an injected FF, observe) the first pending kill if it is due and the
     system is in steady state; at most one per poll: the next needs new records."""
     k = next((k for k in kills if k.t_fault is None and not k.skipped), None)
@@ -213,6 +236,11 @@ def _next_kill(kills: list[Kill], t_first: float, records: list[dict], events: l
     pid = _victim(records, k.rank, killed, marker, events, nproc, since)
     if pid is None:
         return                                  # still recovering: deliver when it is back
+    if kill_phase == "update" and k.kind == "hof":
+        last = max((r for r in records if r["ev"] == "step" and r["pid"] == pid),
+                   key=lambda r: r["t1"])
+        k.aimed_at = update_target(last, time.monotonic())
+        time.sleep(max(0.0, k.aimed_at - time.monotonic()))     # at most about one step
     k.pid, k.t_fault = pid, time.monotonic()
     os.kill(pid, signal.SIGKILL)
     killed.add(pid)
@@ -224,7 +252,7 @@ def _next_kill(kills: list[Kill], t_first: float, records: list[dict], events: l
 
 def run_system(argv: list[str], env: dict, run_dir: str, schedule: list[tuple[float, int]],
                timeout_s: float, progress=None, events_path: str | None = None,
-               nproc: int = 1) -> Launch:
+               nproc: int = 1, kill_phase: str = "any") -> Launch:
     # The directory holds this launch's outputs only: step records or events left by an earlier
     # run in the same --work-dir would be read as this run's (its first step, its victims).
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -259,7 +287,7 @@ def run_system(argv: list[str], env: dict, run_dir: str, schedule: list[tuple[fl
                     progress(f"training started {t_first - t_launch:.1f} s after launch")
             if t_first is not None:
                 _next_kill(kills, t_first, files.records, events.records if events else None,
-                           killed, marker, nproc, progress)
+                           killed, marker, nproc, progress, kill_phase)
         for k in kills:
             if k.t_fault is None and not k.skipped:
                 k.skipped = "the run ended first" if not timed_out else "timeout"

@@ -32,6 +32,7 @@ class Preset:
     extra: dict = field(default_factory=dict)
     tail_s: float | None = None       # training after the last kill (default: mtbf_s)
     kinds: tuple = ("hof",)           # kind of kill k: kinds[k % len(kinds)], "hof" | "ff"
+    kill_phase: str = "any"           # "update": aim each HOF at the middle of an update phase
 
     def __post_init__(self):
         bad = [k for k in self.kinds if k not in KINDS]

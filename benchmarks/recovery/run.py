@@ -112,6 +112,10 @@ def parse_args(argv):
                    help="leto systems: time each step's forward, backward and optimizer step "
                         "apart (train.py --phases; synchronized, so the step is a little slower) "
                         "and report the first step after each recovery by phase")
+    p.add_argument("--kill-phase", choices=("any", "update"),
+                   help="\"update\": deliver each HOF in the middle of the victim's next update "
+                        "phase after its time, predicted from its last step record (with "
+                        "--phases from the step's own phase times, else at 87%% of the step)")
     p.add_argument("--profile", action="store_true",
                    help="leto systems: cProfile the first two steps of each promoted trainer "
                         "(train.py --profile; .pstats files beside the step records)")
@@ -258,7 +262,8 @@ def evaluate(sysm, preset, ln: Launch, ref: dict, ref_recs: list[dict], interval
         rel = (lambda t: None if t is None or t0 is None else t - t0)
         f.update(index=k.index, rank=k.rank, pid=k.pid, at_s=rel(k.t_fault),
                  resume_at_s=rel(f["t_resume"]), done_at_s=rel(f["t_done"]),
-                 kill_delay_s=k.delay_s, kind=k.kind, inject=k.inject)
+                 kill_delay_s=k.delay_s, kind=k.kind, inject=k.inject,
+                 aimed_at_s=rel(k.aimed_at))
         f["breakdown"] = M.restart_breakdown(recs, f)
         f["first_step_phases"] = M.first_step_phases(recs, f)
         if events:
@@ -366,7 +371,7 @@ def _run_faulted(sysm, preset, work: str, env: dict, basis: tuple, timeout: floa
           if sysm.launcher == systems.LETO and sysm.recovery == "inplace" else None)
     ln = run_system(argv_, systems.launcher_env(sysm, env), run_dir, sched,
                     timeout, progress=lambda m: log(f"  {m}"),
-                    events_path=ev, nproc=preset.nproc)
+                    events_path=ev, nproc=preset.nproc, kill_phase=preset.kill_phase)
     r = evaluate(sysm, preset, ln, ref, ref_recs, k,
                  cost[sysm.ckpt] if sysm.mode == "dcp" else None)
     r["launcher_env_extra"] = {key: v for key, v in
@@ -420,6 +425,7 @@ def _finish(res: dict, a, prev: dict | None, t_begin: float, save) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget, nproc=a.nproc,
+                         kill_phase=a.kill_phase,
                          leto_args=None if a.leto_args is None else tuple(shlex.split(a.leto_args)),
                          kinds=presets.MIXED if a.mixed else None)
     if a.phases:
