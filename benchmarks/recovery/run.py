@@ -112,10 +112,8 @@ def parse_args(argv):
                    help="leto systems: time each step's forward, backward and optimizer step "
                         "apart (train.py --phases; synchronized, so the step is a little slower) "
                         "and report the first step after each recovery by phase")
-    p.add_argument("--kill-phase", choices=("any", "update"),
-                   help="\"update\": deliver each HOF in the middle of the victim's next update "
-                        "phase after its time, predicted from its last step record (with "
-                        "--phases from the step's own phase times, else at 87%% of the step)")
+    p.add_argument("--kill-phase", choices=("any", "update"), help="update: aim each HOF at "
+                   "the middle of an update phase (launch.update_target)")
     p.add_argument("--profile", action="store_true",
                    help="leto systems: cProfile the first two steps of each promoted trainer "
                         "(train.py --profile; .pstats files beside the step records)")
@@ -262,8 +260,7 @@ def evaluate(sysm, preset, ln: Launch, ref: dict, ref_recs: list[dict], interval
         rel = (lambda t: None if t is None or t0 is None else t - t0)
         f.update(index=k.index, rank=k.rank, pid=k.pid, at_s=rel(k.t_fault),
                  resume_at_s=rel(f["t_resume"]), done_at_s=rel(f["t_done"]),
-                 kill_delay_s=k.delay_s, kind=k.kind, inject=k.inject,
-                 aimed_at_s=rel(k.aimed_at))
+                 kill_delay_s=k.delay_s, kind=k.kind, inject=k.inject, aimed_at_s=rel(k.aimed_at))
         f["breakdown"] = M.restart_breakdown(recs, f)
         f["first_step_phases"] = M.first_step_phases(recs, f)
         if events:
@@ -424,9 +421,9 @@ def _finish(res: dict, a, prev: dict | None, t_begin: float, save) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    leto_args = None if a.leto_args is None else tuple(shlex.split(a.leto_args))
     preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget, nproc=a.nproc,
-                         kill_phase=a.kill_phase,
-                         leto_args=None if a.leto_args is None else tuple(shlex.split(a.leto_args)),
+                         kill_phase=a.kill_phase, leto_args=leto_args,
                          kinds=presets.MIXED if a.mixed else None)
     if a.phases:
         preset = replace(preset, model_args=(*preset.model_args, "--phases"))
