@@ -1,7 +1,6 @@
 // Encode-kernel variants side by side (issue 22, item 6): the default syndrome_mix kernel against
-// pipelines that wait on mbarriers instead of a CTA-wide __syncthreads per stage, other stage
-// sizes, and 8 thread groups of 2 syndromes (fewer registers, more warps per SM), on the default
-// group (1024 pages of 2 MiB, 16 parity pages).  A standalone binary (no torch), so a GPU machine
+// pipelines that wait on mbarriers instead of a CTA-wide __syncthreads per stage and other stage
+// sizes, on the default group (1024 pages of 2 MiB, 16 parity pages).  A standalone binary (no torch), so a GPU machine
 // runs it without building the extension first.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -diag-suppress 128 -Icuda \
@@ -147,8 +146,6 @@ void launch_mbar(const SyndromeArgs& a, const MixMasks& masks, cudaStream_t stre
   check(cudaGetLastError(), "launch");
 }
 
-#include "encode_g8.cuh"  // 8 thread groups of 2 syndromes (CfgG8, launch_g8)
-
 // ---- host reference of one symbol ------------------------------------------------------------
 uint16_t symbol(const uint8_t* page, size_t blk, int q, int bit) {
   uint16_t s = 0;
@@ -265,11 +262,6 @@ int main(int argc, char** argv) {
       {"mbar kp2 ns6", launch_mbar<CfgM<4, 2, 6>>},
       {"mbar kp2 ns8", launch_mbar<CfgM<4, 2, 8>>},
       {"mbar kp1 ns10", launch_mbar<CfgM<4, 1, 10>>},
-      // 8 groups of 2 syndromes; the last number: CTAs per SM asked (registers, see CfgG8).
-      {"g8 nb2 kp4 ns4 b3", launch_g8<CfgG8<2, 4, 4, 3>>},
-      {"g8 nb2 kp4 ns4 b4", launch_g8<CfgG8<2, 4, 4, 4>>},
-      {"g8 nb4 kp4 ns4 b2", launch_g8<CfgG8<4, 4, 4, 2>>},
-      {"g8 nb2 kp8 ns3 b3", launch_g8<CfgG8<2, 8, 3, 3>>},
   };
   std::vector<uint8_t> got(M * S), base(M * S);
   bool all_ok = true;

@@ -15,6 +15,7 @@ calls `leto_run.agent.run_job(cfg)` and exits with its return code.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from typing import Mapping
@@ -214,6 +215,9 @@ def _run(ctx: click.Context, **params) -> int:
         click.echo(f"{PROG}: warning: {w}", err=True)
     from leto_run.agent import run_job   # lazy: the agent is not needed to parse or print config
 
+    # The imports' objects (torch's) live as long as the agent: no collection walks them again,
+    # and the exit's final collections skip them (~0.4 s of CPU per job).
+    gc.freeze()
     return int(run_job(cfg))
 
 

@@ -10,7 +10,11 @@ the same cache directory (`leto_runtime.wire.kernel_cache`: LETO_EXT_DIR, TORCH_
 ~/.cache/leto/kernels; docs/KERNELS.md), which `leto_testing.base_env` passes on."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
+import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -40,11 +44,16 @@ def pytest_runtest_protocol(item, nextitem):
     every test holds it shared, an `alone` test exclusively.  The writer first takes a
     turnstile that readers pass on their way in, so tests that arrive after it wait instead of
     starving it.  Without xdist tests run one at a time and nothing is locked."""
+    with _cpu_logged(item):
+        if not hasattr(item.config, "workerinput"):
+            yield
+            return
+        yield from _locked(item)
+
+
+def _locked(item):
     import fcntl
 
-    if not hasattr(item.config, "workerinput"):
-        yield
-        return
     base = item.config._tmp_path_factory.getbasetemp().parent   # shared by the run's workers
     alone = any(item.get_closest_marker(m) is not None for m in ("alone", "gpu_alone"))
     with open(base / "leto-turnstile.lock", "a+") as gate, \
@@ -60,6 +69,28 @@ def pytest_runtest_protocol(item, nextitem):
         finally:
             fcntl.flock(share, fcntl.LOCK_UN)
             fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _cpu_logged(item):
+    """With LETO_TEST_CPU_LOG=FILE, one line per test: its CPU seconds (this process's and
+    every descendant's that was waited for: the launcher, its workers, their shadows) and its
+    wall seconds -- what to trim when the suite outgrows its time on two cores."""
+    path = os.environ.get("LETO_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (
+            resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    c0, t0 = cpu(), time.monotonic()
+    try:
+        yield
+    finally:
+        with open(path, "a") as f:
+            f.write(f"{cpu() - c0:.2f} {time.monotonic() - t0:.2f} {item.nodeid}\n")
 
 
 @pytest.fixture(scope="session")
