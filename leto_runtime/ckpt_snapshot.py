@@ -293,7 +293,8 @@ class SnapshotServer:
             self.write_busy = True
         mine = list(box)                    # the write's thread owns the copy from here
         box.clear()
-        w = threading.Thread(target=self._write_now, args=(n, t, req, mine, place, copy_s),
+        w = threading.Thread(target=_lowest_priority, args=(self._write_now, n, t, req, mine,
+                                                            place, copy_s),
                              name=f"leto-snapshot-write-{t}", daemon=True)
         try:
             w.start()
@@ -306,10 +307,6 @@ class SnapshotServer:
 
     def _write_now(self, n: int, t: int, req: dict, box: list, place: str,
                    copy_s: float) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass
         t0 = time.monotonic()
         try:
             info = self._write_state(t, req, box, place, copy_s, t0)
@@ -375,3 +372,15 @@ def _unlock(t: torch.Tensor) -> None:
         except Exception:
             pass
         t._leto_locked = False
+
+
+def _lowest_priority(fn, *args) -> None:
+    """A thread's body: this thread alone at nice 19, then `fn(*args)`.  Only in a thread of
+    its own: Linux keeps a nice value per thread, and the main thread's would pass to every
+    thread and process it starts later."""
+    if threading.current_thread() is not threading.main_thread():
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
+    fn(*args)

@@ -231,3 +231,22 @@ def test_writer_shadow_waits_for_a_serving_shadow_once(store_process):
     peer.dead.add(3)                                     # that shadow stopped answering
     t0 = time.monotonic()
     assert peer._server() is None and time.monotonic() - t0 >= 3.0
+
+
+def test_the_write_runs_at_nice_19_in_its_own_thread_only():
+    """The shadow's write yields the CPU to the active, and only its own thread does: run on
+    the main thread it changes nothing (Linux keeps a nice value per thread, and the main
+    thread's passes to everything it starts later)."""
+    from leto_runtime.ckpt_snapshot import _lowest_priority
+
+    seen = []
+
+    def probe():
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    t = threading.Thread(target=_lowest_priority, args=(probe,))
+    t.start()
+    t.join(30)
+    _lowest_priority(probe)
+    assert seen == [19, base] and os.getpriority(os.PRIO_PROCESS, 0) == base
