@@ -1,5 +1,11 @@
 """The fork server process: import torch once, then fork one worker per request of the agent.
 
+What it imports: `PRELOAD` (torch; the server is refused without it), then, best effort,
+`ALSO_PRELOAD`: what nearly every trainer imports after torch and pays again in each process
+(torch._dynamo, which torch.optim's optimizers import at construction; DCP, which the runtime's
+checkpoint paths use).  Neither reads a per-worker variable at import nor touches the GPU (the
+agent refuses the server where the workers' shared environment differs from its own).
+
 Runs as ``python -u -c BOOT <fd> <root> <padding>``, started by the agent through `procs.spawn` (own process
 group, parent-death signal, the environment every worker shares).  It says ``ready`` once the
 preload is imported, then serves requests one at a time until the agent closes the socket.
@@ -45,6 +51,7 @@ BOOT = ("import sys; sys.path[0] = sys.argv[2]; from leto_run.fork_server.server
 # What every worker imports first, and nothing that reads a worker's own variables at import:
 # `client.refusal` checks that the rest of a worker's environment equals the server's.
 PRELOAD = ("torch",)
+ALSO_PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint")
 # Empty arguments after the server's own: NUL bytes of its command-line area, which a worker
 # overwrites with its own command line (`ps`, `pkill -f` and /proc/PID/cmdline show the
 # worker's, as for a spawned one; a longer one is cut at this size).
@@ -66,6 +73,11 @@ def _preload() -> str | None:
             __import__(name)
         except BaseException as e:          # noqa: BLE001 -- any failure: the agent spawns plainly
             return f"import {name} failed: {type(e).__name__}: {e}"
+    for name in ALSO_PRELOAD:
+        try:
+            __import__(name)
+        except Exception:                   # noqa: BLE001 -- a worker that needs it imports it
+            pass
     return None
 
 
@@ -78,7 +90,8 @@ def main(fd: int) -> None:
     # its exit's (the interpreter's final collections over torch's objects: ~0.4 s of CPU per
     # process).  What a worker makes itself is collected as in any interpreter.
     gc.freeze()
-    wire.send(sock, {"ready": os.getpid(), "preloaded": list(PRELOAD), "problem": problem})
+    wire.send(sock, {"ready": os.getpid(), "problem": problem,
+                     "preloaded": [n for n in PRELOAD + ALSO_PRELOAD if n in sys.modules]})
     if problem:
         return
     while True:

@@ -107,14 +107,16 @@ def test_a_lost_node_and_a_node_beyond_tolerance_fall_back_on_every_node_exactly
     first = sorted((e.get("by", "self"), e["step"]) for n in (0, 1)
                    for e in of(ev[n], "fallback") if "node(s) lost" not in e["reason"])
     assert first == [("peer", 3), ("self", 3)], first
-    # 2: the survivor took the silent node for lost, not for a HOF, and fell back to step 6;
-    # the replacement started from the same checkpoint.
+    # 2: the survivor took the silent node for lost, not for a HOF, and fell back to the newest
+    # complete checkpoint: step 6, or 9 where that one completed before the kill (the shadow
+    # writes at nice 19, so on a busy machine step 6's lands late); the replacement started
+    # from the same checkpoint.
     [lost] = [e for e in of(ev[0], "fallback") if "node(s) lost" in e["reason"]]
-    assert lost["step"] == 6 and "--peer-timeout 5 s" in lost["reason"], lost
+    assert lost["step"] in (6, 9) and "--peer-timeout 5 s" in lost["reason"], lost
     assert not [e for e in of(ev[0], "promote") if e["generation"] > lost["generation"]]
     [follow] = of(ev[2], "fallback")
-    assert follow["by"] == "peer" and follow["step"] == 6, follow
-    assert [e["path"] for e in of(ev[2], "start_plan")] == [str(ck / "step_000000006")]
+    assert follow["by"] == "peer" and follow["step"] == lost["step"], (follow, lost)
+    assert [e["path"] for e in of(ev[2], "start_plan")] == [str(ck / f"step_{lost['step']:09d}")]
     assert sorted(x for x in os.listdir(ck) if not x.startswith(".")) == [
         "step_000000009", "step_000000012"]
     # The killed node left nothing running (its trainers die with their agent).
