@@ -216,7 +216,7 @@ def _run(ctx: click.Context, **params) -> int:
     from leto_run.agent import run_job   # lazy: the agent is not needed to parse or print config
 
     # The imports' objects (torch's) live as long as the agent: no collection walks them again,
-    # and the exit's final collections skip them (~0.4 s of CPU per job).
+    # and the exit's final collections skip them.
     gc.freeze()
     return int(run_job(cfg))
 

@@ -3,8 +3,8 @@
 What it imports: `PRELOAD` (torch; the server is refused without it), then, best effort,
 `ALSO_PRELOAD`: what nearly every trainer imports after torch and pays again in each process
 (torch._dynamo, which torch.optim's optimizers import at construction; DCP, which the runtime's
-checkpoint paths use).  Neither reads a per-worker variable at import nor touches the GPU (the
-agent refuses the server where the workers' shared environment differs from its own).
+checkpoint paths use).  Neither reads a per-worker variable at import, nor queries a device
+(the agent refuses the server where the workers' shared environment differs from its own).
 
 Runs as ``python -u -c BOOT <fd> <root> <padding>``, started by the agent through `procs.spawn` (own process
 group, parent-death signal, the environment every worker shares).  It says ``ready`` once the
@@ -87,8 +87,8 @@ def main(fd: int) -> None:
     problem = _preload()
     # What the preload made is shared by every worker: frozen, no collection of any process
     # walks it again -- neither a worker's (copy-on-write faults on every page it touches) nor
-    # its exit's (the interpreter's final collections over torch's objects: ~0.4 s of CPU per
-    # process).  What a worker makes itself is collected as in any interpreter.
+    # its exit's (the interpreter's final collections over torch's objects; docs/BENCHMARKS.md,
+    # the fork server).  What a worker makes itself is collected as in any interpreter.
     gc.freeze()
     wire.send(sock, {"ready": os.getpid(), "problem": problem,
                      "preloaded": [n for n in PRELOAD + ALSO_PRELOAD if n in sys.modules]})
