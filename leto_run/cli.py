@@ -215,9 +215,10 @@ def _run(ctx: click.Context, **params) -> int:
         click.echo(f"{PROG}: warning: {w}", err=True)
     from leto_run.agent import run_job   # lazy: the agent is not needed to parse or print config
 
-    # The imports' objects (torch's) live as long as the agent: no collection walks them again,
-    # and the exit's final collections skip them.
-    gc.freeze()
+    if (ctx.obj or {}).get("process_entry"):
+        # The agent's own process (not a caller's, in-process): the imports' objects (torch's)
+        # live as long as it does, so no collection walks them again, the exit's neither.
+        gc.freeze()
     return int(run_job(cfg))
 
 
@@ -245,4 +246,4 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> C.JobC
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: parse, build the config, run the job, exit with its code."""
-    cli.main(args=argv, prog_name=PROG)
+    cli.main(args=argv, prog_name=PROG, obj={"process_entry": True})
