@@ -66,8 +66,8 @@ def run(job) -> float | None:
             if cuda:
                 torch.cuda.synchronize(job.device)
         except Exception as e:
-            log(f"warm-up forward failed before promotion ({type(e).__name__}: {str(e)[:200]}); "
-                "the first step pays its first use")
+            log(f"warm-up forward failed before promotion under the cap of {cap >> 20} MiB"
+                f"{_held(job)} ({type(e).__name__}: {_short(e)}); the first step pays its first use")
             return None
         job.warmup_backward = _backward(job, fn, cap)
     finally:
@@ -88,6 +88,7 @@ BACKWARD_ENGINE = "autograd engine only"    # the small product: thread, handle,
 BACKWARD_NONE = "none"                      # even the small product failed
 PARAM_SHARE = 8                             # one parameter's gradient: at most cap / 8
 PARAMS_SHARE = 4                            # all of them together: at most cap / 4
+ERROR_CHARS = 1200                          # of a failure's text in the log line
 
 
 def _backward(job, fn, cap: int) -> str:
@@ -114,10 +115,25 @@ def _backward(job, fn, cap: int) -> str:
         if job.device.type == "cuda":
             torch.cuda.synchronize(job.device)
     except Exception as e:
-        log(f"warm-up backward of the script's forward did not run ({type(e).__name__}: "
-            f"{str(e)[:200]}); the first backward pays its kernels' first use")
+        log(f"warm-up backward of the script's forward did not run under the cap of "
+            f"{cap >> 20} MiB{_held(job)} ({type(e).__name__}: {_short(e)}); the first backward "
+            "pays its kernels' first use")
         return BACKWARD_ENGINE
     return BACKWARD_FULL
+
+
+def _short(e: BaseException) -> str:
+    """An exception's text on one line, long enough for an OOM's accounting (which names what
+    the process and the other processes hold)."""
+    return " ".join(str(e).split())[:ERROR_CHARS]
+
+
+def _held(job) -> str:
+    """What this process's caching allocator holds now (on CUDA), for a failure's log line."""
+    if job.device.type != "cuda":
+        return ""
+    return (f" (this process: {torch.cuda.memory_allocated(job.device) >> 20} MiB allocated, "
+            f"{torch.cuda.memory_reserved(job.device) >> 20} MiB reserved)")
 
 
 def one_per_shape(model: torch.nn.Module, cap: int) -> list[torch.Tensor]:

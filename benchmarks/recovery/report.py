@@ -62,7 +62,9 @@ def markdown(res: dict) -> str:
     lines = [
         f"## Recovery time and ETTR: preset `{p['name']}`",
         "",
-        f"{p['description']}; **{p.get('nproc', '?')} rank(s)** in this run.  Machine: "
+        f"{p['description']}; **{p.get('nproc', '?')} rank(s)** in this run"
+        + "".join(f"; leto-run's workers with `{k}={v}`" for k, v in p.get("leto_env") or ())
+        + ".  Machine: "
         f"{m['nproc']} CPUs ({m['cpu']}), Python {m['python']}, "
         f"torch {m['torch']}; leto at {m['leto_tree']}.  Date {res['date_utc']}"
         + "".join(f", continued {c['date_utc']} (`--continue`)" for c in res.get("continued", [])) + ".",

@@ -108,6 +108,10 @@ def parse_args(argv):
     p.add_argument("--budget", type=float, help="override the preset's total time budget (s)")
     p.add_argument("--leto-args", help="override the preset's extra leto-run options (both "
                                        "modes), e.g. \"--page-bytes 2097152 --hang-timeout 120\"")
+    p.add_argument("--leto-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="a runtime knob for leto-run's workers (both modes; repeatable), e.g. "
+                        "LETO_WARMUP_MIB=4096: the harness drops LETO_* variables of its own "
+                        "environment, so that nothing changes a system behind the report's back")
     p.add_argument("--phases", action="store_true",
                    help="leto systems: time each step's forward, backward and optimizer step "
                         "apart (train.py --phases; synchronized, so the step is a little slower) "
@@ -133,6 +137,10 @@ def parse_args(argv):
         p.error(f"--systems: unknown {bad}; choose from "
                 f"{', '.join(s.name for s in systems.ALL_FAULTED)}")
     a.system_list = [systems.BY_NAME[n] for n in names]
+    try:
+        a.leto_env_pairs = tuple(systems.leto_knob(x) for x in a.leto_env)
+    except ValueError as e:
+        p.error(str(e))
     if a.kills is not None and a.kills < 1:
         p.error(f"--kills must be >= 1, got {a.kills}")
     if a.nproc is not None and not 1 <= a.nproc <= 64:
@@ -223,6 +231,7 @@ def continued(path: str, preset, machine: dict) -> dict:
     want = {k: v for k, v in json.loads(json.dumps(asdict(preset))).items() if k != "budget_s"}
     have = {k: v for k, v in prev["preset"].items() if k != "budget_s"}
     have.setdefault("kinds", ["hof"])       # a JSON from before mixed schedules: HOFs only
+    have.setdefault("leto_env", [])         # ... and from before --leto-env
     diff = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
     if diff:
         raise ContinueError(f"--continue {path}: its run used other preset settings ({', '.join(diff)}: "
@@ -366,13 +375,13 @@ def _run_faulted(sysm, preset, work: str, env: dict, basis: tuple, timeout: floa
     log(f"{sysm.name}: {shlex.join(argv_)}")
     ev = (os.path.join(run_dir, "events.jsonl")
           if sysm.launcher == systems.LETO and sysm.recovery == "inplace" else None)
-    ln = run_system(argv_, systems.launcher_env(sysm, env), run_dir, sched,
+    ln = run_system(argv_, systems.launcher_env(sysm, env, preset.leto_env), run_dir, sched,
                     timeout, progress=lambda m: log(f"  {m}"),
                     events_path=ev, nproc=preset.nproc, kill_phase=preset.kill_phase)
     r = evaluate(sysm, preset, ln, ref, ref_recs, k,
                  cost[sysm.ckpt] if sysm.mode == "dcp" else None)
     r["launcher_env_extra"] = {key: v for key, v in
-                               systems.launcher_env(sysm, {}).items()}
+                               systems.launcher_env(sysm, {}, preset.leto_env).items()}
     log(f"{sysm.name}: exit {ln.exit_code}, ETTR "
         f"{(r['ettr'] or 0) * 100:.1f}%, recovery I+R "
         + ", ".join(f"{f['recovery']:.2f} s" if f["recovery"] is not None else "n/a"
@@ -424,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     leto_args = None if a.leto_args is None else tuple(shlex.split(a.leto_args))
     preset = presets.get(a.preset, mtbf_s=a.mtbf, kills=a.kills, budget_s=a.budget, nproc=a.nproc,
                          kill_phase=a.kill_phase, leto_args=leto_args,
+                         leto_env=a.leto_env_pairs or None,
                          kinds=presets.MIXED if a.mixed else None)
     if a.phases:
         preset = replace(preset, model_args=(*preset.model_args, "--phases"))

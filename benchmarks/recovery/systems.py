@@ -129,8 +129,9 @@ def _checkpoint_args(system: System, ckpt_dir: str, interval: int | None,
     return out
 
 
-def launcher_env(system: System, base: dict[str, str]) -> dict[str, str]:
-    """`base` plus what `system`'s launcher needs to restart at all.
+def launcher_env(system: System, base: dict[str, str], leto_env: tuple = ()) -> dict[str, str]:
+    """`base` plus what `system`'s launcher needs to restart at all, and for leto-run the
+    runtime knobs the run asked for (`leto_env`: (NAME, VALUE) pairs, `--leto-env`).
 
     torchrun (torch >= 2.4) hands its workers the rendezvous' TCPStore, shared across restart
     rounds with no per-attempt prefix, so a restarted group reads the dead workers' addresses
@@ -141,12 +142,30 @@ def launcher_env(system: System, base: dict[str, str]) -> dict[str, str]:
     env = dict(base)
     if system.launcher == TORCHRUN:
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if system.launcher == LETO:
+        env.update(dict(leto_env))
     return env
+
+
+def leto_knob(spec: str) -> tuple[str, str]:
+    """`NAME=VALUE` of `--leto-env` as a pair, NAME a knob of the runtime's env contract
+    (leto_runtime.wire.settings.KNOBS: the harness strips every other LETO_* variable, so a
+    knob set in its own environment would be silently dropped); ValueError names the problem."""
+    from leto_runtime.wire import settings
+    name, sep, value = spec.partition("=")
+    known = sorted(env for env, _, _ in settings.KNOBS.values() if env.startswith("LETO_"))
+    if not sep or not name:
+        raise ValueError(f"--leto-env {spec!r}: want NAME=VALUE, e.g. LETO_WARMUP_MIB=4096")
+    if name not in known:
+        raise ValueError(f"--leto-env {spec!r}: {name} is not a runtime knob; one of "
+                         f"{', '.join(known)}")
+    return name, value
 
 
 def environment(preset: Preset) -> dict[str, str]:
     """The launchers' environment: ours minus anything that would change their options behind
-    our back (PET_*, LETO_*, TORCHELASTIC_*; the kernel build cache LETO_EXT_* stays), the
+    our back (PET_*, LETO_*, TORCHELASTIC_*; the kernel build cache LETO_EXT_* stays: a runtime
+    knob is set with `--leto-env`, which the report records), the
     repository on PYTHONPATH (train.py imports leto_runtime and examples/), unbuffered output."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items()
