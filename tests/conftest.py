@@ -74,23 +74,25 @@ def _locked(item):
 @contextlib.contextmanager
 def _cpu_logged(item):
     """With LETO_TEST_CPU_LOG=FILE, one line per test: its CPU seconds (this process's and
-    every descendant's that was waited for: the launcher, its workers, their shadows) and its
-    wall seconds -- what to trim when the suite outgrows its time on two cores."""
+    every descendant's that was waited for: the launcher, its workers, their shadows), its
+    wall seconds, its node id and this process's own share of the CPU -- what to trim when
+    the suite outgrows its time on two cores."""
     path = os.environ.get("LETO_TEST_CPU_LOG")
     if not path:
         yield
         return
 
-    def cpu() -> float:
-        return sum(r.ru_utime + r.ru_stime for r in (
-            resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+    def cpu(who) -> float:
+        r = resource.getrusage(who)
+        return r.ru_utime + r.ru_stime
 
-    c0, t0 = cpu(), time.monotonic()
+    s0, c0, t0 = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.monotonic()
     try:
         yield
     finally:
+        own, kids = cpu(resource.RUSAGE_SELF) - s0, cpu(resource.RUSAGE_CHILDREN) - c0
         with open(path, "a") as f:
-            f.write(f"{cpu() - c0:.2f} {time.monotonic() - t0:.2f} {item.nodeid}\n")
+            f.write(f"{own + kids:.2f} {time.monotonic() - t0:.2f} {item.nodeid} {own:.2f}\n")
 
 
 def _process_state() -> dict:
