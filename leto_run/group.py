@@ -139,11 +139,13 @@ class WorkerGroup:
 
     # ---- processes -----------------------------------------------------------------------
     def spawn(self, slot: RankSlot, role: SlotRole, generation: int | None = None,
-              epoch: int = 0, level: str | None = None) -> SlotProcess:
+              epoch: int = 0, level: str | None = None,
+              warmup_room: int | None = None) -> SlotProcess:
         """Start the slot's trainer in `role` (a shadow: of `generation`, shadow `epoch`, at
-        preinit `level`)."""
+        preinit `level`, its warm-up allowed `warmup_room` bytes)."""
         gen = self.generation if generation is None else generation
-        es = dataclasses.replace(self._env_spec(slot, role, gen, epoch), preinit_level=level)
+        es = dataclasses.replace(self._env_spec(slot, role, gen, epoch), preinit_level=level,
+                                 warmup_room=warmup_room)
         env = build_worker_env(os.environ, es)
         notices = self.io.notices
         notice = notices.page() if notices is not None else None

@@ -168,9 +168,12 @@ class InplaceRecovery(ShadowLevelMoves):
     def _spawn_shadow(self, slot: RankSlot, level: Level | None = None) -> None:
         gen = self.g.generation + 1
         lv = self.levels.start_level(slot.rank) if level is None else level
-        sp = self.g.spawn(slot, SlotRole.SHADOW, generation=gen, epoch=self.epoch, level=lv.name)
+        room = self.levels.warmup_room(slot.rank, lv)
+        sp = self.g.spawn(slot, SlotRole.SHADOW, generation=gen, epoch=self.epoch, level=lv.name,
+                          warmup_room=None if room is None else room[0])
         self.log(f"rank {slot.rank}: shadow of generation {gen} started (pid {sp.proc.pid}, "
-                 f"epoch {self.epoch}, level {lv.name})")
+                 f"epoch {self.epoch}, level {lv.name}"
+                 + (f"; its warm-up may take {room[0] >> 20} MiB: {room[1]}" if room else "") + ")")
 
     def _ensure_watcher(self) -> None:
         # One node needs no watcher: every HOF is its own (and a timed-out wait prints c10d

@@ -93,12 +93,12 @@ class MemoryObservation:
     trend: float = 0.0
     shadows: int = 1
     trend_span: float = math.inf    # seconds of samples behind the trend
-
+    active: int | None = None       # what the active holds now (None: unknown, counted as 0)
 
     def __post_init__(self) -> None:
         if self.total <= 0 or not 0 <= self.free <= self.total or self.active_peak < 0 \
                 or self.shadows < 0 or not math.isfinite(self.trend) \
-                or not self.trend_span >= 0:
+                or not self.trend_span >= 0 or (self.active is not None and self.active < 0):
             raise ValueError(f"impossible memory observation: {self}")
 
 
@@ -165,6 +165,27 @@ def choose_level(obs: MemoryObservation, policy: PreinitPolicy, costs: LevelCost
                              f"stay free (twice the margin {_gib(policy.margin)} needed to "
                              "raise)", bool(warn))
     return LevelDecision(current, "hold", f"{warn}{current.name} held: {why}", bool(warn))
+
+
+def warmup_room(device: Sequence[MemoryObservation], policy: PreinitPolicy, costs: LevelCosts,
+                level: Level) -> tuple[int, str]:
+    """Bytes each shadow started now at `level` on one device may take for its warm-up
+    (leto_runtime/warmup.py: held for a second or two, given back after), and why, from the
+    latest observation of every rank on that device (each its own active; `free` is the
+    device's): the free memory less every active's regrowth to its peak over the window (what
+    it released between steps comes back at its next one; a promoted active grows to its
+    predecessor's peak) and its projected growth, the margin, and each new shadow's level;
+    split among the device's ranks (all their shadows may start at once); never negative."""
+    n = max(1, len(device))
+    free = min(o.free for o in device) if device else 0
+    regrow = sum(max(0, o.active_peak - (o.active or 0)) for o in device)
+    grow = sum(max(0.0, o.trend) * projection_s(o, policy.horizon_s) for o in device)
+    room = free - regrow - grow - policy.margin - n * costs.of(level)
+    share = max(0, int(room // n))
+    why = (f"{_gib(free)} free, less the active's regrowth to its peak {_gib(regrow)}, its "
+           f"growth {_gib(grow)}, the margin {_gib(policy.margin)} and {level.name} "
+           f"{_gib(costs.of(level))}" + (f", over {n} ranks on the device" if n > 1 else ""))
+    return share, why
 
 
 def reclaim_plan(request: int, obs: MemoryObservation, costs: LevelCosts,

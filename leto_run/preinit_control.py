@@ -34,7 +34,7 @@ from collections import deque
 
 from leto_run.preinit import (Level, LevelCosts, MemoryObservation, PreinitPolicy,
                               cap_after_reclaim, cap_after_recovery, choose_level,
-                              generation_levels, peak_trend, reclaim_plan)
+                              generation_levels, peak_trend, reclaim_plan, warmup_room)
 from leto_run.slot import RankSlot
 
 TICK_S = 0.5                 # how often the devices are sampled
@@ -57,6 +57,7 @@ class ShadowLevels:
         self.trend_pid: dict[int, int | None] = {}   # rank -> the active they were taken of
         self.chosen: dict[int, Level] = {}           # rank -> the level decided last
         self.seen_costs: dict[Level, int] = {}
+        self.seen: dict[int, tuple[int, MemoryObservation]] = {}   # rank -> (device, latest)
         self.last: dict = {}                         # what the last decision saw and why
 
     # ---- what the in-place recovery tells it ---------------------------------------------
@@ -75,6 +76,18 @@ class ShadowLevels:
 
     def start_level(self, rank: int) -> Level:
         return Level(min(self.chosen.get(rank, self.cap), self.cap, self.policy.top))
+
+    def warmup_room(self, rank: int, level: Level) -> tuple[int, str] | None:
+        """(bytes, why) the warm-up of the shadow of `rank` started now at `level` may take
+        (`preinit.warmup_room` over the latest observation of its device, shared with the
+        other ranks on that device), or None with nothing observed (no driver, or no sample
+        yet: the job's first shadows start beside their actives)."""
+        got = self.seen.get(rank)
+        if got is None:
+            return None
+        dev = got[0]
+        return warmup_room([o for d, o in self.seen.values() if d == dev], self.policy,
+                           self.costs, level)
 
     # ---- the decision ----------------------------------------------------------------------
     def decide(self, now: float, slots: list[RankSlot]):
@@ -150,6 +163,7 @@ class ShadowLevels:
                 total, free = self.nvml.memory(dev)
                 procs = self.nvml.process_bytes(dev)
                 out[s.rank] = self._one(now, s, total, free, procs)
+                self.seen[s.rank] = (dev, out[s.rank])
         except NvmlError:
             return None                  # this sample is lost; the next one may not be
         return out
@@ -183,7 +197,7 @@ class ShadowLevels:
         return MemoryObservation(total=total, free=min(free, total),
                                  active_peak=max(b for _, b in q), trend=peak_trend(list(t)),
                                  trend_span=t[-1][0] - t[0][0] if t else 0.0,
-                                 shadows=1 if sh is not None else 0)
+                                 shadows=1 if sh is not None else 0, active=active)
 
     def _learn(self, level: Level, held: int) -> None:
         if level < Level.L2:

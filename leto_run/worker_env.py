@@ -62,6 +62,7 @@ class WorkerEnvSpec:
     chunk_pages: int = 0                  # RMU transaction size in pages (0: the runtime picks)
     demote: str = "replace"               # replace | release (recovery.demote)
     preinit_level: str | None = None      # shadows: L1 | L2 | L3 (leto_run.preinit_control)
+    warmup_room: int | None = None        # shadows: bytes their warm-up may take (None: no view)
     scrub_budget: float = 0.002           # share of the step time for the scrub (recovery.scrub_budget)
     job_key: str = field(default="", repr=False)   # hex MAC key of the stores' control values
     checkpoint_env: tuple[tuple[str, str], ...] = ()   # LETO_CHECKPOINT_* (config_checkpoint)
@@ -121,6 +122,10 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
         env[C.LETO_PREINIT_LEVEL] = spec.preinit_level
     else:
         env.pop(C.LETO_PREINIT_LEVEL, None)      # (not the agent's own environment's)
+    if spec.warmup_room is not None:
+        env[C.LETO_WARMUP_ROOM] = str(spec.warmup_room)
+    else:
+        env.pop(C.LETO_WARMUP_ROOM, None)
     if spec.sm_socket:
         env[C.LETO_SM_SOCKET] = spec.sm_socket
     if spec.job_key:

@@ -45,6 +45,7 @@ class Context:
     chunk_pages: int = 0            # RMU transaction size in pages (0: the runtime picks)
     demote: str = "replace"         # replace | release (what this active does when it survives a HOF)
     preinit_level: str = "L3"       # a shadow's preinitialization level (contract.PREINIT_LEVELS)
+    warmup_room: int | None = None  # bytes a shadow's warm-up may take (the agent's view; None: none)
     scrub_budget: float = 0.002     # share of the step time the background scrub may take (0: off)
     master_addr: str | None = None
     master_port: int | None = None
@@ -85,6 +86,7 @@ class Context:
             error_file=env.get(C.TORCHELASTIC_ERROR_FILE) or None,
             demote=env.get(C.LETO_DEMOTE, "replace") if under else "replace",
             preinit_level=_preinit_level(env) if under else "L3",
+            warmup_room=_warmup_room(env) if under else None,
             scrub_budget=float(env.get(C.LETO_SCRUB_BUDGET, 0.002) or 0) if under else 0.0,
             master_addr=env.get(C.MASTER_ADDR),
             master_port=int(env[C.MASTER_PORT]) if env.get(C.MASTER_PORT) else None,
@@ -112,6 +114,17 @@ def _preinit_level(env: Mapping[str, str]) -> str:
                             f"{', '.join(C.PREINIT_LEVELS)}: the agent sets it; install the same "
                             "Leto version for the launcher and the trainers")
     return level
+
+
+def _warmup_room(env: Mapping[str, str]) -> int | None:
+    text = env.get(C.LETO_WARMUP_ROOM)
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ContractError(f"{C.LETO_WARMUP_ROOM}={text!r} is not a number of bytes: the agent "
+                            "sets it; install the same Leto version for the launcher and the "
+                            "trainers")
+    return int(text)
 
 
 def _job_key(env: Mapping[str, str]) -> bytes | None:

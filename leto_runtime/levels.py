@@ -154,3 +154,7 @@ def ready_for_first_step(job) -> None:
     if s is not None:
         job.recovery_info["warmup_s"] = s
         job.recovery_info["warmup_backward"] = getattr(job, "warmup_backward", None)
+        cap = getattr(job, "warmup_cap", None)
+        if cap is not None:
+            job.recovery_info["warmup_cap_mib"] = cap[0] >> 20
+            job.recovery_info["warmup_cap_from"] = cap[1]

@@ -22,15 +22,16 @@ so the forward reads zeros and writes only its own activations: under `torch.no_
 first time, with gradients the second, whose backward returns gradients of placeholders and
 writes no `.grad`.  What it could change is put back: every buffer's values (a module that
 counts its calls, a norm's running statistics) and the CPU and CUDA random states.  Its memory
-is capped (`LETO_WARMUP_MIB`, the caching allocator's per-process limit for the call: a warm-up
-that needs more fails with an OOM here instead of taking memory the active needs) and given
+is capped (`cap_of`: `LETO_WARMUP_MIB`, else the room the agent's preinitialization controller
+saw on the device, else DEFAULT_MIB; the caching allocator's per-process limit for the call: a
+warm-up that needs more fails with an OOM here instead of taking memory the active needs) and given
 back after (`empty_cache`); `job.autocast()` keeps no weight casts while it runs (a cast cache
 would hold a low-precision copy of every weight at once).  A failure is logged; the first step
 then pays what the warm-up would have, as without it.
 
 Calling contract: `run(job) -> float | None` (seconds; None when nothing ran), from the
 shadow's main thread, before the promotion; `job.warmup_backward` then says how far the
-backward's warm-up went (`BACKWARD_*`).
+backward's warm-up went (`BACKWARD_*`) and `job.warmup_cap` (bytes, source) what it could take.
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ def run(job) -> float | None:
     if fn is None or job.bound or getattr(job, "_warmed", False):
         return None
     job._warmed = True
-    from leto_runtime.wire import settings
-    cap = settings.get().warmup_mib << 20
+    cap, source = cap_of(job)
+    job.warmup_cap = (cap, source)
     t0 = time.monotonic()
     saved = {n: b.detach().clone() for n, b in job.model.named_buffers() if not b.is_meta}
     cpu_rng = torch.get_rng_state()
@@ -66,8 +67,8 @@ def run(job) -> float | None:
             if cuda:
                 torch.cuda.synchronize(job.device)
         except Exception as e:
-            log(f"warm-up forward failed before promotion under the cap of {cap >> 20} MiB"
-                f"{_held(job)} ({type(e).__name__}: {_short(e)}); the first step pays its first use")
+            log(f"warm-up forward failed before promotion under the cap of {cap >> 20} MiB "
+                f"({source}){_held(job)} ({type(e).__name__}: {_short(e)}); the first step pays its first use")
             return None
         job.warmup_backward = _backward(job, fn, cap)
     finally:
@@ -81,6 +82,25 @@ def run(job) -> float | None:
             torch.cuda.set_per_process_memory_fraction(1.0, job.device)
             torch.cuda.empty_cache()
     return time.monotonic() - t0
+
+
+DEFAULT_MIB = 1024                          # the cap without a setting or the agent's view
+
+
+def cap_of(job) -> tuple[int, str]:
+    """(bytes, where they come from) the warm-up may take: `LETO_WARMUP_MIB` when set; else
+    the room the agent saw on the device when it started this shadow (`LETO_WARMUP_ROOM`: its
+    free memory less the active's regrowth to its recent peak, its trend and the margin,
+    `leto_run.preinit.warmup_room`); else DEFAULT_MIB (no view: CPU, or the job's first
+    shadows, started before any active ran)."""
+    from leto_runtime.wire import settings
+    mib = settings.get().warmup_mib
+    if mib is not None:
+        return mib << 20, "LETO_WARMUP_MIB"
+    room = getattr(getattr(job, "ctx", None), "warmup_room", None)
+    if room is not None:
+        return room, "the agent's view of the device"
+    return DEFAULT_MIB << 20, "the default"
 
 
 BACKWARD_FULL = "forward and backward"      # the script's forward with gradients, then backward
@@ -116,7 +136,7 @@ def _backward(job, fn, cap: int) -> str:
             torch.cuda.synchronize(job.device)
     except Exception as e:
         log(f"warm-up backward of the script's forward did not run under the cap of "
-            f"{cap >> 20} MiB{_held(job)} ({type(e).__name__}: {_short(e)}); the first backward "
+            f"{cap >> 20} MiB ({job.warmup_cap[1]}){_held(job)} ({type(e).__name__}: {_short(e)}); the first backward "
             "pays its kernels' first use")
         return BACKWARD_ENGINE
     return BACKWARD_FULL

@@ -221,7 +221,7 @@ def run_leto(a) -> None:
             log.put("ready", t=t0, step=step, load_s=0.0,      # and what its shadow prepared
                     **{k: v for k, v in job.recovery_info.items()
                        if k in ("rehearsal_s", "lend_prepare_s", "warmup_s", "warmup_backward",
-                                "woke")})
+                                "warmup_cap_mib", "warmup_cap_from", "woke")})
             first = False
         phases = Phases(job.device) if a.phases else None
         idx, tgt = batch(a.seed, step, job.rank, a.batch_size, cfg, job.device)

@@ -101,6 +101,11 @@ def _path_prefix(var: str, raw: str) -> str:
     return raw
 
 
+def _auto_or_count(var: str, raw: str) -> int | None:
+    """A whole number in 1..2^20, or "auto" / "" (None)."""
+    return None if raw.strip().lower() in ("", "auto") else _count(1, 1 << 20)(var, raw)
+
+
 def _optional_count(var: str, raw: str) -> int | None:
     return None if raw.strip() == "" else _count(0, 1 << 20)(var, raw)
 
@@ -122,8 +127,9 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "rmu_wb_overlap": ("LETO_RMU_WB_OVERLAP", _flag, True),
     # a waiting shadow's rehearsed update on scratch (leto_runtime/rmu/rehearsal.py)
     "rehearse": ("LETO_REHEARSE", _flag, True),
-    # the device memory a waiting shadow's warm-up forward may take (leto_runtime/warmup.py)
-    "warmup_mib": ("LETO_WARMUP_MIB", _count(1, 1 << 20), 1024),
+    # the device memory (MiB) a waiting shadow's warm-up may take (leto_runtime/warmup.py);
+    # auto: the room the agent's preinitialization controller sees, else warmup.DEFAULT_MIB
+    "warmup_mib": ("LETO_WARMUP_MIB", _auto_or_count, None),
     "plain_rmu": ("LETO_PLAIN_RMU", _flag, False),      # job.optimizer in plain mode: RMU, not torch
     "lend": ("LETO_LEND", _flag, True),
     "lend_warmup": ("LETO_LEND_WARMUP", _count(0, 1 << 20), 0),
@@ -187,7 +193,7 @@ class Settings:
     rmu_undo_pipeline: bool
     rmu_wb_overlap: bool
     rehearse: bool
-    warmup_mib: int
+    warmup_mib: int | None
     plain_rmu: bool
     lend: bool
     lend_warmup: int

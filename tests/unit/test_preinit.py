@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 
-from leto_run.preinit import (Level, LevelCosts, MemoryObservation, PreinitPolicy,
+from leto_run.preinit import (Level, LevelCosts, MemoryObservation, PreinitPolicy, warmup_room,
                               cap_after_reclaim, cap_after_recovery, choose_level,
                               generation_levels, peak_trend, reclaim_plan)
 
@@ -156,3 +156,21 @@ def test_l3_is_the_whole_generation_s_or_no_one_s():
     out, why = generation_levels([L3, L1, L3, L2])
     assert out == [L2, L1, L2, L2] and "rank(s) 1, 3" in why, why
     assert generation_levels([L2, L1])[0] == [L2, L1]
+
+
+def test_the_warm_up_room_is_what_stays_free_after_every_active_s_regrowth():
+    """Hand-computed: 40 GiB free; the active at 18 GiB of a 20 GiB peak (2 back), growing
+    0.1 GiB/s over 10 s of trend (1 more), a 1 GiB margin and L3's 1 GiB; two ranks on the
+    device share what is left.  A falling trend counts nothing; no room is never negative."""
+    G = 1 << 30
+    costs = LevelCosts(l2=G // 2, l3=G)
+    pol = PreinitPolicy(margin=G, horizon_s=30)
+    one = MemoryObservation(total=80 * G, free=40 * G, active_peak=20 * G, trend=0.1 * G,
+                            trend_span=10.0, active=18 * G)
+    room, why = warmup_room([one], pol, costs, Level.L3)
+    assert room == 40 * G - 2 * G - 1 * G - G - G and "40.00 GiB free" in why
+    other = MemoryObservation(total=80 * G, free=40 * G, active_peak=6 * G, trend=-1.0 * G,
+                              trend_span=10.0, active=6 * G)
+    assert warmup_room([one, other], pol, costs, Level.L2)[0] == (40 * G - 2 * G - G - G - G) // 2
+    full = MemoryObservation(total=80 * G, free=G, active_peak=70 * G, active=70 * G)
+    assert warmup_room([full], pol, costs, Level.L3)[0] == 0

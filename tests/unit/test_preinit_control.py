@@ -238,3 +238,45 @@ def test_a_trend_is_projected_no_further_than_its_samples_reach_back():
     assert choose_level(young, pol, DEFAULT_COSTS, Level.L3, Level.L3, 1e9).level == Level.L3
     d = choose_level(old, pol, DEFAULT_COSTS, Level.L3, Level.L3, 1e9)
     assert d.level == Level.L1 and "over 30 s" in d.reason, d
+
+
+def test_the_warm_up_room_fits_the_active_s_return_to_its_peak():
+    """What a shadow started now may take for its warm-up: with it held, the new shadow at its
+    level and the actives back at their recent peaks, the device keeps the margin free -- at
+    every point of actives whose memory swings between steps, on one device per rank and on a
+    device two ranks share (both shadows replaced at once)."""
+    for shared in (False, True):
+        dev = Device()
+        dev.held = {0: {}, 1: {}}
+        ctl = ShadowLevels(PreinitPolicy(margin=GIB, horizon_s=10), nvml=dev)
+        slots = _slots({0: "L3", 1: "L3"})
+        if shared:
+            for s in slots:
+                s.device_uuid = "GPU-0"
+        assert ctl.warmup_room(0, Level.L3) is None            # nothing observed yet
+        peak = 0
+        for k in range(60):
+            # a step's activations come and go (two actives share device 0: half as large)
+            active = ((15 if shared else 30) + (8 if k % 4 == 0 else 0)) * GIB
+            peak = max(peak, active)
+            dev.held = {0: {}, 1: {}}
+            for r in (0, 1):
+                d = 0 if shared else r
+                dev.held[d].update({100 + r: active, 200 + r: DEFAULT_COSTS.l3})
+            ctl.decide(k * 0.5, slots)
+            for r in (0, 1):
+                room, why = ctl.warmup_room(r, Level.L3)
+                assert room > 0 and "free" in why
+            # Every rank's shadow on device 0 is replaced: each new one takes L3 and then its
+            # room for the warm-up, while every active there goes back to its peak.
+            after = {pid: (peak if pid < 200 else DEFAULT_COSTS.l3 + room)
+                     for pid in dev.held[0]}
+            assert sum(after.values()) + GIB <= dev.total, (k, shared, room >> 20, why)
+        # with room to spare the warm-up gets far more than the runtime's default of 1 GiB
+        assert room > 8 * GIB, (shared, room >> 20)
+
+
+def test_no_warm_up_room_without_a_driver():
+    ctl = ShadowLevels(PreinitPolicy(), nvml=None)
+    ctl.decide(0.0, _slots({0: "L3"}))
+    assert ctl.warmup_room(0, Level.L3) is None

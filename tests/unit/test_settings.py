@@ -36,6 +36,8 @@ def test_defaults_without_any_knob():
     ("LETO_RMP_MAP_THREADS", "4", "rmp_map_threads", 4),
     ("LETO_SM_IDLE_TIMEOUT", "2", "sm_idle_timeout", 2.0),
     ("LETO_EXT_DIR", "/x/y", "ext_dir", "/x/y"),
+    ("LETO_WARMUP_MIB", "4096", "warmup_mib", 4096),
+    ("LETO_WARMUP_MIB", "auto", "warmup_mib", None),
 ])
 def test_a_knob_is_read_and_typed(var, raw, field, want):
     assert getattr(S.Settings.from_env({var: raw}), field) == want
@@ -45,6 +47,7 @@ def test_a_knob_is_read_and_typed(var, raw, field, want):
     ("LETO_RMU_FUSED", "maybe"), ("LETO_RMP_MAP", "fast"), ("LETO_RMP_MAP_THREADS", "0"),
     ("LETO_RMP_MAP_BATCH", "many"), ("LETO_PARITY_DELTA", "both"), ("LETO_SM_IDLE_TIMEOUT", "-1"),
     ("LETO_RMU_STREAM_MARKER", "device"), ("LETO_SM_FAULT_EMULATION", "burn"),
+    ("LETO_WARMUP_MIB", "0"), ("LETO_WARMUP_MIB", "lots"),
 ])
 def test_a_bad_knob_is_a_typed_error_naming_it_and_the_fix(var, raw):
     with pytest.raises(S.SettingsError) as ei:

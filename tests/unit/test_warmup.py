@@ -117,3 +117,21 @@ def test_a_backward_that_does_not_fit_leaves_the_forward_warm(capsys):
     assert warmup.run(job) is not None                 # the forward's warm-up counts
     assert n == [False, True] and job.warmup_backward == warmup.BACKWARD_ENGINE
     assert "backward of the script's forward did not run" in capsys.readouterr().err
+
+
+def test_the_cap_is_the_setting_else_the_agent_s_room_else_the_default(monkeypatch):
+    """`cap_of`: LETO_WARMUP_MIB wins; unset (or auto), the room the agent put in the shadow's
+    contract (LETO_WARMUP_ROOM, read through Context); without either, DEFAULT_MIB."""
+    from leto_runtime import Context
+    from leto_runtime.wire import contract as C
+    under = {C.LETO_CONTRACT_VERSION: str(C.CONTRACT_VERSION), C.LETO_ROLE: "shadow"}
+    job = types.SimpleNamespace(ctx=Context.from_env({**under, C.LETO_WARMUP_ROOM: str(6 << 30)}))
+    monkeypatch.delenv("LETO_WARMUP_MIB", raising=False)
+    assert warmup.cap_of(job) == (6 << 30, "the agent's view of the device")
+    monkeypatch.setenv("LETO_WARMUP_MIB", "auto")
+    assert warmup.cap_of(job)[0] == 6 << 30
+    monkeypatch.setenv("LETO_WARMUP_MIB", "300")
+    assert warmup.cap_of(job) == (300 << 20, "LETO_WARMUP_MIB")
+    monkeypatch.delenv("LETO_WARMUP_MIB")
+    assert warmup.cap_of(types.SimpleNamespace(ctx=Context.from_env(under))) == \
+        (warmup.DEFAULT_MIB << 20, "the default")

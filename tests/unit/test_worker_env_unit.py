@@ -1,4 +1,7 @@
 """The env writer and reader agree (round trip through the contract), without processes."""
+import pytest
+
+from leto_runtime.context import ContractError
 from leto_run.worker_env import WorkerEnvSpec, WorkerIdentity, build_worker_env, default_omp_threads
 from leto_runtime import Context
 from leto_runtime.wire import contract as C
@@ -58,3 +61,13 @@ def test_checkpoint_settings_round_trip_and_the_agent_s_own_never_leak():
     env = build_worker_env(agent_env, spec(checkpoint_env=worker_env(CheckpointConfig(), "/l")))
     ctx = Context.from_env(env)
     assert ctx.checkpoint is None and ctx.checkpoint_load == "/l"
+
+
+def test_a_shadow_s_warm_up_room_round_trips_and_never_leaks():
+    env = build_worker_env({"PATH": "/bin"}, spec(slot_role="shadow", warmup_room=5 << 30))
+    assert Context.from_env(env).warmup_room == 5 << 30
+    # an active (or a shadow without the agent's view) gets none, even from the agent's own env
+    env = build_worker_env({C.LETO_WARMUP_ROOM: "123"}, spec())
+    assert C.LETO_WARMUP_ROOM not in env and Context.from_env(env).warmup_room is None
+    with pytest.raises(ContractError, match=C.LETO_WARMUP_ROOM):
+        Context.from_env({**build_worker_env({}, spec()), C.LETO_WARMUP_ROOM: "lots"})
