@@ -81,7 +81,9 @@ def run(job) -> float | None:
             torch.cuda.set_rng_state(cuda_rng, job.device)
             torch.cuda.set_per_process_memory_fraction(1.0, job.device)
             torch.cuda.empty_cache()
-    return time.monotonic() - t0
+    took = time.monotonic() - t0
+    log(f"warm-up: {job.warmup_backward} in {took:.2f} s under {cap >> 20} MiB ({source})")
+    return took
 
 
 DEFAULT_MIB = 1024                          # the cap without a setting or the agent's view

@@ -110,3 +110,29 @@ def test_inplace_recovery_on_gpu_is_bit_exact(case, reference, tmp_path):
                      and e["generation"] == 0 and e["rank"] == 0)
         assert any(e["event"] == "promote" and e["generation"] == 2 and e["pid"] == first
                    for e in evs), "the demoted process was not the one promoted later"
+
+
+def test_shadows_started_after_a_recovery_warm_up_within_the_controller_s_room(reference,
+                                                                                 tmp_path):
+    """The job's first shadow warms up under the default cap (no active has been observed when
+    it starts); the shadow started after the first recovery gets the room the agent's
+    preinitialization controller saw on the device (`LETO_WARMUP_ROOM`), and its warm-up runs
+    the backward too; the run stays bit-exact."""
+    ev = tmp_path / "events.jsonl"
+    args = ["--standalone", "--nproc-per-node", "1", *GEOM, "--hang-timeout", "15",
+            "--events", str(ev), "--log-dir", str(tmp_path / "logs"),
+            "--inject", "kill:rank=0:step=6:at=backward",
+            "--inject", "kill:rank=0:step=9:gen=1:at=backward"]
+    env = {k: v for k, v in base_env().items() if k != "LETO_WARMUP_MIB"}
+    p = run(leto_cmd(*args, SCRIPT, *MODEL, "--out", str(tmp_path)), env, timeout=600)
+    assert p.returncode == 0, p.stderr[-5000:]
+    assert final_digest(tmp_path, 0) == final_digest(reference(1), 0)
+    text = p.stderr + "".join(f.read_text(errors="replace")
+                              for f in (tmp_path / "logs").rglob("*") if f.is_file())
+    lines = [ln for ln in text.splitlines() if "] warm-up: " in ln]
+    print("\n".join(lines))
+    first = [ln for ln in lines if "role=shadow gen=1]" in ln]
+    later = [ln for ln in lines if "role=shadow gen=2]" in ln]
+    assert first and all("(the default)" in ln for ln in first), lines
+    assert later and all("(the agent's view of the device)" in ln and
+                         "forward and backward" in ln for ln in later), lines
