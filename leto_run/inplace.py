@@ -168,7 +168,7 @@ class InplaceRecovery(ShadowLevelMoves):
     def _spawn_shadow(self, slot: RankSlot, level: Level | None = None) -> None:
         gen = self.g.generation + 1
         lv = self.levels.start_level(slot.rank) if level is None else level
-        room = self.levels.warmup_room(slot.rank, lv)
+        room = self.levels.warmup_room(time.monotonic(), slot.rank, lv)
         sp = self.g.spawn(slot, SlotRole.SHADOW, generation=gen, epoch=self.epoch, level=lv.name,
                           warmup_room=None if room is None else room[0])
         self.log(f"rank {slot.rank}: shadow of generation {gen} started (pid {sp.proc.pid}, "

@@ -57,7 +57,8 @@ class ShadowLevels:
         self.trend_pid: dict[int, int | None] = {}   # rank -> the active they were taken of
         self.chosen: dict[int, Level] = {}           # rank -> the level decided last
         self.seen_costs: dict[Level, int] = {}
-        self.seen: dict[int, tuple[int, MemoryObservation]] = {}   # rank -> (device, latest)
+        # rank -> (its device, the latest observation, when)
+        self.seen: dict[int, tuple[int, MemoryObservation, float]] = {}
         self.last: dict = {}                         # what the last decision saw and why
 
     # ---- what the in-place recovery tells it ---------------------------------------------
@@ -77,17 +78,18 @@ class ShadowLevels:
     def start_level(self, rank: int) -> Level:
         return Level(min(self.chosen.get(rank, self.cap), self.cap, self.policy.top))
 
-    def warmup_room(self, rank: int, level: Level) -> tuple[int, str] | None:
-        """(bytes, why) the warm-up of the shadow of `rank` started now at `level` may take
+    def warmup_room(self, now: float, rank: int, level: Level) -> tuple[int, str] | None:
+        """(bytes, why) the warm-up of the shadow of `rank` started `now` at `level` may take
         (`preinit.warmup_room` over the latest observation of its device, shared with the
-        other ranks on that device), or None with nothing observed (no driver, or no sample
-        yet: the job's first shadows start beside their actives)."""
+        other ranks on that device), or None with nothing observed within `WINDOW_S` (no
+        driver, no sample yet -- the job's first shadows start beside their actives -- or
+        none lately: an old view says nothing of now)."""
         got = self.seen.get(rank)
-        if got is None:
+        if got is None or now - got[2] > WINDOW_S:
             return None
         dev = got[0]
-        return warmup_room([o for d, o in self.seen.values() if d == dev], self.policy,
-                           self.costs, level)
+        return warmup_room([o for d, o, t in self.seen.values()
+                            if d == dev and now - t <= WINDOW_S], self.policy, self.costs, level)
 
     # ---- the decision ----------------------------------------------------------------------
     def decide(self, now: float, slots: list[RankSlot]):
@@ -163,7 +165,7 @@ class ShadowLevels:
                 total, free = self.nvml.memory(dev)
                 procs = self.nvml.process_bytes(dev)
                 out[s.rank] = self._one(now, s, total, free, procs)
-                self.seen[s.rank] = (dev, out[s.rank])
+                self.seen[s.rank] = (dev, out[s.rank], now)
         except NvmlError:
             return None                  # this sample is lost; the next one may not be
         return out

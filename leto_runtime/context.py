@@ -45,7 +45,7 @@ class Context:
     chunk_pages: int = 0            # RMU transaction size in pages (0: the runtime picks)
     demote: str = "replace"         # replace | release (what this active does when it survives a HOF)
     preinit_level: str = "L3"       # a shadow's preinitialization level (contract.PREINIT_LEVELS)
-    warmup_room: int | None = None  # bytes a shadow's warm-up may take (the agent's view; None: none)
+    warmup_room: int | None = None  # bytes a shadow's warm-up may take (None: the agent saw none)
     scrub_budget: float = 0.002     # share of the step time the background scrub may take (0: off)
     master_addr: str | None = None
     master_port: int | None = None

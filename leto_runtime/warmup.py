@@ -68,7 +68,8 @@ def run(job) -> float | None:
                 torch.cuda.synchronize(job.device)
         except Exception as e:
             log(f"warm-up forward failed before promotion under the cap of {cap >> 20} MiB "
-                f"({source}){_held(job)} ({type(e).__name__}: {_short(e)}); the first step pays its first use")
+                f"({source}){_held(job)} ({type(e).__name__}: {_short(e)}); the first step "
+                "pays its first use")
             return None
         job.warmup_backward = _backward(job, fn, cap)
     finally:
@@ -138,8 +139,8 @@ def _backward(job, fn, cap: int) -> str:
             torch.cuda.synchronize(job.device)
     except Exception as e:
         log(f"warm-up backward of the script's forward did not run under the cap of "
-            f"{cap >> 20} MiB ({job.warmup_cap[1]}){_held(job)} ({type(e).__name__}: {_short(e)}); the first backward "
-            "pays its kernels' first use")
+            f"{cap >> 20} MiB ({job.warmup_cap[1]}){_held(job)} ({type(e).__name__}: "
+            f"{_short(e)}); the first backward pays its kernels' first use")
         return BACKWARD_ENGINE
     return BACKWARD_FULL
 

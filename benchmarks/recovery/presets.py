@@ -26,7 +26,7 @@ class Preset:
     kills: int = 2
     victims: tuple = (1, 0)      # rank of kill k is victims[k % len(victims)]
     leto_args: tuple = ()        # extra leto-run options (both modes)
-    leto_env: tuple = ()         # (NAME, VALUE) of runtime knobs for leto-run's workers (both modes)
+    leto_env: tuple = ()         # (NAME, VALUE): runtime knobs of leto-run's workers (both modes)
     system_timeout_s: float = 300.0   # one system's launch, start to exit
     budget_s: float | None = None     # the whole harness; systems that no longer fit are skipped
     description: str = ""

@@ -65,7 +65,8 @@ LETO_SHADOW_EPOCH = "LETO_SHADOW_EPOCH"           # shadows of one generation re
 LETO_PG_TIMEOUT = "LETO_PG_TIMEOUT"               # seconds: process-group / store waits of the runtime
 LETO_CHUNK_PAGES = "LETO_CHUNK_PAGES"             # RMU transaction size in pages (0: the runtime picks)
 LETO_DEMOTE = "LETO_DEMOTE"                       # replace | release: what a surviving active of a HOF does
-LETO_WARMUP_ROOM = "LETO_WARMUP_ROOM"             # bytes a shadow's warm-up may take, from the agent's view of the device (unset: no view)
+# bytes a shadow's warm-up may take, from the agent's view of the device (unset: no view)
+LETO_WARMUP_ROOM = "LETO_WARMUP_ROOM"
 LETO_PREINIT_LEVEL = "LETO_PREINIT_LEVEL"         # L1 | L2 | L3: how far a shadow preinitializes before its promotion
 LETO_JOB_KEY = "LETO_JOB_KEY"                     # hex, 32 bytes: MAC key of the control values in the job's stores (leto_runtime.control_auth)
 LETO_SCRUB_BUDGET = "LETO_SCRUB_BUDGET"           # share of the step time the background scrub may take (0: off)

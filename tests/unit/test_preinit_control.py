@@ -253,7 +253,7 @@ def test_the_warm_up_room_fits_the_active_s_return_to_its_peak():
         if shared:
             for s in slots:
                 s.device_uuid = "GPU-0"
-        assert ctl.warmup_room(0, Level.L3) is None            # nothing observed yet
+        assert ctl.warmup_room(0.0, 0, Level.L3) is None       # nothing observed yet
         peak = 0
         for k in range(60):
             # a step's activations come and go (two actives share device 0: half as large)
@@ -263,9 +263,10 @@ def test_the_warm_up_room_fits_the_active_s_return_to_its_peak():
             for r in (0, 1):
                 d = 0 if shared else r
                 dev.held[d].update({100 + r: active, 200 + r: DEFAULT_COSTS.l3})
-            ctl.decide(k * 0.5, slots)
+            now = k * 0.5
+            ctl.decide(now, slots)
             for r in (0, 1):
-                room, why = ctl.warmup_room(r, Level.L3)
+                room, why = ctl.warmup_room(now, r, Level.L3)
                 assert room > 0 and "free" in why
             # Every rank's shadow on device 0 is replaced: each new one takes L3 and then its
             # room for the warm-up, while every active there goes back to its peak.
@@ -274,9 +275,11 @@ def test_the_warm_up_room_fits_the_active_s_return_to_its_peak():
             assert sum(after.values()) + GIB <= dev.total, (k, shared, room >> 20, why)
         # with room to spare the warm-up gets far more than the runtime's default of 1 GiB
         assert room > 8 * GIB, (shared, room >> 20)
+        # a view older than the controller's window says nothing of now
+        assert ctl.warmup_room(now + 31.0, 0, Level.L3) is None
 
 
 def test_no_warm_up_room_without_a_driver():
     ctl = ShadowLevels(PreinitPolicy(), nvml=None)
     ctl.decide(0.0, _slots({0: "L3"}))
-    assert ctl.warmup_room(0, Level.L3) is None
+    assert ctl.warmup_room(0.0, 0, Level.L3) is None
