@@ -23,7 +23,6 @@ worker and descendant before it returns, whatever happened.
 from __future__ import annotations
 
 import os
-import secrets
 import selectors
 import shutil
 import signal
@@ -58,15 +57,16 @@ from leto_run.state_managers import StateManagers
 from leto_run.status import StatusView
 from leto_run.supervisor import Supervisor
 from leto_run.unfired import InjectLedger
-from leto_run.worker_cmd import resolve_nproc, worker_argv
+from leto_run.worker_cmd import worker_argv
 from leto_run.fork_server.client import Launcher
-from leto_run.worker_env import default_omp_threads, job_token_kv, shared_env
+from leto_run.worker_env import job_token_kv, shared_env
+from leto_run.agent_start import AgentStart, begin
 from leto_runtime.control_auth import ForgedControlKey, key_to_hex
 from leto_runtime.wire import settings
 
 
-def run_job(cfg: JobConfig) -> int:
-    agent = Agent(cfg)
+def run_job(cfg: JobConfig, start: AgentStart | None = None) -> int:
+    agent = Agent(cfg, start)
     try:
         return agent.run()
     finally:
@@ -74,11 +74,13 @@ def run_job(cfg: JobConfig) -> int:
 
 
 class Agent:
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, start: AgentStart | None = None):
+        """`start`: what the process settled before (leto_run.cli); None: settled here."""
+        start = start or begin(cfg, os.environ)
         self.cfg = cfg
         self.host = socket.getfqdn()
         self.node = cfg.rendezvous.local_addr or self.host
-        self.token = secrets.token_hex(12)
+        self.token = start.token
         # Before anything starts: a missing or unsafe secret file is a ConfigError (exit 2).
         self.job_key = job_secret.job_key(cfg)
         # Before anything starts too: a checkpoint directory another job writes is exit 2.
@@ -89,8 +91,7 @@ class Agent:
         become_subreaper()
         self.console_lock = threading.Lock()
         self.group: WorkerGroup | None = None
-        self.nproc = resolve_nproc(cfg.launch.nproc_per_node)
-        omp_warning = default_omp_threads(os.environ, self.nproc)
+        self.nproc = start.nproc
         self.run_dir = tempfile.mkdtemp(prefix="leto-")          # 0700 by construction
         self.guardian.own_dir(self.run_dir)          # removed by the guardian after a kill -9 of us
         self.hb = HeartbeatServer(os.path.join(self.run_dir, "hb.sock"))
@@ -111,10 +112,7 @@ class Agent:
         self.sel.register(self._sig_r, selectors.EVENT_READ, "sig")
         self.notices = ExitNotices.from_settings(settings.get())
         self.sel.register(self.notices.fd, selectors.EVENT_READ, "exit")
-        # Started early: its `import torch` overlaps the rendezvous (docs/ARCHITECTURE.md).
-        self.launcher = Launcher(settings.get().fork_server and not cfg.launch.no_python,
-                                 worker_argv(cfg)[0],
-                                 shared_env(os.environ, self.token), self.log, self.events.emit)
+        self.launcher = self._launcher(start)
         self._install_signals()
         inplace = cfg.recovery.mode == "inplace"
         # In-place mode: one state manager per local rank, outliving restarts (docs/MEMORY.md).
@@ -149,9 +147,17 @@ class Agent:
                               host=self.host, observer=self.inplace)
         self.next_peer_check = 0.0
         self._closed = False
-        if omp_warning:
-            self.log("\n*****************************************\n" + omp_warning +
+        if start.omp_warning:
+            self.log("\n*****************************************\n" + start.omp_warning +
                      "\n*****************************************")
+
+    def _launcher(self, start: AgentStart) -> Launcher:
+        """Forked from this process before (`start.server`), or exec'd now, early: its preload
+        overlaps the rendezvous (docs/ARCHITECTURE.md, "The fork server")."""
+        cfg = self.cfg
+        serve = settings.get().fork_server != "off" and not cfg.launch.no_python
+        return Launcher(serve, worker_argv(cfg)[0], shared_env(os.environ, self.token), self.log,
+                        self.events.emit, forked=start.server, note=start.server_note)
 
     # ---- logging -------------------------------------------------------------------------
     def log(self, msg: str) -> None:

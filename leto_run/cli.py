@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import secrets
 import sys
 from typing import Mapping
 
@@ -209,17 +210,36 @@ def _run(ctx: click.Context, **params) -> int:
         from leto_run.config_print import render
         click.echo(render(cfg), nl=False)
         return 0
-    # Paths and programs on this machine: checked before the agent starts anything.
+    # Paths, programs and knobs on this machine: checked before the agent starts anything.
     preflight(cfg, env, sources)
+    entry = (ctx.obj or {}).get("process_entry")
+    token = (ctx.obj or {}).get("reexec_token")
+    if entry and token is None:
+        _reexec_for_the_fork_server(cfg)        # returns only where it does not re-execute
     for w in cfg.warnings:
         click.echo(f"{PROG}: warning: {w}", err=True)
+    from leto_run import agent_start
+    start = agent_start.begin(cfg, os.environ, token) if entry else None
     from leto_run.agent import run_job   # lazy: the agent is not needed to parse or print config
 
-    if (ctx.obj or {}).get("process_entry"):
+    if entry:
+        # The fork server as a fork of this process (its torch import is ours).  In the
+        # forked child this raises a worker's SystemExit, which goes to the interpreter's top
+        # level: nothing between here and there catches it.
+        start = agent_start.with_server(start, cfg, os.environ)
         # The agent's own process (not a caller's, in-process): the imports' objects (torch's)
         # live as long as it does, so no collection walks them again, the exit's neither.
         gc.freeze()
-    return int(run_job(cfg))
+    return int(run_job(cfg, start))
+
+
+def _reexec_for_the_fork_server(cfg: C.JobConfig) -> None:
+    """Re-execute this process with the job token and room for a worker's command line
+    (`leto_run.fork_server.inherit`) where its fork server can be a fork of it."""
+    from leto_run.agent_start import refusal
+    from leto_run.fork_server import inherit
+    if refusal(cfg, os.environ, reexecuted=False) is None:
+        inherit.reexec(secrets.token_hex(12))
 
 
 cli = LetoCommand(
@@ -245,5 +265,15 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> C.JobC
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry: parse, build the config, run the job, exit with its code."""
-    cli.main(args=argv, prog_name=PROG, obj={"process_entry": True})
+    """Console-script entry: parse, build the config, run the job, exit with its code.
+    `argv` given: a call in-process (the job runs, but the process is the caller's)."""
+    if argv is not None:
+        cli.main(args=argv, prog_name=PROG)
+        return
+    from leto_run.fork_server import inherit
+    token = inherit.take_token(os.environ)
+    if token is not None and inherit.strip_padding(sys.argv):
+        inherit.retitle(inherit.original_argv(sys.orig_argv, reexecuted=True))
+    else:
+        token = None            # not re-executed by us (a marker without the padding is not)
+    cli.main(prog_name=PROG, obj={"process_entry": True, "reexec_token": token})

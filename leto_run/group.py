@@ -237,9 +237,11 @@ class WorkerGroup:
                 | self.service_pids())
 
     def service_pids(self) -> set[int]:
-        """The agent's long-lived children that are no workers: state managers, fork server."""
+        """The agent's long-lived children that are no workers: state managers, fork server,
+        guardian (a fork of the agent: its environ may carry the job token)."""
         return ((self.sms.pids() if self.sms else set())
-                | (self.io.launcher.pids() if self.io.launcher is not None else set()))
+                | (self.io.launcher.pids() if self.io.launcher is not None else set())
+                | ({self.io.guardian.pid} if getattr(self.io.guardian, "pid", None) else set()))
 
     # ---- exits ---------------------------------------------------------------------------
     def recorded_exit(self, slot: RankSlot, sp: SlotProcess, **note) -> None:
@@ -310,7 +312,7 @@ class WorkerGroup:
         this group started, nor the guardian) and wait, pumping the selector, at most `timeout`
         s until each exited.  (found, still running).  They are our children (reparented), so
         their pids cannot be reused before we reap them."""
-        known = self.known_pids() | {getattr(self.io.guardian, "pid", -1)}
+        known = self.known_pids()
         found = device_strays(known, prefix)
         if found:
             kill_pids(found)

@@ -20,7 +20,7 @@ import shutil
 import signal
 import time
 
-from leto_run.procs import kill_pids, pids_with_token
+from leto_run.procs import close_fds_except, kill_pids, pids_with_token
 
 # How long the guardian waits for the processes it killed to be gone before it removes the
 # directories (a dying process could still create a socket file in one).
@@ -98,10 +98,12 @@ def start_guardian(token_kv: str) -> Guardian:
         for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM, signal.SIGQUIT,
                   signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(s, signal.SIG_IGN)
-        # Hold no end of the agent's stdout/stderr pipes: whoever reads them waits for EOF.
+        # Hold no end of the agent's pipes and sockets (stdout/stderr, the fork server's
+        # socket): whoever reads them waits for EOF.
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)
+        close_fds_except({0, 1, 2, rfd})
         os.setsid()  # leave the agent's group so a killpg aimed at it does not hit us
         pgids: list[int] = []
         dirs: list[str] = []

@@ -217,6 +217,18 @@ def adopt(pid: int, gate_fd: int | None = None) -> Proc:
                 gate_fd=gate_fd)
 
 
+def close_fds_except(keep: set[int]) -> None:
+    """Close every descriptor of this process but `keep`: a process forked from the agent
+    (the guardian, the fork server) must hold no end of the agent's pipes and sockets, or
+    whoever waits for their EOF waits for it instead."""
+    for name in os.listdir("/proc/self/fd"):     # a snapshot: its own descriptor is gone
+        if int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+
+
 def stat_fields(path: str) -> list[bytes] | None:
     """The fields of a /proc/PID[/task/TID]/stat from field 3 (state) on; None when it
     cannot be read (the process is gone).  The name in field 2 may hold spaces and ')'."""

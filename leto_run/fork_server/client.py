@@ -65,18 +65,28 @@ class ForkServerDown(RuntimeError):
 
 
 class ForkServer:
-    def __init__(self, python: str, env: dict[str, str]):
-        self.python, self.env = python, env
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    """A running fork server: `proc` (our child), `sock` (our end), `env` (what it imported
+    torch under, for `refusal`), `python` (its interpreter), `how` (exec'd, or forked from
+    the agent: `inherit`)."""
+
+    def __init__(self, python: str, env: dict[str, str], proc: procs.Proc, sock: socket.socket,
+                 how: str = "exec"):
+        self.python, self.env, self.proc, self.sock, self.how = python, env, proc, sock, how
+        self.ready = False
+
+    @classmethod
+    def spawned(cls, python: str, env: dict[str, str]) -> "ForkServer":
+        """A server exec'd as ``python -u -c BOOT`` with `env`: it imports torch itself."""
+        sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.proc = procs.spawn([python, "-u", "-c", BOOT, str(theirs.fileno()), _ROOT,
-                                     *[""] * TITLE_ROOM], env, pass_fds=(theirs.fileno(),))
+            proc = procs.spawn([python, "-u", "-c", BOOT, str(theirs.fileno()), _ROOT,
+                                *[""] * TITLE_ROOM], env, pass_fds=(theirs.fileno(),))
         except BaseException:
-            self.sock.close()
+            sock.close()
             raise
         finally:
             theirs.close()
-        self.ready = False
+        return cls(python, env, proc, sock)
 
     def _wait_ready(self) -> None:
         self.sock.settimeout(READY_S)
@@ -151,17 +161,21 @@ class Launcher:
     """Spawns workers through the fork server when it can, else with `procs.spawn`."""
 
     def __init__(self, enabled: bool, python: str, env: dict[str, str],
-                 log: Callable[[str], None], emit: Callable[..., None]):
+                 log: Callable[[str], None], emit: Callable[..., None],
+                 forked: ForkServer | None = None, note: str | None = None):
+        """`forked`: a server already forked from the agent (`inherit.fork_server`); `note`:
+        why it is not (recorded in the server's spawn event)."""
         self.log, self.emit = log, emit
-        self.server: ForkServer | None = None
+        self.server: ForkServer | None = forked
         self.fell_back: str | None = None if enabled else "off (LETO_FORK_SERVER=0, --no-python)"
-        if enabled:
+        if enabled and forked is None:
             try:
-                self.server = ForkServer(python, env)
+                self.server = ForkServer.spawned(python, env)
             except OSError as e:
                 self._down(f"it did not start: {e}")
-            else:
-                self.emit("spawn", 0, role="fork_server", pid=self.server.proc.pid)
+        if self.server is not None:
+            self.emit("spawn", 0, role="fork_server", pid=self.server.proc.pid,
+                      how=self.server.how, **({"exec_because": note} if note else {}))
 
     def pids(self) -> set[int]:
         s = self.server

@@ -59,6 +59,8 @@ LETO_INJECT_PLAN = "LETO_INJECT_PLAN"             # JSON list of this rank's ste
 LETO_RECOVERY = "LETO_RECOVERY"                   # inplace | restart
 LETO_NODE = "LETO_NODE"                           # host name the agent reports for this node
 LETO_JOB_TOKEN = "LETO_JOB_TOKEN"                 # random per leto-run; marks every descendant for cleanup
+# equal to LETO_JOB_TOKEN in an agent that re-executed itself with it (leto_run/fork_server/inherit.py)
+LETO_AGENT_EXEC = "LETO_AGENT_EXEC"
 LETO_DUMP_SIGNAL = "LETO_DUMP_SIGNAL"             # signal number that makes the runtime dump Python stacks
 LETO_SM_SOCKET = "LETO_SM_SOCKET"                 # this rank slot's state-manager socket (Resilient Memory Pool)
 LETO_SHADOW_EPOCH = "LETO_SHADOW_EPOCH"           # shadows of one generation restarted together get a new epoch

@@ -62,6 +62,17 @@ def _choice(*allowed: str) -> Callable[[str, str], str]:
     return parse
 
 
+def _fork_server(var: str, raw: str) -> str:
+    """auto (a yes value): forked from the agent where it can be, else exec'd; exec; off."""
+    if raw.strip().lower() == "exec":
+        return "exec"
+    try:
+        return "auto" if _flag(var, raw) else "off"
+    except SettingsError:
+        raise SettingsError(var, raw, "is not 1, 0 or exec",
+                            "use 1 (the default), exec (an exec'd fork server) or 0 (none)") from None
+
+
 def _count(lo: int, hi: int) -> Callable[[str, str], int]:
     def parse(var: str, raw: str) -> int:
         try:
@@ -166,8 +177,9 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     # ... or, sooner, when its update's drain words prove its queued device work done
     # (leto_runtime/drain.py); 0: the fence alone
     "exit_drain": ("LETO_EXIT_DRAIN", _flag, True),
-    # workers forked from a process that imported torch already (leto_run/fork_server)
-    "fork_server": ("LETO_FORK_SERVER", _flag, True),
+    # workers forked from a process that imported torch already (leto_run/fork_server): the
+    # server a fork of the agent where it can be (auto), always exec'd (exec), or none (off)
+    "fork_server": ("LETO_FORK_SERVER", _fork_server, "auto"),
     # the path prefix of a GPU's device files: what the fence must sit below, and what marks a
     # stray process that may still run a dead trainer's GPU work (tests point it at own files)
     "device_files": ("LETO_DEVICE_FILES", _path_prefix, "/dev/nvidia"),

@@ -55,15 +55,19 @@ CASES = [
 ]
 
 
-def test_a_forked_worker_runs_its_command_line_as_the_interpreter_does(tmp_path):
+@pytest.mark.parametrize("mode", ["exec", "inherit"])
+def test_a_forked_worker_runs_its_command_line_as_the_interpreter_does(tmp_path, mode):
+    """exec: the server imports torch itself; inherit: it is a fork of a ``python -u``
+    process that imported torch (the re-executed agent's case)."""
     for name, text in FILES.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     (tmp_path / "d").mkdir()
     (tmp_path / "link.py").symlink_to(tmp_path / "real" / "s.py")
     env = base_env()
-    p = subprocess.run([sys.executable, str(SCRIPTS / "forkserver_driver.py"), json.dumps(CASES)],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    p = subprocess.run([sys.executable, "-u", str(SCRIPTS / "forkserver_driver.py"),
+                        json.dumps(CASES), mode], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stderr[-3000:]
     forked = json.loads(p.stdout)
     for args, got in zip(CASES, forked):
@@ -161,6 +165,30 @@ def test_workers_under_leto_run_are_the_processes_a_plain_spawn_and_torchrun_sta
         assert run_["probe_0_0.json"]["numpy"] != run_["probe_1_0.json"]["numpy"]
     evs = events(ev)
     assert [e["forked"] for e in of(evs, "spawn", role="active")] == [True, True]
+    # the server is a fork of the agent (one import of torch for the job)
+    assert [e["how"] for e in of(evs, "spawn", role="fork_server")] == ["inherit"]
+    assert_nothing_left(evs)
+
+
+def test_an_agent_started_with_interpreter_options_execs_its_fork_server(tmp_path):
+    """``python -B -m leto_run``: a fork of that agent would hand -B to its workers, so the
+    server is exec'd as ``python -u`` (it imports torch itself) and says why; the agent keeps
+    its own command line (no re-execution)."""
+    ev, out = tmp_path / "ev.jsonl", tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-B", *leto_cmd("--no-status", "--events", str(ev),
+                                           "--nproc-per-node", "1",
+                                           str(SCRIPTS / "procprobe.py"))[1:]]
+    r = run(cmd, base_env(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    evs = events(ev)
+    [server] = of(evs, "spawn", role="fork_server")
+    assert server["how"] == "exec" and "interpreter options (-B -m)" in server["exec_because"]
+    [probe] = [json.loads(p.read_text()) for p in out.glob("probe_*.json")]
+    assert probe["torch_preloaded"] and probe["parent"][1:3] == ["-B", "-m"]
+    flags = subprocess.run([sys.executable, "-u", "-c", "import sys; print(list(sys.flags))"],
+                           capture_output=True, text=True, env=base_env(), timeout=60).stdout
+    assert str(probe["flags"]) == flags.strip()          # a worker's, not the agent's -B
     assert_nothing_left(evs)
 
 

@@ -43,7 +43,8 @@ def wait_dead(pids, timeout):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_term_stops_everything_after_grace(out_dir, sig):
-    p = start(out_dir, "--shutdown-timeout", "2", str(SCRIPTS / "tree.py"), "--escape")
+    p = start(out_dir, "--shutdown-timeout", "2", str(SCRIPTS / "tree.py"), "--escape",
+              "--escape-fork")
     try:
         wait_files(out_dir, ["pids_0", "pids_1"])
         pids = all_pids(out_dir)
@@ -60,7 +61,9 @@ def test_term_stops_everything_after_grace(out_dir, sig):
 
 
 def test_kill_9_of_agent_leaves_nothing(out_dir):
-    p = start(out_dir, str(SCRIPTS / "tree.py"), "--ignore-term")
+    """Escaped descendants too: the guardian finds them by the job token in their
+    /proc/PID/environ -- a forked one's is the agent's, which re-executed itself with it."""
+    p = start(out_dir, str(SCRIPTS / "tree.py"), "--ignore-term", "--escape", "--escape-fork")
     try:
         wait_files(out_dir, ["pids_0", "pids_1"])
         pids = all_pids(out_dir)

@@ -114,7 +114,7 @@ def fake_agent(monkeypatch):
     mod = types.ModuleType("leto_run.agent")
     mod.result = 0
 
-    def run_job(cfg):
+    def run_job(cfg, start=None):
         calls.append(cfg)
         if isinstance(mod.result, BaseException):
             raise mod.result

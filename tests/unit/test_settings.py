@@ -38,6 +38,8 @@ def test_defaults_without_any_knob():
     ("LETO_EXT_DIR", "/x/y", "ext_dir", "/x/y"),
     ("LETO_WARMUP_MIB", "4096", "warmup_mib", 4096),
     ("LETO_WARMUP_MIB", "auto", "warmup_mib", None),
+    ("LETO_FORK_SERVER", "1", "fork_server", "auto"), ("LETO_FORK_SERVER", "off", "fork_server", "off"),
+    ("LETO_FORK_SERVER", "exec", "fork_server", "exec"),
 ])
 def test_a_knob_is_read_and_typed(var, raw, field, want):
     assert getattr(S.Settings.from_env({var: raw}), field) == want
@@ -47,7 +49,7 @@ def test_a_knob_is_read_and_typed(var, raw, field, want):
     ("LETO_RMU_FUSED", "maybe"), ("LETO_RMP_MAP", "fast"), ("LETO_RMP_MAP_THREADS", "0"),
     ("LETO_RMP_MAP_BATCH", "many"), ("LETO_PARITY_DELTA", "both"), ("LETO_SM_IDLE_TIMEOUT", "-1"),
     ("LETO_RMU_STREAM_MARKER", "device"), ("LETO_SM_FAULT_EMULATION", "burn"),
-    ("LETO_WARMUP_MIB", "0"), ("LETO_WARMUP_MIB", "lots"),
+    ("LETO_WARMUP_MIB", "0"), ("LETO_WARMUP_MIB", "lots"), ("LETO_FORK_SERVER", "sometimes"),
 ])
 def test_a_bad_knob_is_a_typed_error_naming_it_and_the_fix(var, raw):
     with pytest.raises(S.SettingsError) as ei:

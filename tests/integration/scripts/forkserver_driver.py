@@ -1,7 +1,11 @@
 """Drives a real fork server as the agent does (subreaper, ForkServer.spawn, release, wait) and
 prints, as JSON, each command line's exit status, stdout and stderr.
 
-Usage: forkserver_driver.py '<JSON list of argument lists after `python -u`>'
+Usage: forkserver_driver.py '<JSON list of argument lists after `python -u`>' [exec|inherit]
+
+inherit: the server is a fork of this process after its `import torch`
+(`leto_run.fork_server.inherit`, as under a re-executed agent; run this driver with
+``python -u``); else it is exec'd and imports torch itself.
 
 DRIVER_CHANGE=1: once the server runs, this process changes its umask, nice value, CPU affinity
 and soft RLIMIT_NOFILE (as a `renice`, `taskset` or the agent's own limit raise would), and each
@@ -15,6 +19,7 @@ import sys
 
 from leto_run import procs
 from leto_run.fork_server.client import ForkServer
+from leto_run.fork_server.inherit import fork_server
 
 
 def drain(fd: int) -> str:
@@ -30,7 +35,11 @@ def drain(fd: int) -> str:
 def main() -> None:
     assert procs.become_subreaper()
     env = dict(os.environ)
-    server = ForkServer(sys.executable, env)
+    if sys.argv[2:3] == ["inherit"]:
+        import torch  # noqa: F401 -- the agent's own import, before the fork
+        server = fork_server(sys.executable, env)
+    else:
+        server = ForkServer.spawned(sys.executable, env)
     change = os.environ.get("DRIVER_CHANGE") == "1"
     if change:
         os.umask(0o027)

@@ -2,7 +2,7 @@
 set it up, environment, descriptors, signals, limits, parent -- as JSON to
 $OUT_DIR/probe_<RANK>_<TORCHELASTIC_RESTART_COUNT>.json.  PROBE_EXIT=<rank>:<code> makes that
 rank exit with the code; PROBE_KILL_FORK_SERVER=1 makes rank 1 of attempt 0 SIGKILL this
-job's fork server first (found by the job token in its environment); PROBE_SLEEP=<s> makes
+job's fork server first (found by its command line and the job token in its environment); PROBE_SLEEP=<s> makes
 every rank sleep that long before it exits."""
 import json
 import os
@@ -41,7 +41,7 @@ def kill_fork_server() -> None:
             env = b"\0" + open(f"/proc/{e.name}/environ", "rb").read()
         except OSError:
             continue
-        if b"leto_run.fork_server.server" in cmd and needle in env:
+        if b"leto_run.fork_server" in cmd and needle in env:
             os.kill(int(e.name), signal.SIGKILL)
 
 
