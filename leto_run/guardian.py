@@ -83,6 +83,16 @@ def _clean_up(pgids: list[int], dirs: list[str], token_kv: str) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def _retitle(agent: int) -> None:
+    """`ps` and `pkill -f` tell the guardian from the agent it was forked from (best effort:
+    the agent's command-line area may be too short for the whole title)."""
+    try:
+        from leto_run.fork_server.server import _retitle as write_title
+        write_title(["leto_run.guardian", f"(of the leto-run agent {agent})"])
+    except (OSError, ValueError):
+        pass
+
+
 def start_guardian(token_kv: str) -> Guardian:
     """Fork the guardian.  Call before any thread exists (fork safety)."""
     rfd, wfd = os.pipe()
@@ -105,6 +115,7 @@ def start_guardian(token_kv: str) -> Guardian:
             os.dup2(devnull, fd)
         close_fds_except({0, 1, 2, rfd})
         os.setsid()  # leave the agent's group so a killpg aimed at it does not hit us
+        _retitle(os.getppid())
         pgids: list[int] = []
         dirs: list[str] = []
         buf = b""

@@ -75,6 +75,9 @@ def test_guardian_removes_owned_dir_after_sigkill_of_owner(tmp_path):
     p, d, child, guardian = start_owner(tmp_path, "kill")
     try:
         assert os.path.isdir(d) and os.path.exists(os.path.join(d, "hb.sock"))
+        # `ps` tells it from its owner (a fork, it had the owner's command line)
+        title = f"leto_run.guardian\0(of the leto-run agent {p.pid})".encode()
+        assert wait_for(lambda: open(f"/proc/{guardian}/cmdline", "rb").read().startswith(title), 10)
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=10)
         assert wait_for(lambda: not os.path.exists(d), 20), os.listdir(d)
