@@ -66,7 +66,12 @@ from leto_runtime.wire import settings
 
 
 def run_job(cfg: JobConfig, start: AgentStart | None = None) -> int:
-    agent = Agent(cfg, start)
+    try:
+        agent = Agent(cfg, start)
+    except BaseException:
+        if start is not None and start.server is not None:
+            start.server.kill()         # forked before the agent: nobody else would stop it
+        raise
     try:
         return agent.run()
     finally:

@@ -146,6 +146,11 @@ class ForkServer:
             os.close(gate_w)
             raise
 
+    def kill(self) -> None:
+        """Stop it at once (the agent did not start: nothing was forked from it yet)."""
+        self.proc.send(signal.SIGKILL)
+        self.close()
+
     def close(self) -> None:
         self.sock.close()
         if self.proc.poll_exit() is None:

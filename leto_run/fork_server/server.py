@@ -90,8 +90,11 @@ def main(fd: int) -> None:
     # its exit's (the interpreter's final collections over torch's objects; docs/BENCHMARKS.md,
     # the fork server).  What a worker makes itself is collected as in any interpreter.
     gc.freeze()
-    wire.send(sock, {"ready": os.getpid(), "problem": problem,
-                     "preloaded": [n for n in PRELOAD + ALSO_PRELOAD if n in sys.modules]})
+    try:
+        wire.send(sock, {"ready": os.getpid(), "problem": problem,
+                         "preloaded": [n for n in PRELOAD + ALSO_PRELOAD if n in sys.modules]})
+    except OSError:
+        return                      # the agent is gone or gave up on us: nothing to serve
     if problem:
         return
     while True:
