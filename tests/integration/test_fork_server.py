@@ -47,11 +47,15 @@ FILES = {
     "exitmsg.py": "import sys\nsys.exit('a message')\n",
     "kbint.py": ("import atexit\natexit.register(lambda: print('atexit ran'))\n"
                  "raise KeyboardInterrupt\n"),
+    # a file left open: the interpreter's finalization flushes it (a worker's exit must be the
+    # interpreter's own, not an os._exit); the next case reads its size back
+    "unclosed.py": "f = open('unclosed.txt', 'w')\nfor _ in range(1000):\n    f.write('x' * 99)\n",
+    "readback.py": "import os\nprint(os.path.getsize('unclosed.txt'))\n",
 }
 CASES = [
     ["real/s.py", "a", "b"], ["d/../link.py", "x"], ["-m", "pkg.mod", "y"],
     ["-c", FACTS, "z"], ["app"], ["missing.py"], ["bad.py"], ["raise.py"], ["exit3.py"],
-    ["exitmsg.py"], ["kbint.py"], ["-m", "pkg.boom"],
+    ["exitmsg.py"], ["kbint.py"], ["-m", "pkg.boom"], ["unclosed.py"], ["readback.py"],
 ]
 
 
