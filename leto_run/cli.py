@@ -214,7 +214,7 @@ def _run(ctx: click.Context, **params) -> int:
     preflight(cfg, env, sources)
     entry = (ctx.obj or {}).get("process_entry")
     token = (ctx.obj or {}).get("reexec_token")
-    if entry and token is None:
+    if entry and not (ctx.obj or {}).get("reexec_tried"):
         _reexec_for_the_fork_server(cfg)        # returns only where it does not re-execute
     for w in cfg.warnings:
         click.echo(f"{PROG}: warning: {w}", err=True)
@@ -271,9 +271,10 @@ def main(argv: list[str] | None = None) -> None:
         cli.main(args=argv, prog_name=PROG)
         return
     from leto_run.fork_server import inherit
-    token = inherit.take_token(os.environ)
+    token, marked = inherit.take_token(os.environ)
     if token is not None and inherit.strip_padding(sys.argv):
         inherit.retitle(inherit.original_argv(sys.orig_argv, reexecuted=True))
     else:
         token = None            # not re-executed by us (a marker without the padding is not)
-    cli.main(prog_name=PROG, obj={"process_entry": True, "reexec_token": token})
+    cli.main(prog_name=PROG, obj={"process_entry": True, "reexec_token": token,
+                                  "reexec_tried": marked})

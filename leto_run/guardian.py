@@ -86,11 +86,8 @@ def _clean_up(pgids: list[int], dirs: list[str], token_kv: str) -> None:
 def _retitle(agent: int) -> None:
     """`ps` and `pkill -f` tell the guardian from the agent it was forked from (best effort:
     the agent's command-line area may be too short for the whole title)."""
-    try:
-        from leto_run.fork_server.server import _retitle as write_title
-        write_title(["leto_run.guardian", f"(of the leto-run agent {agent})"])
-    except (OSError, ValueError):
-        pass
+    from leto_run.fork_server.inherit import retitle
+    retitle(["leto_run.guardian", f"(of the leto-run agent {agent})"])
 
 
 def start_guardian(token_kv: str) -> Guardian:

@@ -287,6 +287,23 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def with_env(needle: str) -> list[int]:
+    """Live processes (this one aside) whose environment at exec holds `needle`, e.g.
+    ``OUT_DIR=...``: every process of a job inherits it (workers, their grandchildren, state
+    managers, the guardian, the fork server)."""
+    want = b"\0" + needle.encode() + b"\0"
+    found = []
+    for e in os.scandir("/proc"):
+        if e.name.isdigit() and int(e.name) != os.getpid():
+            try:
+                with open(f"/proc/{e.name}/environ", "rb") as f:
+                    if want in b"\0" + f.read() + b"\0" and pid_alive(int(e.name)):
+                        found.append(int(e.name))
+            except OSError:
+                pass
+    return found
+
+
 def step_losses(d: Path, rank: int) -> dict[int, set]:
     """examples/gpt_inplace.py or byo_train.py --out D: every loss a rank logged, per step
     (float.hex strings; a redone step appears with each value it produced), with the step's

@@ -52,11 +52,14 @@ _KEEP_MODULES = ("leto_run", "leto_run.fork_server", "leto_run.fork_server.serve
                  "leto_run.fork_server.wire", "leto_run.fork_server.child")
 
 
-def take_token(environ: MutableMapping[str, str]) -> str | None:
-    """The job token this process was re-executed with (None: not re-executed); the marker
-    leaves `environ` (os.environ), so no child of the agent inherits it."""
+def take_token(environ: MutableMapping[str, str]) -> tuple[str | None, bool]:
+    """(the job token this process was re-executed with, or None; whether a marker was there
+    at all).  The marker leaves `environ` (os.environ), so no child of the agent inherits it.
+    A process that found a marker never re-executes itself again, whatever it held: no exec
+    loop, even from a stale or hand-set one (the server is then exec'd)."""
     mark = environ.pop(C.LETO_AGENT_EXEC, None)
-    return mark if mark and environ.get(C.LETO_JOB_TOKEN) == mark else None
+    token = mark if mark and environ.get(C.LETO_JOB_TOKEN) == mark else None
+    return token, mark is not None
 
 
 def strip_padding(argv: list[str]) -> bool:

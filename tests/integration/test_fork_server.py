@@ -196,6 +196,25 @@ def test_an_agent_started_with_interpreter_options_execs_its_fork_server(tmp_pat
     assert_nothing_left(evs)
 
 
+def test_a_marker_leto_run_did_not_set_never_makes_it_re_execute(tmp_path):
+    """`LETO_AGENT_EXEC` in the environment without the re-execution's padding (set by hand,
+    or left by something else): the agent is not taken for re-executed, never re-executes
+    itself (no exec loop), execs its server and runs the job; no worker sees the marker."""
+    ev, out = tmp_path / "ev.jsonl", tmp_path / "out"
+    out.mkdir()
+    r = run(leto_cmd("--no-status", "--events", str(ev), "--nproc-per-node", "1",
+                     str(SCRIPTS / "procprobe.py")),
+            base_env(out, LETO_AGENT_EXEC="t0k", LETO_JOB_TOKEN="t0k"), timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    evs = events(ev)
+    [server] = of(evs, "spawn", role="fork_server")
+    assert server["how"] == "exec" and "re-execute" in server["exec_because"], server
+    [probe] = [json.loads(p.read_text()) for p in out.glob("probe_*.json")]
+    assert probe["torch_preloaded"] and "LETO_AGENT_EXEC" not in probe["env"]
+    assert probe["env"]["LETO_JOB_TOKEN"] != "t0k"          # the job's own token
+    assert_nothing_left(evs)
+
+
 def test_a_fork_server_killed_mid_job_leaves_the_next_workers_to_a_plain_spawn(tmp_path):
     out, ev = tmp_path / "out", tmp_path / "ev.jsonl"
     out.mkdir()

@@ -14,7 +14,7 @@ import sys
 import textwrap
 import time
 
-from leto_testing import ROOT, SCRIPTS, base_env, leto_cmd, pid_alive
+from leto_testing import ROOT, SCRIPTS, base_env, leto_cmd, pid_alive, with_env
 
 # The owner: a guardian, a directory it owns (with a socket file in it, as the agent's run
 # directory has), and a child process group announced to it.
@@ -45,22 +45,6 @@ def wait_for(cond, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return cond()
-
-
-def with_env(needle: str) -> list[int]:
-    """Processes whose environment holds `needle` (every process of the job inherits OUT_DIR:
-    workers, their grandchildren, state managers, the guardian)."""
-    want = b"\0" + needle.encode() + b"\0"
-    found = []
-    for e in os.scandir("/proc"):
-        if e.name.isdigit() and int(e.name) != os.getpid():
-            try:
-                with open(f"/proc/{e.name}/environ", "rb") as f:
-                    if want in b"\0" + f.read() + b"\0" and pid_alive(int(e.name)):
-                        found.append(int(e.name))
-            except OSError:
-                pass
-    return found
 
 
 def start_owner(tmp_path, mode: str):

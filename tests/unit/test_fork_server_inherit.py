@@ -48,12 +48,13 @@ def test_the_other_reasons_name_what_to_change():
 
 def test_the_marker_counts_only_with_the_same_token_and_always_leaves_the_environment():
     env = {"LETO_AGENT_EXEC": "abc", "LETO_JOB_TOKEN": "abc", "PATH": "/bin"}
-    assert take_token(env) == "abc" and env == {"LETO_JOB_TOKEN": "abc", "PATH": "/bin"}
-    # an outer job's token (a nested leto-run) with a stale or forged marker: not re-executed
+    assert take_token(env) == ("abc", True) and env == {"LETO_JOB_TOKEN": "abc", "PATH": "/bin"}
+    # an outer job's token (a nested leto-run) with a stale or forged marker: not re-executed,
+    # and (the second value) never to re-execute again
     env = {"LETO_AGENT_EXEC": "abc", "LETO_JOB_TOKEN": "outer"}
-    assert take_token(env) is None and env == {"LETO_JOB_TOKEN": "outer"}
-    assert take_token({"LETO_JOB_TOKEN": "outer"}) is None
-    assert take_token({"LETO_AGENT_EXEC": "", "LETO_JOB_TOKEN": ""}) is None
+    assert take_token(env) == (None, True) and env == {"LETO_JOB_TOKEN": "outer"}
+    assert take_token({"LETO_JOB_TOKEN": "outer"}) == (None, False)
+    assert take_token({"LETO_AGENT_EXEC": "", "LETO_JOB_TOKEN": ""}) == (None, True)
 
 
 def test_only_the_whole_padding_is_stripped():

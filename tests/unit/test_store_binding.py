@@ -14,7 +14,7 @@ from leto_run.errors import ConfigError
 from leto_run.rendezvous import make_handler, next_round
 from leto_run.store_listen import StoreBindError, bind_plan, listening_addresses, server_store
 from leto_runtime.control_auth import KEY_BYTES, derive_job_key
-from leto_testing import base_env, free_port, leto_cmd, run
+from leto_testing import base_env, free_port, leto_cmd, run, with_env
 
 LOOPBACK = ("127.0.0.1", "::1")
 
@@ -164,17 +164,4 @@ def test_multi_node_inplace_without_a_secret_exits_2_before_anything_starts(tmp_
     assert "rendezvous.secret_file" in r.stderr and "fix:" in r.stderr
     assert list((tmp_path / "tmp").iterdir()) == []          # no run directory, no guardian
     # the fork server, forked before the agent found the problem, is stopped with it
-    assert "Traceback" not in r.stderr and not _with_env(f"TMPDIR={tmp_path / 'tmp'}")
-
-
-def _with_env(needle: str) -> list[int]:
-    want = b"\0" + needle.encode() + b"\0"
-    found = []
-    for e in os.scandir("/proc"):
-        try:
-            with open(f"/proc/{e.name}/environ", "rb") as f:
-                if e.name.isdigit() and want in b"\0" + f.read() + b"\0":
-                    found.append(int(e.name))
-        except OSError:
-            pass
-    return found
+    assert "Traceback" not in r.stderr and not with_env(f"TMPDIR={tmp_path / 'tmp'}")
