@@ -31,7 +31,7 @@ class AgentStart:
     omp_warning: str | None = None      # the agent prints it (torchrun's text)
     server: object = None               # client.ForkServer forked from this process
     server_note: str | None = None      # why the fork server is exec'd instead (None: forked)
-    torch_after_rule: bool = False      # torch was imported after the OMP rule, not before
+    rule_before_torch: bool = False     # the OMP rule was applied before any `import torch`
     reexecuted: bool = False            # this process re-executed itself with `token`
 
 
@@ -53,7 +53,7 @@ def begin(cfg: JobConfig, environ: MutableMapping[str, str],
     nproc = resolve_nproc(cfg.launch.nproc_per_node)
     warning = default_omp_threads(environ, nproc)
     return AgentStart(nproc, reexec_token or secrets.token_hex(12), warning,
-                      torch_after_rule=not before and "torch" not in sys.modules,
+                      rule_before_torch=not before and "torch" not in sys.modules,
                       reexecuted=reexec_token is not None)
 
 
@@ -62,7 +62,7 @@ def with_server(start: AgentStart, cfg: JobConfig, environ) -> AgentStart:
     why = refusal(cfg, environ, start.reexecuted)
     if why is None and not start.reexecuted:
         why = "leto-run did not re-execute itself with the job token"
-    if why is None and not start.torch_after_rule:
+    if why is None and not start.rule_before_torch:
         why = "torch was imported before the OMP_NUM_THREADS rule"
     if why is not None:
         return replace(start, server_note=why)
