@@ -162,7 +162,8 @@ class Agent:
         cfg = self.cfg
         serve = settings.get().fork_server != "off" and not cfg.launch.no_python
         return Launcher(serve, worker_argv(cfg)[0], shared_env(os.environ, self.token), self.log,
-                        self.events.emit, forked=start.server, note=start.server_note)
+                        self.events.emit, forked=start.server, note=start.server_note,
+                        preload=start.preload)
 
     # ---- logging -------------------------------------------------------------------------
     def log(self, msg: str) -> None:

@@ -12,13 +12,14 @@ agent's imports and before `Agent()`, in the agent's own process (leto_run.cli).
 """
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 from dataclasses import dataclass, replace
 from typing import MutableMapping
 
 from leto_run.config import JobConfig
-from leto_run.fork_server import inherit
+from leto_run.fork_server import inherit, preload
 from leto_run.worker_cmd import resolve_nproc, worker_argv
 from leto_run.worker_env import default_omp_threads, shared_env
 from leto_runtime.wire import settings
@@ -33,6 +34,7 @@ class AgentStart:
     server_note: str | None = None      # why the fork server is exec'd instead (None: forked)
     rule_before_torch: bool = False     # the OMP rule was applied before any `import torch`
     reexecuted: bool = False            # this process re-executed itself with `token`
+    preload: preload.Plan = preload.Plan(preload.ALL, "")   # the server's imports after torch
 
 
 def refusal(cfg: JobConfig, environ, reexecuted: bool) -> str | None:
@@ -54,7 +56,9 @@ def begin(cfg: JobConfig, environ: MutableMapping[str, str],
     warning = default_omp_threads(environ, nproc)
     return AgentStart(nproc, reexec_token or secrets.token_hex(12), warning,
                       rule_before_torch=not before and "torch" not in sys.modules,
-                      reexecuted=reexec_token is not None)
+                      reexecuted=reexec_token is not None,
+                      preload=preload.plan(worker_argv(cfg, environ), os.getcwd(),
+                                           cfg.checkpoint.dir is not None))
 
 
 def with_server(start: AgentStart, cfg: JobConfig, environ) -> AgentStart:
@@ -68,7 +72,8 @@ def with_server(start: AgentStart, cfg: JobConfig, environ) -> AgentStart:
         return replace(start, server_note=why)
     python = worker_argv(cfg, environ)[0]
     try:
-        server = inherit.fork_server(python, shared_env(environ, start.token))
+        server = inherit.fork_server(python, shared_env(environ, start.token),
+                                     start.preload.modules)
     except OSError as e:
         return replace(start, server_note=f"the fork failed: {e}")
     return replace(start, server=server)

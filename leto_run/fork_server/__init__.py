@@ -17,6 +17,7 @@ The processes (docs/ARCHITECTURE.md, "The process tree"):
 Modules: `client` (the agent's side: start, requests, the pure `refusal` decision that sends a
 request the fork server cannot serve to a plain spawn), `inherit` (the agent's re-execution and
 the server forked from it, with its own pure `refusal`), `server` (the fork server's loop and a
-new worker's process set-up), `child` (a worker runs its command line as the interpreter
-would), `wire` (framed JSON with file descriptors over a socket pair).
+new worker's process set-up), `preload` (what the server imports after torch, decided from the
+training script's code), `child` (a worker runs its command line as the interpreter would),
+`wire` (framed JSON with file descriptors over a socket pair).
 """

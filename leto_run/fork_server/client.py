@@ -21,7 +21,7 @@ from typing import Callable, Mapping
 
 from leto_run import procs
 from leto_run.fork_server import wire
-from leto_run.fork_server.server import BOOT, TITLE_ROOM
+from leto_run.fork_server.server import ALSO_PRELOAD, BOOT, TITLE_ROOM
 from leto_run.worker_env import per_worker
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -75,12 +75,14 @@ class ForkServer:
         self.ready = False
 
     @classmethod
-    def spawned(cls, python: str, env: dict[str, str]) -> "ForkServer":
-        """A server exec'd as ``python -u -c BOOT`` with `env`: it imports torch itself."""
+    def spawned(cls, python: str, env: dict[str, str],
+                also: tuple[str, ...] = ALSO_PRELOAD) -> "ForkServer":
+        """A server exec'd as ``python -u -c BOOT`` with `env`: it imports torch itself, then
+        `also`."""
         sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             proc = procs.spawn([python, "-u", "-c", BOOT, str(theirs.fileno()), _ROOT,
-                                *[""] * TITLE_ROOM], env, pass_fds=(theirs.fileno(),))
+                                ",".join(also), *[""] * TITLE_ROOM], env, pass_fds=(theirs.fileno(),))
         except BaseException:
             sock.close()
             raise
@@ -167,20 +169,25 @@ class Launcher:
 
     def __init__(self, enabled: bool, python: str, env: dict[str, str],
                  log: Callable[[str], None], emit: Callable[..., None],
-                 forked: ForkServer | None = None, note: str | None = None):
+                 forked: ForkServer | None = None, note: str | None = None,
+                 preload=None):
         """`forked`: a server already forked from the agent (`inherit.fork_server`); `note`:
-        why it is not (recorded in the server's spawn event)."""
+        why it is not (recorded in the server's spawn event); `preload`: what the server
+        imports after torch (a `preload.Plan`; None: all of ALSO_PRELOAD)."""
         self.log, self.emit = log, emit
         self.server: ForkServer | None = forked
         self.fell_back: str | None = None if enabled else "off (LETO_FORK_SERVER=0, --no-python)"
         if enabled and forked is None:
             try:
-                self.server = ForkServer.spawned(python, env)
+                self.server = ForkServer.spawned(
+                    python, env, ALSO_PRELOAD if preload is None else preload.modules)
             except OSError as e:
                 self._down(f"it did not start: {e}")
         if self.server is not None:
             self.emit("spawn", 0, role="fork_server", pid=self.server.proc.pid,
-                      how=self.server.how, **({"exec_because": note} if note else {}))
+                      how=self.server.how, **({"exec_because": note} if note else {}),
+                      **({"preload": list(preload.modules), "preload_because": preload.reason}
+                         if preload is not None else {}))
 
     def pids(self) -> set[int]:
         s = self.server

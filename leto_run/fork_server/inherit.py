@@ -118,8 +118,9 @@ def retitle(argv: Sequence[str]) -> None:
         pass
 
 
-def fork_server(python: str, env: dict[str, str]):
-    """Fork the fork server from this process; the agent gets a `client.ForkServer`."""
+def fork_server(python: str, env: dict[str, str], also: tuple[str, ...]):
+    """Fork the fork server from this process (it imports `also`, as `server.main`); the agent
+    gets a `client.ForkServer`."""
     from leto_run import procs
     from leto_run.fork_server.client import ForkServer
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -128,7 +129,7 @@ def fork_server(python: str, env: dict[str, str]):
         stream.flush()
     pid = os.fork()
     if pid == 0:
-        _child(mine, theirs, agent, env)            # raises SystemExit or exits
+        _child(mine, theirs, agent, env, also)      # raises SystemExit or exits
     theirs.close()
     try:
         return ForkServer(python, env, procs.adopt(pid), mine, how="inherit")
@@ -137,13 +138,14 @@ def fork_server(python: str, env: dict[str, str]):
         raise
 
 
-def _child(mine: socket.socket, theirs: socket.socket, agent: int, env: dict[str, str]):
+def _child(mine: socket.socket, theirs: socket.socket, agent: int, env: dict[str, str],
+           also: tuple[str, ...]):
     try:
         mine.close()
         fd = _become_server_process(theirs, agent, env)
         from leto_run.fork_server import server
         retitle(["leto_run.fork_server", f"(forked from the leto-run agent {agent})"])
-        server.main(fd)
+        server.main(fd, also)
     except SystemExit:
         raise                       # a worker's exit: the interpreter's, at its top level
     except BaseException:           # noqa: BLE001 -- never return into the agent's frames

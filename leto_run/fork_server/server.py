@@ -1,9 +1,9 @@
 """The fork server process: import torch once, then fork one worker per request of the agent.
 
-What it imports: `PRELOAD` (torch; the server is refused without it), then, best effort,
-`ALSO_PRELOAD`: what nearly every trainer imports after torch and pays again in each process
-(torch._dynamo, which torch.optim's optimizers import at construction; DCP, which the runtime's
-checkpoint paths use).  Neither reads a per-worker variable at import, nor queries a device
+What it imports: `PRELOAD` (torch; the server is refused without it), then, best effort, the
+part of `ALSO_PRELOAD` the job's script will use (`leto_run.fork_server.preload`): what a
+trainer would otherwise import after torch and pay again in each process (torch._dynamo, which
+torch.optim's optimizers import at construction; DCP, which the runtime's checkpoint paths use).  Neither reads a per-worker variable at import, nor queries a device
 (the agent refuses the server where the workers' shared environment differs from its own).
 
 Runs as ``python -u -c BOOT <fd> <root> <padding>``, started by the agent through `procs.spawn` (own process
@@ -43,14 +43,15 @@ import time
 
 from leto_run.fork_server import wire
 
-# sys.argv: [fd, the agent's leto_run root, padding].  The server's own modules come from the
+# sys.argv: [fd, the agent's leto_run root, the preload after torch (comma-separated), padding].  The server's own modules come from the
 # agent's tree (a checkout may shadow an install); the entry goes again before any worker, whose
 # sys.path is then a fresh interpreter's (the cwd entry of -c is not the worker's either).
 BOOT = ("import sys; sys.path[0] = sys.argv[2]; from leto_run.fork_server.server import main; "
-        "del sys.path[0]; main(int(sys.argv[1]))")
+        "del sys.path[0]; main(int(sys.argv[1]), tuple(filter(None, sys.argv[3].split(','))))")
 # What every worker imports first, and nothing that reads a worker's own variables at import:
 # `client.refusal` checks that the rest of a worker's environment equals the server's.
 PRELOAD = ("torch",)
+# What the agent may add for a job (`leto_run.fork_server.preload` decides from the script).
 ALSO_PRELOAD = ("torch._dynamo", "torch.distributed.checkpoint")
 # Empty arguments after the server's own: NUL bytes of its command-line area, which a worker
 # overwrites with its own command line (`ps`, `pkill -f` and /proc/PID/cmdline show the
@@ -67,13 +68,13 @@ def _readable(fd: int, timeout: float) -> bool:
     return bool(poller.poll(timeout * 1000))
 
 
-def _preload() -> str | None:
+def _preload(also: tuple[str, ...]) -> str | None:
     for name in PRELOAD:
         try:
             __import__(name)
         except BaseException as e:          # noqa: BLE001 -- any failure: the agent spawns plainly
             return f"import {name} failed: {type(e).__name__}: {e}"
-    for name in ALSO_PRELOAD:
+    for name in also:
         try:
             __import__(name)
         except Exception:                   # noqa: BLE001 -- a worker that needs it imports it
@@ -81,10 +82,11 @@ def _preload() -> str | None:
     return None
 
 
-def main(fd: int) -> None:
+def main(fd: int, also: tuple[str, ...] = ALSO_PRELOAD) -> None:
+    """`also`: what to import after torch, best effort (a subset of ALSO_PRELOAD)."""
     sock = socket.socket(fileno=fd)
     agent = os.getppid()
-    problem = _preload()
+    problem = _preload(also)
     # What the preload made is shared by every worker: frozen, no collection of any process
     # walks it again -- neither a worker's (copy-on-write faults on every page it touches) nor
     # its exit's (the interpreter's final collections over torch's objects; docs/BENCHMARKS.md,
@@ -92,7 +94,7 @@ def main(fd: int) -> None:
     gc.freeze()
     try:
         wire.send(sock, {"ready": os.getpid(), "problem": problem,
-                         "preloaded": [n for n in PRELOAD + ALSO_PRELOAD if n in sys.modules]})
+                         "preloaded": [n for n in PRELOAD + also if n in sys.modules]})
     except OSError:
         return                      # the agent is gone or gave up on us: nothing to serve
     if problem:

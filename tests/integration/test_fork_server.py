@@ -169,27 +169,33 @@ def test_workers_under_leto_run_are_the_processes_a_plain_spawn_and_torchrun_sta
         assert run_["probe_0_0.json"]["numpy"] != run_["probe_1_0.json"]["numpy"]
     evs = events(ev)
     assert [e["forked"] for e in of(evs, "spawn", role="active")] == [True, True]
-    # the server is a fork of the agent (one import of torch for the job)
-    assert [e["how"] for e in of(evs, "spawn", role="fork_server")] == ["inherit"]
+    # the server is a fork of the agent (one import of torch for the job), and it imported
+    # nothing more: the probe's code uses none of what the preload may add
+    [server] = of(evs, "spawn", role="fork_server")
+    assert server["how"] == "inherit" and server["preload"] == [], server
+    assert "torch._dynamo" not in forked["probe_0_0.json"]["preloaded"]
     assert_nothing_left(evs)
 
 
 def test_an_agent_started_with_interpreter_options_execs_its_fork_server(tmp_path):
     """``python -B -m leto_run``: a fork of that agent would hand -B to its workers, so the
-    server is exec'd as ``python -u`` (it imports torch itself) and says why; the agent keeps
-    its own command line (no re-execution)."""
+    server is exec'd as ``python -u`` (it imports torch itself, and torch._dynamo: the script
+    names torch.optim) and says why; the agent keeps its own command line (no
+    re-execution)."""
     ev, out = tmp_path / "ev.jsonl", tmp_path / "out"
     out.mkdir()
     cmd = [sys.executable, "-B", *leto_cmd("--no-status", "--events", str(ev),
                                            "--nproc-per-node", "1",
-                                           str(SCRIPTS / "procprobe.py"))[1:]]
+                                           str(SCRIPTS / "probe_optim.py"))[1:]]
     r = run(cmd, base_env(out))
     assert r.returncode == 0, r.stderr[-3000:]
     evs = events(ev)
     [server] = of(evs, "spawn", role="fork_server")
     assert server["how"] == "exec" and "interpreter options (-B -m)" in server["exec_because"]
+    assert server["preload"] == ["torch._dynamo"] and "torch.optim" in server["preload_because"]
     [probe] = [json.loads(p.read_text()) for p in out.glob("probe_*.json")]
     assert probe["torch_preloaded"] and probe["parent"][1:3] == ["-B", "-m"]
+    assert "torch._dynamo" in probe["preloaded"], probe["preloaded"]
     flags = subprocess.run([sys.executable, "-u", "-c", "import sys; print(list(sys.flags))"],
                            capture_output=True, text=True, env=base_env(), timeout=60).stdout
     assert str(probe["flags"]) == flags.strip()          # a worker's, not the agent's -B

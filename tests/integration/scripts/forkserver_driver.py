@@ -20,6 +20,7 @@ import sys
 from leto_run import procs
 from leto_run.fork_server.client import ForkServer
 from leto_run.fork_server.inherit import fork_server
+from leto_run.fork_server.server import ALSO_PRELOAD
 
 
 def drain(fd: int) -> str:
@@ -37,7 +38,7 @@ def main() -> None:
     env = dict(os.environ)
     if sys.argv[2:3] == ["inherit"]:
         import torch  # noqa: F401 -- the agent's own import, before the fork
-        server = fork_server(sys.executable, env)
+        server = fork_server(sys.executable, env, ALSO_PRELOAD)
     else:
         server = ForkServer.spawned(sys.executable, env)
     change = os.environ.get("DRIVER_CHANGE") == "1"

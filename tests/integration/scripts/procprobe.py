@@ -12,6 +12,9 @@ import sys
 import time
 
 TORCH_PRELOADED = "torch" in sys.modules        # before anything of the probe imports it
+# torch's modules the fork server's preload brought (no name spelled out here: the preload's
+# decision reads this file's code)
+PRELOADED = sorted(m for m in sys.modules if m.startswith("torch.") and m.count(".") <= 2)
 
 
 def fds() -> dict:
@@ -65,7 +68,7 @@ facts = {
                 if n.startswith("RLIMIT_")},
     "umask": os.umask(0o22), "nice": os.nice(0), "affinity": sorted(os.sched_getaffinity(0)), "write_through": sys.stdout.write_through,
     "flags": list(sys.flags), "random": random.random(), "numpy": float(numpy.random.rand()),
-    "torch_preloaded": TORCH_PRELOADED,
+    "torch_preloaded": TORCH_PRELOADED, "preloaded": PRELOADED,
 }
 facts["parent"] = [p.decode() for p in facts["parent"]]
 with open(os.path.join(os.environ["OUT_DIR"], f"probe_{rank}_{attempt}.json"), "w") as f:

@@ -1,0 +1,184 @@
+"""What the fork server imports after torch for one job, decided from the training script's code.
+
+Why: the server's extra imports are paid once per job and saved in every worker that would
+import them itself: torch._dynamo (~1.7 CPU-s; torch.optim's optimizers, torch.utils.checkpoint
+and DDP import it when they are used) and torch.distributed.checkpoint (~1 CPU-s; DCP scripts,
+and leto_runtime's checkpoints).  A script that uses neither -- one on leto_runtime's own
+optimizer, a test's small script -- would pay them for nothing, and its first workers would
+start that much later (docs/BENCHMARKS.md, "the fork server's preload").
+
+The decision reads source, runs nothing (`ast`): the script's file and the modules beside it
+that it imports (recursively, a bounded number).  A module is wanted when some code names a
+*trigger* of it (a dotted name under one of `TRIGGERS`, through any import alias, or a string
+that starts with one; `.compile` of anything not from the standard library counts for dynamo).
+Whatever it cannot see through preloads everything, as before the decision existed: ``-m`` or
+``-c`` workers, a source it cannot read or parse, too many files, and an import of any module
+that is neither the standard library, torch, leto_runtime nor a file beside the script.  A
+wrong guess costs CPU, never correctness: a worker imports what it uses.
+
+Calling contract: `plan(argv, cwd, checkpoints)` -> `Plan(modules, reason)`; pure but for
+reading the script's files.  `argv` is a worker's command line (`worker_cmd.worker_argv`).
+"""
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from dataclasses import dataclass
+
+DYNAMO, DCP = "torch._dynamo", "torch.distributed.checkpoint"
+ALL = (DYNAMO, DCP)
+# Dotted names whose use imports the module (measured on torch 2.13: an optimizer's
+# construction, torch.utils.checkpoint, DDP's forward); the parents of a trigger name none.
+TRIGGERS = {
+    DYNAMO: ("torch.optim", "torch.compile", "torch._dynamo", "torch.compiler", "torch.export",
+             "torch.nn.parallel", "torch.utils.checkpoint", "torch.distributed.fsdp",
+             "torch.distributed.tensor", "torch.distributed.algorithms",
+             "torch.distributed.pipelining", "torch.distributed._composable",
+             "torch.distributed.checkpoint"),
+    DCP: ("torch.distributed.checkpoint",),
+}
+# Beside torch: what the checked code may import without making it opaque (no torch in them).
+_KNOWN_FREE = ("numpy",)
+MAX_FILES, MAX_BYTES = 64, 2 << 20
+
+
+@dataclass(frozen=True)
+class Plan:
+    modules: tuple[str, ...]      # what the server imports after torch, in `ALL`'s order
+    reason: str                   # why (the server's spawn event records it)
+
+
+def plan(argv: list[str], cwd: str, checkpoints: bool) -> Plan:
+    """The preload of a job whose workers run `argv` in `cwd`; `checkpoints`: the job writes
+    leto_runtime checkpoints (checkpoint.dir is set)."""
+    if len(argv) < 3 or argv[1] != "-u" or argv[2].startswith("-"):
+        return Plan(ALL, "the workers do not run a script file (-m, -c or --no-python)")
+    script = os.path.join(cwd, argv[2])
+    names, why = _scan(script)
+    if why is not None:
+        return Plan(ALL, why)
+    want = [m for m in ALL if any(_under(n, t) for n in names for t in TRIGGERS[m])]
+    if checkpoints and DCP not in want and any(_under(n, "leto_runtime") for n in names):
+        want.append(DCP)
+    want = [m for m in ALL if m in want]
+    if not want:
+        return Plan((), "the script's code names none of the triggers")
+    return Plan(tuple(want), "the script's code names " + ", ".join(
+        sorted({t for m in want for n in names for t in TRIGGERS[m] if _under(n, t)}
+               | ({"leto_runtime with checkpoints"} if DCP in want and checkpoints else set()))))
+
+
+def _under(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def _scan(script: str) -> tuple[set[str], str | None]:
+    """Every dotted name the script and its local modules use; or why they cannot be seen."""
+    names: set[str] = set()
+    todo, seen = [os.path.abspath(script)], set()
+    root = os.path.dirname(os.path.abspath(script))
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        if len(seen) > MAX_FILES:
+            return names, f"the script imports more than {MAX_FILES} local files"
+        tree, why = _parse(path)
+        if tree is None:
+            return names, why
+        rel = os.path.relpath(os.path.dirname(path), root)
+        found, imports = _names(tree, [] if rel == os.curdir else rel.split(os.sep))
+        names |= found
+        for mod in imports:
+            top = mod.split(".")[0]
+            if top in sys.stdlib_module_names or top in ("torch", "leto_runtime", *_KNOWN_FREE):
+                continue
+            files = _local_files(root, mod)
+            if not files:
+                return names, f"the script imports {mod!r}, which is not beside it"
+            todo.extend(files)
+    return names, None
+
+
+def _parse(path: str) -> tuple[ast.AST | None, str]:
+    try:
+        if os.path.getsize(path) > MAX_BYTES:
+            return None, f"{path} is larger than {MAX_BYTES >> 20} MiB"
+        with open(path, "rb") as f:
+            return ast.parse(f.read(), path), ""
+    except (OSError, SyntaxError, ValueError) as e:
+        return None, f"{path} cannot be read as Python ({type(e).__name__})"
+
+
+def _local_files(root: str, mod: str) -> list[str]:
+    """The files beside the script that `import mod` runs (each package's __init__ and the
+    module), or [] when `mod` is not there."""
+    parts, files, base = mod.split("."), [], root
+    for i, part in enumerate(parts):
+        pkg, single = os.path.join(base, part), os.path.join(base, part + ".py")
+        if os.path.isfile(os.path.join(pkg, "__init__.py")):
+            files.append(os.path.join(pkg, "__init__.py"))
+            base = pkg
+        elif os.path.isfile(single):
+            files.append(single)
+            break
+        elif i == 0:
+            return []
+        else:
+            break               # `from pkg import name`: a name, not a module
+    return files
+
+
+def _names(tree: ast.AST, package: list[str]) -> tuple[set[str], set[str]]:
+    """(the dotted names `tree` uses, through its import aliases; the modules it imports,
+    relative imports made absolute: `package` is the file's package below the script's
+    directory)."""
+    alias: dict[str, str] = {}
+    names: set[str] = set()
+    imports: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                imports.add(a.name)
+                names.add(a.name)
+                alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level:
+                base = package[:len(package) - (node.level - 1)] if node.level - 1 <= len(package) else []
+                mod = ".".join([*base, mod] if mod else base)
+            if mod:
+                imports.add(mod)
+                names.add(mod)
+            for a in node.names:
+                full = f"{mod}.{a.name}" if mod else a.name
+                names.add(full)
+                imports.add(full)            # `from pkg import mod` runs pkg/mod.py
+                alias[a.asname or a.name] = full
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain = _chain(node)
+            if chain is not None:
+                head, _, rest = chain.partition(".")
+                full = alias.get(head, head) + ("." + rest if rest else "")
+                names.add(full)
+                if node.attr == "compile" and full.split(".")[0] not in sys.stdlib_module_names:
+                    names.add("torch.compile")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                node.value.startswith("torch."):
+            names.add(node.value)
+    return names, imports
+
+
+def _chain(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    if parts and parts[0] == "compile":
+        return "<expr>.compile"        # model(...).compile(): not from the standard library
+    return None
