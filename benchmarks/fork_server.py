@@ -1,7 +1,9 @@
 """What the fork server saves: a whole leto-run job with its workers forked from the fork server
 (`LETO_FORK_SERVER=1`, the default: the server a fork of the agent, one `import torch` for the
-job) against the same job with the server exec'd (`LETO_FORK_SERVER=exec`: it imports torch
-itself, as before the agent forked it) and with every worker spawned by exec
+job, and after it only what the script uses) against the same job with the server preloading
+torch._dynamo and DCP anyway (`LETO_FORK_PRELOAD=all`), with the server exec'd
+(`LETO_FORK_SERVER=exec`: it imports torch itself, as before the agent forked it) and with
+every worker spawned by exec
 (`LETO_FORK_SERVER=0`), rotating, same machine, same run.
 
 Per run: the job's wall time and the CPU time of its whole process tree (user + system of every
@@ -34,7 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.provenance import machine_info  # noqa: E402
 
-VARIANTS = (("fork", "1"), ("exec-server", "exec"), ("exec", "0"))
+# (name, the knobs it sets); `fork-preload-all`: the server also imports torch._dynamo and DCP
+# whatever the script uses (as every job did before the preload was decided per script)
+VARIANTS = (("fork", {"LETO_FORK_SERVER": "1"}),
+            ("fork-preload-all", {"LETO_FORK_SERVER": "1", "LETO_FORK_PRELOAD": "all"}),
+            ("exec-server", {"LETO_FORK_SERVER": "exec"}), ("exec", {"LETO_FORK_SERVER": "0"}))
 
 
 def _children_cpu() -> float:
@@ -42,9 +48,9 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def one_run(job: list[str], knob: str, work: Path) -> dict:
-    ev = work / f"events_{knob}_{time.monotonic_ns()}.jsonl"
-    env = dict(os.environ, LETO_FORK_SERVER=knob)
+def one_run(job: list[str], knobs: dict[str, str], work: Path) -> dict:
+    ev = work / f"events_{time.monotonic_ns()}.jsonl"
+    env = dict(os.environ, **knobs)
     cpu0, t0 = _children_cpu(), time.monotonic()
     p = subprocess.run([sys.executable, "-m", "leto_run", "--no-status", "--events", str(ev),
                         *job], cwd=str(ROOT), env=env, capture_output=True, text=True,
@@ -52,10 +58,11 @@ def one_run(job: list[str], knob: str, work: Path) -> dict:
     wall, cpu = time.monotonic() - t0, _children_cpu() - cpu0
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-4000:])
-        raise RuntimeError(f"the job failed with LETO_FORK_SERVER={knob} (exit {p.returncode})")
+        raise RuntimeError(f"the job failed with {knobs} (exit {p.returncode})")
     spawns = [json.loads(x) for x in ev.read_text().splitlines() if '"spawn"' in x]
     workers = [e for e in spawns if e.get("role") in ("active", "shadow")]
-    server = [e.get("how", "exec") for e in spawns if e.get("role") == "fork_server"]
+    server = [e.get("how", "exec") + "".join(f" +{m}" for m in e.get("preload", []))
+              for e in spawns if e.get("role") == "fork_server"]
     return {"wall_s": round(wall, 3), "cpu_s": round(cpu, 3), "workers": len(workers),
             "forked": sum(1 for e in workers if e.get("forked")),
             "server": server[0] if server else "none"}
@@ -92,7 +99,7 @@ def main(argv=None) -> int:
     for n, rs in runs.items():
         print(f"| {n} | {med[n]['wall_s']:.2f} | {med[n]['cpu_s']:.2f} | "
               f"{rs[0]['workers']} ({rs[0]['forked']}) | {rs[0]['server']} |")
-    for n in ("exec-server", "exec"):
+    for n in ("fork-preload-all", "exec-server", "exec"):
         print(f"| fork / {n} | {med['fork']['wall_s'] / med[n]['wall_s']:.2f} | "
               f"{med['fork']['cpu_s'] / med[n]['cpu_s']:.2f} | | |")
     if a.json:

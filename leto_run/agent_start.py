@@ -57,8 +57,13 @@ def begin(cfg: JobConfig, environ: MutableMapping[str, str],
     return AgentStart(nproc, reexec_token or secrets.token_hex(12), warning,
                       rule_before_torch=not before and "torch" not in sys.modules,
                       reexecuted=reexec_token is not None,
-                      preload=preload.plan(worker_argv(cfg, environ), os.getcwd(),
-                                           cfg.checkpoint.dir is not None))
+                      preload=_preload(cfg, environ))
+
+
+def _preload(cfg: JobConfig, environ) -> preload.Plan:
+    if settings.get().fork_preload == "all":
+        return preload.Plan(preload.ALL, "LETO_FORK_PRELOAD=all")
+    return preload.plan(worker_argv(cfg, environ), os.getcwd(), cfg.checkpoint.dir is not None)
 
 
 def with_server(start: AgentStart, cfg: JobConfig, environ) -> AgentStart:

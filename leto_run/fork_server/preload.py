@@ -143,11 +143,13 @@ def _names(tree: ast.AST, package: list[str]) -> tuple[set[str], set[str]]:
             for a in node.names:
                 imports.add(a.name)
                 names.add(a.name)
-                alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                top = a.name.split(".")[0]
+                alias[a.asname or top] = a.name if a.asname else top
         elif isinstance(node, ast.ImportFrom):
             mod = node.module or ""
             if node.level:
-                base = package[:len(package) - (node.level - 1)] if node.level - 1 <= len(package) else []
+                up = node.level - 1
+                base = package[:len(package) - up] if up <= len(package) else []
                 mod = ".".join([*base, mod] if mod else base)
             if mod:
                 imports.add(mod)

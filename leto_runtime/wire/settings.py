@@ -6,7 +6,7 @@ codec's (LETO_PARITY_*), activation lending (LETO_LEND*) and reclaiming (LETO_RE
 agent's preinitialization controller (LETO_PREINIT_CONTROL, _HORIZON, _RAISE_HOLD), a waiting
 shadow's context (LETO_SHADOW_STACK), the kernel cache (LETO_EXT_*) and the
 state manager's (LETO_SM_*), the exit notice and fence (LETO_EXIT_NOTICE, LETO_EXIT_FENCE), the fork server
-(LETO_FORK_SERVER), and the toolchain variables the kernel builds honour (CXX,
+(LETO_FORK_SERVER, LETO_FORK_PRELOAD), and the toolchain variables the kernel builds honour (CXX,
 CUDA_HOME, CUDA_PATH, PYTORCH_NVCC, TORCH_CUDA_ARCH_LIST, TORCH_EXTENSIONS_DIR, XDG_CACHE_HOME).
 What the agent tells a trainer about its job (rank, generation,
 sockets) is the env contract instead (`leto_runtime.wire.contract`, read by `context`).  Nothing else
@@ -180,6 +180,9 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     # workers forked from a process that imported torch already (leto_run/fork_server): the
     # server a fork of the agent where it can be (auto), always exec'd (exec), or none (off)
     "fork_server": ("LETO_FORK_SERVER", _fork_server, "auto"),
+    # what the server imports after torch: what the training script's code uses (auto,
+    # leto_run/fork_server/preload.py), or all of it, as for a script it cannot read (all)
+    "fork_preload": ("LETO_FORK_PRELOAD", _choice("auto", "all"), "auto"),
     # the path prefix of a GPU's device files: what the fence must sit below, and what marks a
     # stray process that may still run a dead trainer's GPU work (tests point it at own files)
     "device_files": ("LETO_DEVICE_FILES", _path_prefix, "/dev/nvidia"),
@@ -231,6 +234,7 @@ class Settings:
     exit_fence: str
     exit_drain: bool
     fork_server: bool
+    fork_preload: str
     device_files: str
     cxx: str | None
     cuda_home: str | None

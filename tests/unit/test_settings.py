@@ -40,6 +40,7 @@ def test_defaults_without_any_knob():
     ("LETO_WARMUP_MIB", "auto", "warmup_mib", None),
     ("LETO_FORK_SERVER", "1", "fork_server", "auto"), ("LETO_FORK_SERVER", "off", "fork_server", "off"),
     ("LETO_FORK_SERVER", "exec", "fork_server", "exec"),
+    ("LETO_FORK_PRELOAD", "all", "fork_preload", "all"),
 ])
 def test_a_knob_is_read_and_typed(var, raw, field, want):
     assert getattr(S.Settings.from_env({var: raw}), field) == want
@@ -50,6 +51,7 @@ def test_a_knob_is_read_and_typed(var, raw, field, want):
     ("LETO_RMP_MAP_BATCH", "many"), ("LETO_PARITY_DELTA", "both"), ("LETO_SM_IDLE_TIMEOUT", "-1"),
     ("LETO_RMU_STREAM_MARKER", "device"), ("LETO_SM_FAULT_EMULATION", "burn"),
     ("LETO_WARMUP_MIB", "0"), ("LETO_WARMUP_MIB", "lots"), ("LETO_FORK_SERVER", "sometimes"),
+    ("LETO_FORK_PRELOAD", "some"),
 ])
 def test_a_bad_knob_is_a_typed_error_naming_it_and_the_fix(var, raw):
     with pytest.raises(S.SettingsError) as ei:
