@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import os
+import stat
 import sys
 from dataclasses import dataclass
 
@@ -40,7 +41,8 @@ TRIGGERS = {
 }
 # Beside torch: what the checked code may import without making it opaque (no torch in them).
 _KNOWN_FREE = ("numpy",)
-MAX_FILES, MAX_BYTES = 64, 2 << 20
+# Bounds on what the agent reads before its first worker (parsing costs ~0.2 s per MiB).
+MAX_FILES, MAX_BYTES = 64, 4 << 20
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ def _under(name: str, prefix: str) -> bool:
 def _scan(script: str) -> tuple[set[str], str | None]:
     """Every dotted name the script and its local modules use; or why they cannot be seen."""
     names: set[str] = set()
-    todo, seen = [os.path.abspath(script)], set()
+    todo, seen, budget = [os.path.abspath(script)], set(), [MAX_BYTES]
     root = os.path.dirname(os.path.abspath(script))
     while todo:
         path = todo.pop()
@@ -85,7 +87,7 @@ def _scan(script: str) -> tuple[set[str], str | None]:
         seen.add(path)
         if len(seen) > MAX_FILES:
             return names, f"the script imports more than {MAX_FILES} local files"
-        tree, why = _parse(path)
+        tree, why = _parse(path, budget)
         if tree is None:
             return names, why
         rel = os.path.relpath(os.path.dirname(path), root)
@@ -102,14 +104,26 @@ def _scan(script: str) -> tuple[set[str], str | None]:
     return names, None
 
 
-def _parse(path: str) -> tuple[ast.AST | None, str]:
+def _parse(path: str, budget: list[int]) -> tuple[ast.AST | None, str]:
+    """The file's syntax tree, its size taken from `budget[0]`; or why not.  Only a regular
+    file is read (O_NONBLOCK, checked after the open: a FIFO or a device never blocks us)."""
     try:
-        if os.path.getsize(path) > MAX_BYTES:
-            return None, f"{path} is larger than {MAX_BYTES >> 20} MiB"
-        with open(path, "rb") as f:
-            return ast.parse(f.read(), path), ""
-    except (OSError, SyntaxError, ValueError) as e:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
         return None, f"{path} cannot be read as Python ({type(e).__name__})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None, f"{path} is not a regular file"
+        if st.st_size > budget[0]:
+            return None, f"the script's local code is larger than {MAX_BYTES >> 20} MiB"
+        budget[0] -= st.st_size
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return ast.parse(f.read(budget[0] + st.st_size + 1), path), ""
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        return None, f"{path} cannot be read as Python ({type(e).__name__})"
+    finally:
+        os.close(fd)
 
 
 def _local_files(root: str, mod: str) -> list[str]:

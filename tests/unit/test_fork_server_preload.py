@@ -6,13 +6,14 @@ Scripts the decision cannot see through must get everything."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from leto_run.fork_server.preload import ALL, DCP, DYNAMO, plan
+from leto_run.fork_server.preload import ALL, DCP, DYNAMO, MAX_BYTES, plan
 
 SCRIPTS = {
     "plain.py": """
@@ -137,10 +138,14 @@ def test_every_module_a_script_imports_is_in_its_plan(scripts):
 
 def test_what_cannot_be_seen_through_preloads_everything(scripts, tmp_path):
     (tmp_path / "third_party.py").write_text("import somewhere_else\n")
+    os.mkfifo(tmp_path / "fifo.py")           # never opened for a blocking read
+    (tmp_path / "big.py").write_text("x = 1\n" * (MAX_BYTES // 6 + 1))
     (tmp_path / "broken.py").write_text("def (:\n")
     for argv, why in (([sys.executable, "-u", "-m", "plain"], "-m"),
                       ([sys.executable, "-u", "third_party.py"], "not beside it"),
                       ([sys.executable, "-u", "broken.py"], "cannot be read"),
+                      ([sys.executable, "-u", "fifo.py"], "not a regular file"),
+                      ([sys.executable, "-u", "big.py"], "larger than"),
                       ([sys.executable, "-u", "missing.py"], "cannot be read")):
         got = plan(argv, str(tmp_path), False)
         assert got.modules == ALL and why in got.reason, (argv, got)
