@@ -182,11 +182,12 @@ DRAIN_MODES = {"none": 60.0, "covered": 0.06, "endless": 60.0, "open": 0.06}
 
 
 def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = (),
-          drain: str = "none") -> dict:
+          drain: str = "none", kernel_s: float | None = None) -> dict:
     """One victim, killed while its kernel writes.  `drain`: "none" (no drain words), or the
-    victim opens its drain window around a kernel of DRAIN_MODES[drain] seconds and closes it
-    after the launch ("covered": the kernel ends ~35 ms after the kill; "endless": it never
-    ends on its own) or not ("open": the words must never prove anything)."""
+    victim opens its drain window around a kernel of DRAIN_MODES[drain] seconds (`kernel_s`
+    instead, where given) and closes it after the launch ("covered": the kernel ends ~35 ms
+    after the kill; "endless": it never ends on its own) or not ("open": the words must never
+    prove anything).  The kill comes ~20 ms after the launch."""
     from leto_run.exit_notice import fence_verdict
     from leto_runtime.wire import contract as C
     nfd, npage = notices.page()
@@ -198,7 +199,8 @@ def trial(notices, pages, observe, mem_gib: float, extra: tuple[int, ...] = (),
     env = dict(os.environ, **{C.LETO_EXIT_NOTICE_FD: str(nfd), C.LETO_EXIT_FENCE_FD: str(fence_w),
                               "EXIT_FENCE_PAGE_FDS": ",".join(map(str, extra))})
     p = subprocess.Popen([sys.executable, "-c", CHILD, str(lo_w), str(hi_w), str(PAGE),
-                          str(page_fd), str(mem_gib), drain, str(DRAIN_MODES[drain])], env=env,
+                          str(page_fd), str(mem_gib), drain,
+                          str(DRAIN_MODES[drain] if kernel_s is None else kernel_s)], env=env,
                          pass_fds=(nfd, fence_w, lo_w, hi_w, page_fd) + tuple(extra),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                          cwd=str(ROOT))
