@@ -247,9 +247,9 @@ def classify_failure(f: Failure, last: PastFailure | None) -> Classification:
                               "state cannot be recovered in place")
     if f.script_error:
         return Classification(Verdict.DETERMINISTIC, kind, sig,
-                              f"rank {f.rank} stopped on an error of the script ({sig}) that "
-                              "every generation would meet again: not a HOF (its message is in "
-                              "the failure summary)")
+                              f"rank {f.rank} stopped on an error of the script or of this "
+                              f"node's limits ({sig}) that every generation would meet again: "
+                              "not a HOF (its message is in the failure summary)")
     if f.injected:
         return Classification(Verdict.TRANSIENT, kind, sig,
                               f"rank {f.rank}: {sig} {_at(f.step)} after the injected fault "

@@ -11,7 +11,8 @@ or restarts under --max-restarts, with the message.
 TORCHELASTIC_ERROR_FILE) chains a `sys.excepthook` that writes that torchelastic error file (the
 format of torch's `@record`) for any uncaught exception -- so the agent compares failures by exception
 type and frame even when the script has no `@record` -- and marks a `ScriptError` in it
-(`extraInfo[contract.SCRIPT_ERROR_KEY]`).  A file `@record` already wrote is rewritten with the
+(`extraInfo[contract.SCRIPT_ERROR_KEY]`), as it does the memory pool's `FdLimit` (`recurs`: this
+node's descriptor limit, which every generation would meet again).  A file `@record` already wrote is rewritten with the
 same content and the mark.
 """
 from __future__ import annotations
@@ -39,11 +40,20 @@ _installed = False
 _path: str | None = None
 
 
+def recurs(value: BaseException) -> bool:
+    """Would every generation on this node meet `value` again?  A `ScriptError`, and the
+    memory pool's `FdLimit` (the job's retained pages need more descriptors than the node's
+    hard RLIMIT_NOFILE lets the agent keep: its message names the fix; a promoted or restarted
+    trainer asks for the same pages under the same limit)."""
+    from leto_runtime.wire.protocol import FdLimit
+    return isinstance(value, (ScriptError, FdLimit))
+
+
 def error_record(tp, value, tb) -> dict:
     """torch's error-file content for an exception, with the script-error mark."""
     extra = {"py_callstack": "".join(traceback.format_exception(tp, value, tb)),
              "timestamp": str(int(time.time()))}
-    if isinstance(value, ScriptError):
+    if recurs(value):
         extra[C.SCRIPT_ERROR_KEY] = True
     return {"message": {"message": f"{tp.__name__}: {value}", "extraInfo": extra}}
 

@@ -209,3 +209,31 @@ def test_an_error_of_the_script_the_runtime_names_is_never_recovered_in_place(tm
     assert d["signature"].startswith("PortingError at ") and "an error of the script" in d["reason"]
     assert "is no longer its view of retained memory in step 1" in r.stderr
     assert_nothing_left(evs)
+
+
+def test_retained_pages_beyond_the_node_s_descriptor_limit_are_never_recovered_in_place(tmp_path):
+    """The class of the ScriptError above, met at world size 8 in the recovery harness: the
+    agent's fd keepers need one descriptor per retained page, and under a hard RLIMIT_NOFILE too
+    small for the job's pages the memory pool refuses a trainer's states (`FdLimit`).  Every
+    generation on this node would ask for the same pages under the same limit, so the runtime
+    marks it like a ScriptError: the job stops at once with the limit and its fix (before, a
+    shadow was promoted, failed the same way, and only then did the job stop)."""
+    import resource
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (400, 400))
+
+    ev, out = tmp_path / "ev.jsonl", tmp_path / "out"
+    out.mkdir()
+    r = run(leto_cmd("--standalone", "--nproc-per-node", "2", "--no-status", "--max-restarts",
+                     "0", "--events", str(ev), "--page-bytes", "4096", "--data-pages", "32",
+                     str(ROOT / "examples" / "gpt_inplace.py"), "--steps", "4", "--out", str(out)),
+            base_env(), timeout=150, preexec_fn=low_limit)
+    assert r.returncode == 1, r.stderr[-4000:]
+    evs = events(ev)
+    assert not of(evs, "promote"), "a failure over the descriptor limit was recovered in place"
+    [d] = [e for e in of(evs, "decision") if e.get("verdict")]
+    assert d["verdict"] == "deterministic" and d["signature"].startswith("FdLimit at "), d
+    assert "this node's limits" in d["reason"], d
+    assert "raise the hard limit before starting leto-run" in r.stderr
+    assert_nothing_left(evs)
