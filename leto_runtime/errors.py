@@ -11,8 +11,8 @@ or restarts under --max-restarts, with the message.
 TORCHELASTIC_ERROR_FILE) chains a `sys.excepthook` that writes that torchelastic error file (the
 format of torch's `@record`) for any uncaught exception -- so the agent compares failures by exception
 type and frame even when the script has no `@record` -- and marks a `ScriptError` in it
-(`extraInfo[contract.SCRIPT_ERROR_KEY]`), as it does the memory pool's `FdLimit` (`recurs`: this
-node's descriptor limit, which every generation would meet again).  A file `@record` already wrote is rewritten with the
+(`extraInfo[contract.SCRIPT_ERROR_KEY]`), as it does the memory pool's `FdLimit` of the node's hard
+descriptor limit (`recurs`: every generation would meet it again).  A file `@record` already wrote is rewritten with the
 same content and the mark.
 """
 from __future__ import annotations
@@ -42,11 +42,18 @@ _path: str | None = None
 
 def recurs(value: BaseException) -> bool:
     """Would every generation on this node meet `value` again?  A `ScriptError`, and the
-    memory pool's `FdLimit` (the job's retained pages need more descriptors than the node's
-    hard RLIMIT_NOFILE lets the agent keep: its message names the fix; a promoted or restarted
-    trainer asks for the same pages under the same limit)."""
-    from leto_runtime.wire.protocol import FdLimit
-    return isinstance(value, (ScriptError, FdLimit))
+    memory pool's `FdLimit` of the hard limit itself (the job's retained pages need more
+    descriptors than the node's hard RLIMIT_NOFILE lets the agent or a state manager keep:
+    its message names the fix; a promoted or restarted trainer asks for the same pages under
+    the same limit) -- not one of fds held for a while by replies in flight ("try again").
+    Never raises: it runs in the excepthook."""
+    if isinstance(value, ScriptError):
+        return True
+    try:
+        from leto_runtime.wire.protocol import beyond_hard_limit
+        return beyond_hard_limit(value)
+    except Exception:                   # noqa: BLE001 -- the error file must still be written
+        return False
 
 
 def error_record(tp, value, tb) -> dict:

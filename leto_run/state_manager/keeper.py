@@ -372,7 +372,8 @@ class KeeperLink:
                             f"{len(put)} needed ({held} held by the {n} keeper(s) of this "
                             f"node): " + P.nofile_fix(need, hard, "the agent (fd keepers of "
                                                       "every rank slot of this node)"),
-                            {"capacity": self.capacity, "need": need, "hard": hard})
+                            {"capacity": self.capacity, "need": need, "hard": hard,
+                             P.BEYOND_HARD_LIMIT: True})
         if put:
             ids = list(put)
             self._call({"op": "put", "ids": ids}, [put[i] for i in ids])

@@ -84,7 +84,8 @@ class Pool:
                 self.log(f"WARNING: fd keeper unreachable ({e}); this memory would not survive "
                          "a state-manager crash")
                 if put and isinstance(e, (P.BadFds, P.FdLimit)):
-                    raise P.FdLimit(f"the fd keeper could not take {len(put)} more fds: {e}")
+                    raise P.FdLimit(f"the fd keeper could not take {len(put)} more fds: {e}",
+                                    e.details if isinstance(e, P.FdLimit) else {})
         for pid in drop or []:
             fd = self.fds.pop(pid, None)
             if fd is not None:

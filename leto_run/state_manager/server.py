@@ -323,7 +323,8 @@ class Server:
                         + P.nofile_fix(len(self.pool.fds) + n + self.budget.reserve,
                                        resource.getrlimit(resource.RLIMIT_NOFILE)[1],
                                        "the state manager"),
-                        {"need": n, "soft": soft, "held": len(self.pool.fds)})
+                        {"need": n, "soft": soft, "held": len(self.pool.fds),
+                         P.BEYOND_HARD_LIMIT: True})
 
     # ---- operations (arguments validated here; the pool trusts them) -----------------------
     def op_hello(self, h):

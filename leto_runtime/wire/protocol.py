@@ -490,10 +490,21 @@ def nofile_fix(need: int, hard: int, who: str = "this process") -> str:
             f"fds)")
 
 
+# In an FdLimit's details: the hard RLIMIT_NOFILE itself is below what is needed (not fds
+# held for a while by replies in flight): every retry under the same limit meets it again.
+BEYOND_HARD_LIMIT = "beyond_hard_limit"
+
+
+def beyond_hard_limit(err: BaseException) -> bool:
+    """Is `err` an FdLimit of the hard limit itself (`BEYOND_HARD_LIMIT`)?"""
+    return isinstance(err, FdLimit) and err.details.get(BEYOND_HARD_LIMIT) is True
+
+
 def check_nofile(need: int, who: str = "this process") -> tuple[int, int]:
     """Make room for `need` open files (soft limit raised to the hard one); raise `FdLimit`
     naming the fix when the hard limit is below `need`.  Returns (soft, hard)."""
     soft, hard = raise_nofile_limit()
     if need > soft:
-        raise FdLimit(nofile_fix(need, hard, who), {"need": need, "soft": soft, "hard": hard})
+        raise FdLimit(nofile_fix(need, hard, who), {"need": need, "soft": soft, "hard": hard,
+                                                    BEYOND_HARD_LIMIT: True})
     return soft, hard

@@ -22,7 +22,8 @@ assert resource.getrlimit(resource.RLIMIT_NOFILE) == (900, 900)
 try:
     P.check_nofile(5000, "the state manager")
 except P.FdLimit as e:
-    assert e.code.value == "fd_limit" and e.details == {"need": 5000, "soft": 900, "hard": 900}
+    assert e.code.value == "fd_limit" and e.details == {"need": 5000, "soft": 900, "hard": 900,
+                                                        P.BEYOND_HARD_LIMIT: True}
     print(e.message)
 else:
     raise SystemExit("no FdLimit")
