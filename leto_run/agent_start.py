@@ -61,6 +61,8 @@ def begin(cfg: JobConfig, environ: MutableMapping[str, str],
 
 
 def _preload(cfg: JobConfig, environ) -> preload.Plan:
+    if settings.get().fork_server == "off" or cfg.launch.no_python:
+        return preload.Plan((), "no fork server")
     if settings.get().fork_preload == "all":
         return preload.Plan(preload.ALL, "LETO_FORK_PRELOAD=all")
     return preload.plan(worker_argv(cfg, environ), os.getcwd(), cfg.checkpoint.dir is not None)

@@ -158,3 +158,35 @@ def test_leto_runtime_with_checkpoints_preloads_dcp(tmp_path):
     assert got.modules == (DCP,) and "checkpoints" in got.reason
     (tmp_path / "c.py").write_text("import torch\nm = torch.nn.Linear(2, 2)\nm.compile()\n")
     assert plan([sys.executable, "-u", "c.py"], str(tmp_path), False).modules == (DYNAMO,)
+
+
+def test_the_review_s_cases(tmp_path):
+    """A namespace subpackage, a local file with a library module's name, a symlinked script,
+    a * import, dynamic imports and code: each either followed or opaque (never a plan that
+    misses dynamo); arguments the file system refuses never raise."""
+    opt = "import torch.optim as o\ndef make(m):\n    return o.SGD(m.parameters(), lr=1)\n"
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "sub" / "mod.py").write_text(opt)
+    (tmp_path / "ns.py").write_text("import torch\nfrom pkg.sub import mod\n")
+    (tmp_path / "sched.py").write_text(opt)                   # shadows the library's sched
+    (tmp_path / "shadow.py").write_text("import sched\n")
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "helper.py").write_text(opt)
+    (real / "train.py").write_text("import helper\n")
+    (tmp_path / "link").mkdir()
+    (tmp_path / "link" / "helper.py").write_text("x = 1\n")
+    (tmp_path / "link" / "train.py").symlink_to(real / "train.py")
+    for name in ("ns.py", "shadow.py", "link/train.py"):
+        assert DYNAMO in plan([sys.executable, "-u", name], str(tmp_path), False).modules, name
+    for code, why in (("from pkg import *\n", "imports *"),
+                      ("import importlib\nimportlib.import_module('x')\n", "import_module"),
+                      ("exec(open('x').read())\n", "exec"),
+                      ("import runpy\nrunpy.run_path('x')\n", "runpy"),
+                      ("import torch\nopt = getattr(torch, 'op' + 'tim')\n", "getattr")):
+        (tmp_path / "dyn.py").write_text(code)
+        got = plan([sys.executable, "-u", "dyn.py"], str(tmp_path), False)
+        assert got.modules == ALL and why in got.reason, (code, got)
+    for bad in ("a\0b.py", "\udcff.py"):
+        assert plan([sys.executable, "-u", bad], str(tmp_path), False).modules == ALL
