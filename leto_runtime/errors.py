@@ -50,8 +50,8 @@ def recurs(value: BaseException) -> bool:
     if isinstance(value, ScriptError):
         return True
     try:
-        from leto_runtime.wire.protocol import beyond_hard_limit
-        return beyond_hard_limit(value)
+        from leto_runtime.wire.protocol import BEYOND_HARD_LIMIT, FdLimit
+        return isinstance(value, FdLimit) and value.details.get(BEYOND_HARD_LIMIT) is True
     except Exception:                   # noqa: BLE001 -- the error file must still be written
         return False
 

@@ -130,6 +130,7 @@ AlreadyExists = _error_class("AlreadyExists", ErrorCode.EXISTS)
 SizeMismatch = _error_class("SizeMismatch", ErrorCode.SIZE_MISMATCH)
 NotAuthorized = _error_class("NotAuthorized", ErrorCode.NOT_AUTHORIZED)
 FdLimit = _error_class("FdLimit", ErrorCode.FD_LIMIT)
+BEYOND_HARD_LIMIT = "beyond_hard_limit"     # FdLimit.details: the hard limit is below the need
 PoolOutOfMemory = _error_class("PoolOutOfMemory", ErrorCode.OUT_OF_MEMORY)
 DeviceUnavailable = _error_class("DeviceUnavailable", ErrorCode.DEVICE_UNAVAILABLE)
 Busy = _error_class("Busy", ErrorCode.BUSY)
@@ -465,9 +466,7 @@ def raise_nofile_limit() -> tuple[int, int]:
 
     The hard limit is left alone (raising it needs privileges and is the operator's call:
     `check_nofile` names the fix).  Why: SCM_RIGHTS silently drops fds beyond the limit
-    (unix(7)); a pool of 64 GiB in 2 MiB pages is 32,768 fds in the state manager and as many
-    in the agent's keeper.
-    """
+    (unix(7)); a pool of 64 GiB in 2 MiB pages is 32,768 fds here and in the agent's keeper."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -488,16 +487,6 @@ def nofile_fix(need: int, hard: int, who: str = "this process") -> str:
             f"`LimitNOFILE={need}`, or the `nofile` line in /etc/security/limits.conf), or use "
             f"larger pages (recovery.page_bytes / --page-bytes: twice the page size halves the "
             f"fds)")
-
-
-# In an FdLimit's details: the hard RLIMIT_NOFILE itself is below what is needed (not fds
-# held for a while by replies in flight): every retry under the same limit meets it again.
-BEYOND_HARD_LIMIT = "beyond_hard_limit"
-
-
-def beyond_hard_limit(err: BaseException) -> bool:
-    """Is `err` an FdLimit of the hard limit itself (`BEYOND_HARD_LIMIT`)?"""
-    return isinstance(err, FdLimit) and err.details.get(BEYOND_HARD_LIMIT) is True
 
 
 def check_nofile(need: int, who: str = "this process") -> tuple[int, int]:
