@@ -60,7 +60,7 @@ from leto_run.unfired import InjectLedger
 from leto_run.worker_cmd import worker_argv
 from leto_run.fork_server.client import Launcher
 from leto_run.worker_env import job_token_kv, shared_env
-from leto_run.agent_start import AgentStart, begin
+from leto_run.agent_start import AgentStart, begin, serves
 from leto_runtime.control_auth import ForgedControlKey, key_to_hex
 from leto_runtime.wire import settings
 
@@ -160,8 +160,7 @@ class Agent:
         """Forked from this process before (`start.server`), or exec'd now, early: its preload
         overlaps the rendezvous (docs/ARCHITECTURE.md, "The fork server")."""
         cfg = self.cfg
-        serve = settings.get().fork_server != "off" and not cfg.launch.no_python
-        return Launcher(serve, worker_argv(cfg)[0], shared_env(os.environ, self.token), self.log,
+        return Launcher(serves(cfg), worker_argv(cfg)[0], shared_env(os.environ, self.token), self.log,
                         self.events.emit, forked=start.server, note=start.server_note,
                         preload=start.preload)
 

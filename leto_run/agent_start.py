@@ -37,10 +37,15 @@ class AgentStart:
     preload: preload.Plan = preload.Plan(preload.ALL, "")   # the server's imports after torch
 
 
+def serves(cfg: JobConfig) -> bool:
+    """Does this job have a fork server at all (LETO_FORK_SERVER not off, no --no-python)?"""
+    return settings.get().fork_server != "off" and not cfg.launch.no_python
+
+
 def refusal(cfg: JobConfig, environ, reexecuted: bool) -> str | None:
     """Why this agent's fork server cannot be a fork of it (`inherit.refusal`)."""
     mode = settings.get().fork_server
-    if mode == "off" or cfg.launch.no_python:
+    if not serves(cfg):
         return "the fork server is off (LETO_FORK_SERVER=0, --no-python)"
     if mode == "exec":
         return "LETO_FORK_SERVER=exec"
@@ -61,7 +66,7 @@ def begin(cfg: JobConfig, environ: MutableMapping[str, str],
 
 
 def _preload(cfg: JobConfig, environ) -> preload.Plan:
-    if settings.get().fork_server == "off" or cfg.launch.no_python:
+    if not serves(cfg):
         return preload.Plan((), "no fork server")
     if settings.get().fork_preload == "all":
         return preload.Plan(preload.ALL, "LETO_FORK_PRELOAD=all")

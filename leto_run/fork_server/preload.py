@@ -5,7 +5,8 @@ import them itself: torch._dynamo (~1.7 CPU-s; torch.optim's optimizers, torch.u
 and DDP import it when they are used) and torch.distributed.checkpoint (~1 CPU-s; DCP scripts,
 and leto_runtime's checkpoints).  A script that uses neither -- one on leto_runtime's own
 optimizer, a test's small script -- would pay them for nothing, and its first workers would
-start that much later (docs/BENCHMARKS.md, "the fork server's preload").
+start that much later (docs/ARCHITECTURE.md, "The preload after torch"; the measurements in
+docs/BENCHMARKS.md, "The fork server").
 
 The decision reads source, runs nothing (`ast`): the script's file and the modules beside it
 that it imports (recursively, a bounded number).  A module is wanted when some code names a
@@ -32,8 +33,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-DYNAMO, DCP = "torch._dynamo", "torch.distributed.checkpoint"
-ALL = (DYNAMO, DCP)
+from leto_run.fork_server.server import ALSO_PRELOAD as ALL
+
+DYNAMO, DCP = ALL
 # Dotted names whose use imports the module (measured on torch 2.13: an optimizer's
 # construction, torch.utils.checkpoint, DDP's forward); the parents of a trigger name none.
 TRIGGERS = {
@@ -73,15 +75,13 @@ def _plan(script: str, checkpoints: bool) -> Plan:
     names, why = _scan(script)
     if why is not None:
         return Plan(ALL, why)
-    want = [m for m in ALL if any(_under(n, t) for n in names for t in TRIGGERS[m])]
-    if checkpoints and DCP not in want and any(_under(n, "leto_runtime") for n in names):
-        want.append(DCP)
-    want = [m for m in ALL if m in want]
+    named = sorted({t for m in ALL for t in TRIGGERS[m] if any(_under(n, t) for n in names)})
+    ckpt = checkpoints and any(_under(n, "leto_runtime") for n in names)
+    want = tuple(m for m in ALL if set(named) & set(TRIGGERS[m]) or (m == DCP and ckpt))
     if not want:
         return Plan((), "the script's code names none of the triggers")
-    return Plan(tuple(want), "the script's code names " + ", ".join(
-        sorted({t for m in want for n in names for t in TRIGGERS[m] if _under(n, t)}
-               | ({"leto_runtime with checkpoints"} if DCP in want and checkpoints else set()))))
+    return Plan(want, "the script's code names " + ", ".join(
+        named + (["leto_runtime with checkpoints"] if ckpt else [])))
 
 
 def _under(name: str, prefix: str) -> bool:
