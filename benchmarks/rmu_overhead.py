@@ -24,7 +24,8 @@ memory, for:
   **rmu_pipelined** (LETO_RMU_UNDO_PIPELINE=1: two undo slots, each chunk's undo copy beside the
   previous chunk's kernel instead of in line), **rmu_inlinewb** (LETO_RMU_WB_OVERLAP=0: each
   group's parity write-back and tier 2 in line, before the next group's chunks; the default
-  until 2026-11-30 03:30 UTC),
+  until 2026-11-30 03:30 UTC), **rmu_unbounded** (LETO_RMU_LOOKAHEAD=0: the host queues every
+  chunk without waiting for the GPU, the default until 2026-12-07),
   **rmu_twokernel** (LETO_RMU_FUSED_SYNDROME=0:
   AdamW writing delta pages, then the batched syndrome delta, instead of cuda/adamw_syndrome.cu;
   one undo slot), **rmu_hostfunc** (LETO_RMU_STREAM_MARKER=hostfunc: marker writes by a host

@@ -14,6 +14,7 @@ BASELINES = ("reference", "sync_snapshot", "async_snapshot")
 RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
            "rmu_pipelined": {"LETO_RMU_UNDO_PIPELINE": "1"},
            "rmu_inlinewb": {"LETO_RMU_WB_OVERLAP": "0"},
+           "rmu_unbounded": {"LETO_RMU_LOOKAHEAD": "0"},   # the host queues every chunk unwaited
            "rmu_twokernel": {"LETO_RMU_FUSED_SYNDROME": "0"},
            "rmu_hostfunc": {"LETO_RMU_STREAM_MARKER": "hostfunc"},
            "rmu_prev": {"LETO_RMU_FUSED_SYNDROME": "0", "LETO_RMU_STREAM_MARKER": "hostfunc"},
@@ -21,7 +22,7 @@ RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
            "rmu_f4s": {"LETO_RMU_FUSED_LAYOUT": "4x2x3-statemajor"},
            "rmu_f2": {"LETO_RMU_FUSED_LAYOUT": "2x2x3"},
            "rmu_f2s": {"LETO_RMU_FUSED_LAYOUT": "2x2x3-statemajor"}}
-ALTERNATIVES = ("rmu_pipelined", "rmu_inlinewb", "rmu_twokernel", "rmu_hostfunc", "rmu_prev",
+ALTERNATIVES = ("rmu_pipelined", "rmu_inlinewb", "rmu_unbounded", "rmu_twokernel", "rmu_hostfunc", "rmu_prev",
                 "rmu_f4s", "rmu_f2", "rmu_f2s")
 ALL = (*BASELINES, *RMU_ENV)
 

@@ -68,11 +68,11 @@ from leto_runtime.wire.contract import INJECT_POINTS
 GRAMMAR = ("KIND[=ARG]:rank=R:(after=T|step=N)[:attempt=A][:gen=G][:at=POINT][:role=active]"
            "[:group=G:chunk=C:garbage=1]")
 EXAMPLE = "kill:rank=1:after=5s"
-# Where the runtime passes which coordinates (leto_runtime/rmu/updater.py's `inject` calls): a
-# chunk only inside a chunk transaction, a group at every rmu.* point but the step's end, the
-# garbage callback at the two points that write into the chunk.  A key the point never passes
-# would never match, so the spec would never fire.
-CHUNK_POINTS = ("rmu.undo", "rmu.update", "rmu.delta", "rmu.commit")
+# Where the runtime passes which coordinates (the `inject` calls of leto_runtime/rmu/updater.py
+# and lookahead.py): a chunk inside a chunk transaction and in the wait after it, a group at
+# every rmu.* point but the step's end, the garbage callback at the two points that write into
+# the chunk.  A key the point never passes would never match, so the spec would never fire.
+CHUNK_POINTS = ("rmu.undo", "rmu.update", "rmu.delta", "rmu.commit", "rmu.lookahead")
 GROUP_POINTS = CHUNK_POINTS + ("rmu.load", "rmu.writeback", "rmu.tier2", "rmu.writeback.drop")
 GARBAGE_POINTS = ("rmu.update", "rmu.delta")
 

@@ -20,13 +20,12 @@ C_j stands for chunk j of params, exp_avg and exp_avg_sq together (one transacti
 their three pairs of parity buffers.  The marker is written after each operation has finished
 (on GPU after the stream reached it), so it never claims work that is not done.
 
-`transactions=False` is the ablation of the paper's Fig. 12: chunks are updated in place with
-no undo copy and no per-chunk parity commit (parity is re-encoded at the end of the group), so
-a crash inside the update leaves state that can only be updated a second time -- the run
-diverges.  It exists to show that exactness comes from the transactions.
+`transactions=False` is the ablation of the paper's Fig. 12: no undo copy and no per-chunk
+parity commit (parity re-encoded at the end of the group), so a crash inside the update leaves
+state that can only be updated a second time: the run diverges (exactness is the transactions').
 
-`inject(point, **where)` is called before each operation (points in
-`leto_runtime.wire.contract.INJECT_POINTS`); the trainer's fault injection kills the process there.
+`inject(point, **where)` is called before each operation (`contract.INJECT_POINTS`); the
+trainer's fault injection kills the process there.
 `where` carries `step`, `group`, `chunk` and `garbage`: a callable that scribbles random bytes
 into the chunk being updated and the scratch parity, as a kill in the middle of a kernel would
 leave them.
@@ -41,25 +40,20 @@ recovery.  `lend=False` (or LETO_LEND=0) turns it off.
 
 The work is split three ways (same transactions, same bits on every path).  This module orders
 each iteration: the operations, the marker writes that claim them, the injection points.
-`chunk_ops.ChunkOps` is a chunk's data path -- undo copy, AdamW, parity delta: on CUDA the fused
-kernels (`fused.Fused`: params and moments in one kernel that also writes the delta pages
-old ^ new, then `ParityCode.update_delta_many` for the three states' Q' = Q ^ delta in one
-batched launch; or AdamW and the delta in one kernel), on CPU replayed calls.
-`side_stream.SideStream` runs the next group's parity load and the overlapped write-back beside
-the current stream (CUDA).
+`chunk_ops.ChunkOps` is a chunk's data path -- undo copy, AdamW, parity delta (CUDA: the fused
+kernels of `fused.Fused`; CPU: replayed calls).  `side_stream.SideStream` runs the next group's
+parity load and the overlapped write-back beside the current stream (CUDA).
 `profile = {}` makes every `lap()` synchronize and charge the time to a phase (benchmarks).
 
-Marker writes on CUDA are stream-ordered (`Marker.write_async`, cudaLaunchHostFunc): each is
-queued right behind the operation it claims and before the one it guards, so the host queues a
-whole group without waiting and the GPU runs the operations back to back (H200, 1.42B
-parameters, rmu_overhead --accum 8: update 98.8 ms with a fence per marker, 77.4 ms streamed, of
-which the GPU is busy 61.6 ms; docs/BENCHMARKS.md).  The update settles
-(waits for its queued work) before it returns, and the fault injection settles before it fires
+Marker writes on CUDA are stream-ordered (`Marker.write_async`): each is queued right behind the
+operation it claims and before the one it guards, so the host never waits for a marker and the
+GPU runs the operations back to back; the host stays at most LETO_RMU_LOOKAHEAD chunks ahead of
+the GPU, waiting inside a closed drain window (`lookahead.py`).  The update settles (waits for
+its queued work) before it returns, and the fault injection settles before it fires
 (`leto_runtime.faults`): a kill then strikes with the GPU caught up to the host, as the kill
 points are defined.  On CPU, or with LETO_RMU_STREAM_MARKER=0, every marker write is "fence,
 then host store".  By default on CUDA the record is stored by a one-block kernel into registered
-host memory (cuda/marker_kernel.cu: no driver-thread round trip); LETO_RMU_STREAM_MARKER=hostfunc
-queues a host function instead.
+host memory (cuda/marker_kernel.cu); LETO_RMU_STREAM_MARKER=hostfunc queues a host function.
 
 With LETO_RMU_UNDO_PIPELINE=1, where the chunk runs as one kernel (AdamW + parity delta from the
 undo copy, `fused`) or on CPU, the undo state's two halves are two undo slots (chunk_ops.py; off
@@ -80,6 +74,7 @@ import torch
 from leto_runtime.wire import settings
 from leto_runtime.rmu import adamw as A
 from leto_runtime.rmu.chunk_ops import ChunkOps
+from leto_runtime.rmu.lookahead import Lookahead
 from leto_runtime.rmu.marker import GState, Marker, Phase, Record
 from leto_runtime.rmu.side_stream import SideStream
 from leto_runtime.rmu.states import StateSet
@@ -153,6 +148,8 @@ class Updater:
                                group_kernel=self._group_kernel() if plan is not None else None)
         from leto_runtime import drain as D     # CUDA: promotion without the exit fence
         self.drain = D.for_device(ss.device) if self.cuda and drain else D.OFF
+        self.ahead = Lookahead(knobs.rmu_lookahead if self.streamed else 0, self._drain_close,
+                               self.drain.open, self.inject)
 
     def _group_kernel(self):
         """With a plan on CUDA with transactions: hyper -> its checked fused kernel or None."""
@@ -365,6 +362,7 @@ class Updater:
 
     def _run(self, t: int, start_group: int) -> None:
         self.chunks.check()
+        self.ahead.clear()
         coef = torch.tensor(self.marker.rec.coef, dtype=torch.float32, device=self.gflat.device)
         lr = A.lr_at(self.cfg, t) if self.plan is None else None      # a plan: per group
         for g in range(start_group, len(self.ss.model[0].groups)):
@@ -403,6 +401,7 @@ class Updater:
             chunks = ss.chunks(g)
             for j in range(rec.chunk, len(chunks)):
                 self._chunk(t, g, j, chunks[j], coef, lr)
+                self.ahead.queued(t, g, j)
                 if late:
                     self._drop_writeback(t, g)
                     late = False

@@ -15,12 +15,14 @@ from leto_run.inject_checks import never_fires
 from leto_runtime.wire.contract import INJECT_POINTS
 from leto_runtime.rmu.states import Geometry, pick_chunk_pages
 
-UPDATER = Path(__file__).resolve().parents[2] / "leto_runtime" / "rmu" / "updater.py"
+RMU = Path(__file__).resolve().parents[2] / "leto_runtime" / "rmu"
+FIRING = ("updater.py", "lookahead.py")         # the modules that fire the rmu.* points
 
 
 def updater_points() -> dict[str, set[str]]:
     """point -> the keywords the updater passes with it (`**where` is step, group, chunk)."""
-    tree = ast.parse(UPDATER.read_text())
+    tree = ast.Module(body=[n for f in FIRING for n in ast.parse((RMU / f).read_text()).body],
+                      type_ignores=[])
     wheres = {}
     for n in ast.walk(tree):
         if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and \

@@ -1,0 +1,54 @@
+"""How far the update's host runs ahead of the GPU (CUDA, with the drain words on).
+
+Why: a trainer killed while its queued GPU work still runs can be promoted past before its exit
+fence only if that work ends before the driver's teardown stops it (leto_runtime/drain.py:
+the drain words then prove it done); the teardown stops a dead context's kernels some 10 ms
+after the kill, and its fence comes 50-100 ms later (docs/BENCHMARKS.md, "When a killed
+trainer's kernels stop writing").  Unbounded, the host queues a whole group's chunks and then
+spends the phase launching and in one final wait; a death mid-update then leaves tens of
+milliseconds of queued work and the fence decides.  Bounded to `depth` chunks queued behind
+the one the GPU runs, the host spends most of the update in short waits inside a closed drain
+window, each leaving at most `depth + 1` chunks of queued work, and launches the next chunk
+while the GPU still has `depth` to run: no bubble as long as a chunk's launches take less host
+time than a chunk takes on the device.
+
+Calling contract: `Lookahead(depth, close, open_, inject)`, `depth` 0 = off (no waits);
+`queued(t, g, j)` after each chunk's work and commit are queued on the current stream;
+`clear()` once the update's work is waited for (its settle) or abandoned.  `close()` /
+`open_()` are the updater's drain window (close before the host waits, open after);
+`inject(point, **where)` its fault point, fired inside the closed window.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class Lookahead:
+    def __init__(self, depth: int, close, open_, inject):
+        self.depth, self.close, self.open_, self.inject = depth, close, open_, inject
+        self.pending: deque = deque()
+
+    @property
+    def on(self) -> bool:
+        return self.depth > 0
+
+    def queued(self, t: int, g: int, j: int) -> None:
+        """Chunk j of group g is queued: wait (window closed) until no more than `depth`
+        chunks are queued behind the one the GPU runs."""
+        if not self.on:
+            return
+        ev = torch.cuda.Event()
+        ev.record()
+        self.pending.append(ev)
+        if len(self.pending) <= self.depth:
+            return
+        oldest = self.pending.popleft()
+        self.close()
+        self.inject("rmu.lookahead", step=t, group=g, chunk=j)
+        oldest.synchronize()
+        self.open_()
+
+    def clear(self) -> None:
+        self.pending.clear()
