@@ -218,6 +218,10 @@ class Faults:
         if first is not None and s < first:
             return (f"generation {self.ctx.generation} began training at step {first}, after "
                     f"step {s}")
+        if at == "rmu.lookahead":
+            return (f"step {s}'s update never waited for the GPU where the spec names: the point "
+                    "comes only on CUDA with stream-ordered marker writes and LETO_RMU_LOOKAHEAD "
+                    "> 0, once that many chunks of the update are queued (not at its first ones)")
         groups = self._seen.get(at) if self._seen_step == s else None
         g, c = _get(inj, "group"), _get(inj, "chunk")
         if groups and inj.get("kind") != "pages" and g is not None:

@@ -141,13 +141,14 @@ def go_key(generation: int, rank: int) -> str:
 # Named points inside the runtime where step-triggered injections can fire (`at=POINT`).
 # "step" is the start of the step (leto_runtime.heartbeat); the rmu.* points are the operations of
 # Pseudocode 1 (before the operation runs; rmu.settle: everything queued, before the host waits
-# for it, and rmu.lookahead: chunk j queued, before the host waits for chunk j-1 -- deaths there
-# are ones the drain words prove, leto_runtime/drain.py); recovery.* are
+# for it, and rmu.lookahead: chunk j queued, before the host waits for chunk j - LETO_RMU_LOOKAHEAD
+# on CUDA -- deaths there are ones the drain words prove, leto_runtime/drain.py); recovery.* are
 # phases of a promoted trainer.
 INJECT_POINTS = (
     "step", "forward", "backward", "grads.allreduce", "grads.protect", "sync", "sync.after",
     "rmu.load", "rmu.undo", "rmu.update", "rmu.delta", "rmu.commit", "rmu.writeback",
-    "rmu.tier2", "rmu.writeback.drop", "rmu.done", "rmu.settle", "rmu.lookahead", "recovery.localize", "recovery.reconstruct", "recovery.finish",
+    "rmu.tier2", "rmu.writeback.drop", "rmu.done", "rmu.settle", "rmu.lookahead",
+    "recovery.localize", "recovery.reconstruct", "recovery.finish",
     "checkpoint.write",     # rank 0's checkpoint writer, its files written, the manifest not yet
     "checkpoint.snapshot",  # rank 0's shadow: its copy of the state taken, not yet claimed
 )

@@ -136,7 +136,7 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "rmu_stream_marker": ("LETO_RMU_STREAM_MARKER", _choice("kernel", "hostfunc", "1", "0"), "kernel"),
     "rmu_undo_pipeline": ("LETO_RMU_UNDO_PIPELINE", _flag, False),
     "rmu_wb_overlap": ("LETO_RMU_WB_OVERLAP", _flag, True),
-    "rmu_lookahead": ("LETO_RMU_LOOKAHEAD", _count(0, 64), 1),     # chunks queued ahead (rmu/lookahead.py)
+    "rmu_lookahead": ("LETO_RMU_LOOKAHEAD", _count(0, 16), 1),     # chunks queued ahead (rmu/lookahead.py)
     # a waiting shadow's rehearsed update on scratch (leto_runtime/rmu/rehearsal.py)
     "rehearse": ("LETO_REHEARSE", _flag, True),
     # the device memory (MiB) a waiting shadow's warm-up may take (leto_runtime/warmup.py);

@@ -48,7 +48,9 @@ CASES = {
     "nccl-hang-sync.after": (1, ["hang:rank=0:step=6:at=sync.after"]),
     # deaths while the host waits for the update's queued work: promoted on the drain words
     "nccl-rmu.settle-drained": (1, ["kill:rank=0:step=5:at=rmu.settle"]),
-    # chunk 1 of group 0 queued, the host waiting for chunk 0 (the lookahead, LETO_RMU_LOOKAHEAD)
+    # chunk 1 of group 0 queued, the host waiting for chunk 0 (the lookahead, LETO_RMU_LOOKAHEAD):
+    # the window is closed there (an injected kill settles the GPU first, so the kill with work
+    # still queued is the harness's, docs/BENCHMARKS.md)
     "nccl-rmu.lookahead-drained": (1, ["kill:rank=0:step=5:at=rmu.lookahead"]),
     # two gloo ranks on one GPU
     "gloo2-two-ranks-rmu": (2, ["kill:rank=0:step=4:at=rmu.commit:group=0:chunk=2",

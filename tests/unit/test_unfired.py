@@ -68,7 +68,8 @@ def test_the_runtime_reports_rmu_injections_that_name_what_the_model_lacks(tmp_p
         "kill:rank=0:step=0:at=rmu.update:group=1:chunk=6",     # group 1 has chunks 0..2
         "kill:rank=0:step=0:at=rmu.writeback.drop",             # a point step 0 never reaches
         "kill:rank=0:step=1:at=recovery.localize",              # generation 0 never recovers
-        "kill:rank=0:step=5:at=rmu.load")]                      # a step not reached: the agent's
+        "kill:rank=0:step=5:at=rmu.load",                       # a step not reached: the agent's
+        "kill:rank=0:step=1:at=rmu.lookahead:group=0:chunk=0")]  # no wait there (CPU: none at all)
     server = HeartbeatServer(str(tmp_path / "hb.sock"))
     env = {**os.environ, C.LETO_CONTRACT_VERSION: str(C.CONTRACT_VERSION),
            C.LETO_HEARTBEAT_SOCKET: server.path, C.LETO_INJECT_PLAN: json.dumps(plan),
@@ -88,4 +89,7 @@ def test_the_runtime_reports_rmu_injections_that_name_what_the_model_lacks(tmp_p
                                        "step 0 ran for its chunk(s) 0..2")
     assert got[plan[2]["text"]] == (0, "step 0 passed without reaching at=rmu.writeback.drop")
     assert "never reached at=recovery.localize" in got[plan[3]["text"]][1]
-    assert plan[4]["text"] not in got and len(got) == 4
+    assert plan[4]["text"] not in got
+    step, why = got[plan[5]["text"]]
+    assert step == 1 and "LETO_RMU_LOOKAHEAD" in why and "no chunk" not in why, why
+    assert len(got) == 5
