@@ -1,4 +1,5 @@
-"""`leto-run`: the command-line entry point (console script `leto-run = leto_run.cli:main`).
+"""`leto-run`: the command line (the console script's entry is `leto_run.entry:main`, which
+re-executes for the fork server first and then calls `run_entry` here).
 
 `leto-run [OPTIONS] TRAINING_SCRIPT [SCRIPT_ARGS]...` takes every torchrun option (dashed and
 underscored spellings, `PET_*` environment equivalents) plus Leto's own.  Everything after
@@ -265,16 +266,18 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> C.JobC
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry: parse, build the config, run the job, exit with its code.
-    `argv` given: a call in-process (the job runs, but the process is the caller's)."""
+    """Parse, build the config, run the job, exit with its code.  `argv` given: a call
+    in-process (the job runs, but the process is the caller's); else this process's entry
+    (`leto_run.entry.main`, which the console script calls directly)."""
     if argv is not None:
         cli.main(args=argv, prog_name=PROG)
         return
-    from leto_run.fork_server import inherit
-    token, marked = inherit.take_token(os.environ)
-    if token is not None and inherit.strip_padding(sys.argv):
-        inherit.retitle(inherit.original_argv(sys.orig_argv, reexecuted=True))
-    else:
-        token = None            # not re-executed by us (a marker without the padding is not)
+    from leto_run import entry
+    entry.main()
+
+
+def run_entry(token: str | None, reexec_tried: bool) -> None:
+    """The CLI as a process's entry (`leto_run.entry`): `token`, the job token this process
+    was re-executed with (None: it was not); `reexec_tried`: it must not re-execute again."""
     cli.main(prog_name=PROG, obj={"process_entry": True, "reexec_token": token,
-                                  "reexec_tried": marked})
+                                  "reexec_tried": reexec_tried})

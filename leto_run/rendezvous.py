@@ -31,6 +31,7 @@ where it must, and `ControlForged` for a rendezvous value that does not verify.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import json
@@ -41,6 +42,7 @@ from typing import Any
 from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo,
                                                   RendezvousParameters, RendezvousStoreInfo)
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
     DEFAULT_PORT as C10D_DEFAULT_PORT, C10dRendezvousBackend)
@@ -174,12 +176,37 @@ class RoundResult:
     worker_store_server: Any = None     # keep a reference: the server lives as long as it does
 
 
+@contextlib.contextmanager
+def _no_skew(single_node: bool):
+    """torch's dynamic rendezvous sleeps 0-300 ms before its first round, to skew the joins of
+    several nodes apart; a one-node job has no other node, and would pay it at every start
+    (docs/BENCHMARKS.md, "Launcher overhead").  For that round only, a one-node job's handler
+    gets a `_delay` that skips the random skew (a range) and keeps every other delay (the
+    one-second polls); without that private function (another torch) nothing changes."""
+    orig = getattr(dynamic_rendezvous, "_delay", None)
+    if not single_node or orig is None:
+        yield
+        return
+
+    def delay(seconds):
+        if not isinstance(seconds, tuple):
+            orig(seconds)
+
+    dynamic_rendezvous._delay = delay
+    try:
+        yield
+    finally:
+        dynamic_rendezvous._delay = orig
+
+
 def next_round(handler: RendezvousHandler, *, round_no: int, restart_count: int, role: str,
                local_world_size: int, master_addr: str | None, master_port: int | None,
                store_timeout: float = 900.0, single_node: bool = False) -> RoundResult:
-    """One round; `single_node` (max nodes 1): the worker store listens on loopback only."""
+    """One round; `single_node` (max nodes 1): the worker store listens on loopback only, and
+    the first round skips torch's skew of several nodes' joins (`_no_skew`)."""
     try:
-        info = handler.next_rendezvous()
+        with _no_skew(single_node):
+            info = handler.next_rendezvous()
     except ForgedControlKey as e:
         raise job_secret.forged("the rendezvous", e.key, e.reason, not single_node) from e
     except Exception as e:

@@ -11,7 +11,7 @@ worker's), whose command-line area has room for a worker's command line (a worke
 own over it, `server._retitle`), and whose exec-time environment carries the job token (a forked
 process's /proc/PID/environ is the block its ancestor was exec'd with, and the guardian and the
 stop find escaped descendants by the token there).  So `leto-run` re-executes itself once at
-its start (`reexec`): the same interpreter and entry with ``-u`` first, the token and
+its start (`reexec`, from `leto_run.entry`): the same interpreter and entry with ``-u`` first, the token and
 `LETO_AGENT_EXEC` (equal to it) in the environment, `TITLE_ROOM` empty arguments at the end.
 The re-executed agent takes the marker out of its environment (`take_token`), strips the
 padding before click parses (`strip_padding`) and writes its original command line over its
@@ -28,8 +28,10 @@ group, parent-death signal, stdin on /dev/null, every other descriptor but 1, 2 
 closed, the interpreter's signal handlers, a fresh interpreter's sys.path), forgets the agent's
 own modules, and runs `server.main`.
 
-Calling contract: `take_token()` and `strip_padding()` first in the console entry;
-`reexec(...)` (does not return unless the exec fails) once the config is built; `fork_server(...)` in the agent's process only.  In the
+Calling contract: `take_token()` and `strip_padding()` first in the console entry
+(`leto_run.entry`); `reexec(...)` (does not return unless the exec fails) there, before the
+CLI's imports, or once the config is built where the entry could not tell; `fork_server(...)`
+in the agent's process only.  In the
 child `fork_server` never returns: a worker's exit is a SystemExit that must reach the
 interpreter's top level (nothing between here and it may catch it); the server's own end is
 `os._exit`.
@@ -80,6 +82,12 @@ def refusal(orig_argv: Sequence[str], executable: str, workers_python: str,
     if not nproc_per_node.isdigit():
         return (f"--nproc-per-node {nproc_per_node} resolves through torch, before the "
                 "OMP_NUM_THREADS rule")
+    return interpreter_options(orig_argv)
+
+
+def interpreter_options(orig_argv: Sequence[str]) -> str | None:
+    """Why `orig_argv` is not a plain ``python [-u] <leto-run script>`` or ``python [-u] -m
+    leto_run`` (None: it is)."""
     rest = list(orig_argv[2:]) if orig_argv[1:2] == ["-u"] else list(orig_argv[1:])
     if rest[:2] == ["-m", "leto_run"] or (rest and not rest[0].startswith("-")):
         return None

@@ -65,3 +65,39 @@ def test_only_the_whole_padding_is_stripped():
     assert strip_padding(argv) and argv == ["leto-run", "t.py", ""]
     argv = ["leto-run", *[""] * (TITLE_ROOM - 1), "x"]
     assert not strip_padding(argv) and argv[-1] == "x"
+
+
+# ---- the early re-execution (leto_run.entry) ----------------------------------------------
+from leto_run.entry import early_refusal  # noqa: E402
+
+
+@pytest.mark.parametrize("orig, argv", [
+    ([PY, "-m", "leto_run", "--nproc-per-node", "2", "t.py"],
+     ["/x/leto_run/__main__.py", "--nproc-per-node", "2", "t.py"]),
+    ([PY, "/bin/leto-run", "t.py", "--lr", "1"], ["/bin/leto-run", "t.py", "--lr", "1"])])
+def test_a_job_s_command_line_re_executes_before_the_cli(orig, argv):
+    """(`orig`: sys.orig_argv, `argv`: sys.argv, as the interpreter sets them)"""
+    assert early_refusal(argv, {}, orig, PY, "auto") is None
+
+
+@pytest.mark.parametrize("args, env, setting, why", [
+    (["t.py"], {}, "off", "LETO_FORK_SERVER=off"),
+    (["t.py"], {}, "exec", "LETO_FORK_SERVER=exec"),
+    (["t.py"], {}, None, "does not parse"),
+    (["--help"], {}, "auto", "the CLI decides"),
+    (["--print-config", "t.py"], {}, "auto", "the CLI decides"),
+    (["--version"], {}, "auto", "the CLI decides"),
+    (["--build-kernels"], {}, "auto", "the CLI decides"),
+    (["--no-python", "prog"], {}, "auto", "--no-python"),
+    (["t.py"], {"PYTHON_EXEC": "/other/python"}, "auto", "PYTHON_EXEC"),
+])
+def test_what_the_entry_can_tell_without_the_config_defers_or_refuses(args, env, setting, why):
+    """Each refusal is one the CLI's own check (after the config) would make too, or a
+    deferral to it: the entry never re-executes where the agent could not use it."""
+    argv = [PY, "-m", "leto_run", *args]
+    assert why in early_refusal(["leto-run", *args], env, argv, PY, setting)
+
+
+def test_an_interpreter_with_options_is_refused_early_too():
+    argv = [PY, "-X", "dev", "-m", "leto_run", "t.py"]
+    assert "interpreter options" in early_refusal(["leto-run", "t.py"], {}, argv, PY, "auto")
