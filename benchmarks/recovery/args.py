@@ -23,8 +23,9 @@ def parse_args(argv):
     p.add_argument("--mtbf", type=float, help="override the preset's seconds between kills")
     p.add_argument("--kills", type=int, help="override the preset's number of kills")
     p.add_argument("--nproc", type=int, help="override the preset's ranks (one node; one GPU "
-                                             "each on a GPU machine): recovery time versus "
-                                             "world size")
+                                             "each with NCCL where there are enough, else "
+                                             "sharing them with gloo, in every system): "
+                                             "recovery time versus world size")
     p.add_argument("--budget", type=float, help="override the preset's total time budget (s)")
     p.add_argument("--leto-args", help="override the preset's extra leto-run options (both "
                                        "modes), e.g. \"--page-bytes 2097152 --hang-timeout 120\"")

@@ -21,7 +21,8 @@ class Preset:
     model: str                   # GPTConfig preset name (examples/gpt.py)
     model_args: tuple = ()       # extra train.py options (--n-layer, --block-size, ...)
     batch_size: int = 8          # sequences per rank per step
-    nproc: int = 2               # ranks (one node); gloo on CPU, NCCL with one GPU per rank
+    nproc: int = 2               # ranks (one node); gloo on CPU, NCCL with one GPU per rank, gloo
+                                 # on shared GPUs where there are fewer GPUs than ranks
     mtbf_s: float = 20.0         # one kill every this many seconds of training
     kills: int = 2
     victims: tuple = (1, 0)      # rank of kill k is victims[k % len(victims)]

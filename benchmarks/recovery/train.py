@@ -251,12 +251,16 @@ class Plain:
         self.a = a
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
-        self.device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+        # leto_runtime's rule (job._pick_device): the local rank's GPU, ranks sharing GPUs
+        # (gloo) where there are fewer GPUs than ranks, so both systems run the same setup
+        cuda = torch.cuda.is_available()
+        per_gpu = cuda and torch.cuda.device_count() >= local_world
+        self.device = (torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda
+                       else torch.device("cpu"))
         if cuda:
             torch.cuda.set_device(self.device)
-        kw = {"device_id": self.device} if cuda else {}
-        dist.init_process_group("nccl" if cuda else "gloo", **kw)
+        kw = {"device_id": self.device} if per_gpu else {}
+        dist.init_process_group("nccl" if per_gpu else "gloo", **kw)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         # Checkpoint collectives (and the resume decision) on their own gloo group: an async
         # save runs them in a background thread, which must not interleave with DDP's
@@ -268,7 +272,7 @@ class Plain:
         model.to_empty(device=self.device)
         self.model = model
         self.ddp = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[local_rank] if cuda else None)
+            model, device_ids=[self.device.index] if cuda else None)
         self.ocfg = adamw_config(a)
         o = self.ocfg
         self.opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
