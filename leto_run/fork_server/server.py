@@ -134,11 +134,15 @@ def _serve(sock: socket.socket, req: dict, fds: list[int], agent: int) -> list[s
     if _readable(r, ADOPT_S):
         got = os.read(r, 32)
     os.close(r)
-    os.waitpid(middle, 0)           # it exits right after its write (or without one)
-    if got.isdigit():
-        wire.send(sock, {"pid": int(got)})
-    else:
-        wire.send(sock, {"error": "the intermediate process failed to fork the worker"})
+    try:
+        if got.isdigit():
+            wire.send(sock, {"pid": int(got)})
+        else:
+            wire.send(sock, {"error": "the intermediate process failed to fork the worker"})
+    finally:
+        # after the reply: the intermediate exits right after its write (or without one), and
+        # its exit -- unmapping its copy of the server -- is not the agent's to wait for
+        os.waitpid(middle, 0)
     return None
 
 
