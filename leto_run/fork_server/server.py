@@ -195,8 +195,11 @@ def _become_worker(sock, req: dict, fds: list[int], agent: int, middle: int) -> 
     os.environ.clear()
     os.environ.update(req["env"])
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-    if "numpy" in sys.modules:          # a fresh interpreter seeds numpy's global state anew
-        sys.modules["numpy"].random.seed()
+    # A fresh interpreter seeds numpy's global generator anew: reseed the one inherited from
+    # the server, if the server made it (numpy 2 imports numpy.random on first use; importing
+    # it here would cost every worker the import, for a generator it then makes fresh anyway).
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
     _arm_notice()
     return list(req["argv"][2:])
 
