@@ -251,12 +251,11 @@ class Plain:
         self.a = a
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        # leto_runtime's rule (job._pick_device): the local rank's GPU, ranks sharing GPUs
-        # (gloo) where there are fewer GPUs than ranks, so both systems run the same setup
+        # leto_runtime's rule (job._pick_device): ranks share GPUs (gloo) where there are fewer
         cuda = torch.cuda.is_available()
-        per_gpu = cuda and torch.cuda.device_count() >= local_world
-        self.device = (torch.device("cuda", local_rank % torch.cuda.device_count()) if cuda
-                       else torch.device("cpu"))
+        n = torch.cuda.device_count() if cuda else 0
+        per_gpu = cuda and n >= local_world
+        self.device = torch.device("cuda", local_rank % n) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
         kw = {"device_id": self.device} if per_gpu else {}
