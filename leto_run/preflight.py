@@ -4,7 +4,8 @@ A `JobConfig` is valid on its own (`leto_run.config`); whether its paths and pro
 depends on this machine, so it is checked here, by `leto_run.cli` right before the agent: the
 log directory can be created (or is a directory we can write), the event log can be written,
 a temporary directory exists for the run directory, the checkpoint directory can be written
-and holds no earlier run's checkpoints, the worker's program can be executed,
+and holds no earlier run's checkpoints, the worker's program can be executed, the script it
+is to run exists (not a module: a torchrun worker would fail to open it on every restart),
 `--nproc-per-node auto|cpu|gpu` resolves, and the tuning knobs in the environment are in their
 domains (`leto_runtime.wire.settings`).  Each problem is a `ConfigError` (exit 2) naming the
 path or option and the fix, raised before the guardian, the state managers or any worker
@@ -122,6 +123,17 @@ def _check_program(cfg: JobConfig, env: Mapping[str, str]) -> None:
                           "directly: chmod +x it), or unset PYTHON_EXEC", source)
 
 
+def _check_script(cfg: JobConfig, source: str | None) -> None:
+    """A script the workers' interpreter is to run (not a module, not --no-python) must be
+    there: every worker would fail to open it, and every restart again."""
+    la = cfg.launch
+    if la.module or la.no_python or os.path.exists(la.training_script):
+        return
+    raise ConfigError("launch.training_script", f"{la.training_script!r} does not exist "
+                      f"(relative paths are from {os.getcwd()!r}, the workers' directory)",
+                      "give the script's path, or -m for a module", source or "TRAINING_SCRIPT")
+
+
 def preflight(cfg: JobConfig, env: Mapping[str, str], sources: Mapping[str, str] | None = None
               ) -> None:
     """Raise `ConfigError` for the first thing that cannot work on this machine (module doc).
@@ -141,6 +153,7 @@ def preflight(cfg: JobConfig, env: Mapping[str, str], sources: Mapping[str, str]
     if cfg.checkpoint.dir is not None:
         _check_checkpoint_dir(cfg.checkpoint.dir, sources.get("checkpoint.dir"), job_name(cfg))
     _check_program(cfg, env)
+    _check_script(cfg, sources.get("launch.training_script"))
     resolve_nproc(cfg.launch.nproc_per_node)
     _check_knobs(env)
 

@@ -125,6 +125,10 @@ CASES = [
      ["logs.events (LETO_EVENTS)", "is a directory"]),
     ("env-python-exec", ["{s}"], {"PYTHON_EXEC": "{d}/no-python"}, {},
      ["PYTHON_EXEC", "{d}/no-python", "not an executable"]),
+    ("cli-script-missing", ["{d}/nope.py"], {}, {},
+     ["launch.training_script (TRAINING_SCRIPT)", "{d}/nope.py", "does not exist"]),
+    ("cli-script-missing-run-path", ["--run-path", "{d}/nope.py"], {}, {},
+     ["launch.training_script", "does not exist"]),
     # ---- --inject that can never fire (item 10) -----------------------------------------
     ("inj-pages-restart", ["--recovery", "restart", "--inject",
                            "pages:rank=0:tier=host:count=1:after=1s", "{s}"], {}, {},
