@@ -45,10 +45,9 @@ def early_refusal(argv: Sequence[str], environ: Mapping[str, str], orig_argv: Se
         return "no job, or not sure: the CLI decides after the config"
     if args & NO_PYTHON:
         return "--no-python"
-    python = environ.get("PYTHON_EXEC")
-    if python and python != executable:
-        return f"the workers run {python!r}, not this interpreter (PYTHON_EXEC)"
-    return inherit.interpreter_options(orig_argv)
+    # the workers' interpreter as leto_run.worker_cmd picks it
+    return (inherit.python_refusal(executable, environ.get("PYTHON_EXEC") or executable)
+            or inherit.interpreter_options(orig_argv))
 
 
 def _fork_server_setting() -> str | None:

@@ -77,12 +77,21 @@ def refusal(orig_argv: Sequence[str], executable: str, workers_python: str,
     """Why the fork server cannot be a fork of this agent (None: it can).  `orig_argv`:
     the interpreter's command line as given (`sys.orig_argv`, re-execution's additions
     removed)."""
-    if not executable or workers_python != executable:
-        return f"the workers run {workers_python!r}, not this interpreter (PYTHON_EXEC)"
+    why = python_refusal(executable, workers_python)
+    if why is not None:
+        return why
     if not nproc_per_node.isdigit():
         return (f"--nproc-per-node {nproc_per_node} resolves through torch, before the "
                 "OMP_NUM_THREADS rule")
     return interpreter_options(orig_argv)
+
+
+def python_refusal(executable: str, workers_python: str) -> str | None:
+    """Why workers running `workers_python` cannot be forks of this interpreter (None: they
+    can)."""
+    if not executable or workers_python != executable:
+        return f"the workers run {workers_python!r}, not this interpreter (PYTHON_EXEC)"
+    return None
 
 
 def interpreter_options(orig_argv: Sequence[str]) -> str | None:

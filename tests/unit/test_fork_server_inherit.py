@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from leto_run.entry import early_refusal
 from leto_run.fork_server.inherit import (TITLE_ROOM, original_argv, reexec_argv, refusal,
                                           strip_padding, take_token)
 
@@ -68,8 +69,6 @@ def test_only_the_whole_padding_is_stripped():
 
 
 # ---- the early re-execution (leto_run.entry) ----------------------------------------------
-from leto_run.entry import early_refusal  # noqa: E402
-
 
 @pytest.mark.parametrize("orig, argv", [
     ([PY, "-m", "leto_run", "--nproc-per-node", "2", "t.py"],
