@@ -213,7 +213,10 @@ def test_checkpoint_settings_reach_the_trainers_and_the_agent_s_own_do_not():
     assert e.value.key == "checkpoint.writer" and "'active'" in e.value.problem
 
 
-def test_preflight_refuses_a_directory_of_an_earlier_run_and_one_under_a_file(tmp_path):
+def test_preflight_refuses_a_directory_of_an_earlier_run_and_one_under_a_file(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("")        # the script preflight looks for
     _write(tmp_path / "old", 6)
     with pytest.raises(ConfigError) as e:
         preflight(_cfg("--checkpoint-dir", str(tmp_path / "old"), "--checkpoint-every", "5"), {

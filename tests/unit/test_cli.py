@@ -109,7 +109,9 @@ def test_double_dash_separates_script():
 
 
 @pytest.fixture
-def fake_agent(monkeypatch):
+def fake_agent(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.py").write_text("")         # the script preflight finds (not run: no agent)
     calls = []
     mod = types.ModuleType("leto_run.agent")
     mod.result = 0
