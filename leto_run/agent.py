@@ -338,6 +338,7 @@ class Agent:
             self._pump_once(self._next_deadline(now, multi_node) - now)
             now = time.monotonic()
             self.sup.check_hangs(now)
+            self.sup.check_lingering(now)
             self.sup.fire_timers(now)
             if self.inplace:
                 self.inplace.tick(now)             # the shadows' preinit levels

@@ -8,7 +8,8 @@ machine), ``wall`` (Unix time), ``event``, ``generation``, and where it applies 
 ``exit_fence`` (GPU machines: a trainer's exit fence, or its drain words -- verdict drained --, said whether its device work stopped),
 ``device_strays`` (GPU machines: orphans holding a dead trainer's device files, killed and
 waited for before the promotion),
-``failure_detected``, ``hang_detected``, ``stack_dump``, ``inject``, ``stop``, ``restart``,
+``failure_detected``, ``hang_detected``, ``stack_dump``, ``exit_lingering`` (a rank that ended its
+loop and is slow to exit: `Supervisor.check_lingering`), ``inject``, ``stop``, ``restart``,
 ``signal``, ``job_end``; in-place recovery (`leto_run.inplace`): ``inplace``, ``shadow_ready``,
 ``hof``, ``demote``, ``promote``, ``promoted``, ``phase``, ``inplace_done``, ``shadow_exit``,
 ``shadow_respawn``, ``inplace_fallback``; the preinitialization controller

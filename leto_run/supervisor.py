@@ -13,7 +13,7 @@ Calling contract: the agent's main thread only.  The in-place policy, when there
 of an active is collateral to a HOF it recovers (`InplaceObserver`).  One handler per selector
 key: `on_exit` (a pidfd), `on_exit_notices` (an exit that began: `leto_run.exit_notice`),
 `on_beats` (the heartbeat socket), `on_signals` (the wakeup fd); once per loop turn
-`check_hangs(now)` and `fire_timers(now)`.
+`check_hangs(now)`, `check_lingering(now)` and `fire_timers(now)`.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import Protocol
 
 from leto_run import errors as E
 from leto_run import job_secret
-from leto_run.decisions import blame_hangs, hang_verdict
+from leto_run.decisions import blame_hangs, hang_verdict, linger_verdict
 from leto_run.exit_notice import fence_verdict
 from leto_run.failures import failure_from_exit
 from leto_run.group import WorkerGroup
@@ -187,7 +187,7 @@ class Supervisor:
                 continue
             elif beat.kind == "bye":
                 sp.hang_deadline = None          # finished its loop; exiting is not a hang
-                sp.finished = True
+                sp.finished, sp.finished_at = True, time.monotonic()
             else:
                 self._on_step_beat(slot, sp, beat)
 
@@ -301,6 +301,27 @@ class Supervisor:
                                  note=f"hang detected: {why}; Python stacks were dumped "
                                       "to this rank's stderr", hang=True)
             self.status.changed()
+
+    def check_lingering(self, now: float) -> None:
+        """A rank that ended its loop and is the last one of the node still running, slow to
+        exit (linger_verdict): its Python stacks go to its log and the agent says so, once; it
+        keeps waiting (a final save may be running; torchrun waits too)."""
+        actives = [(s, s.active) for s in self.group.slots if s.active is not None]
+        for slot, sp in actives:
+            if sp.done or not sp.finished or sp.linger_said:
+                continue
+            if all(o.done for s, o in actives if s is not slot):
+                sp.alone_since = sp.alone_since or now
+            slow, why = linger_verdict(now, sp.finished_at, sp.alone_since, self.cfg.recovery.hang_timeout)
+            if not slow:
+                continue
+            sp.linger_said = True
+            sp.proc.send(C.DUMP_SIGNAL)
+            self.events.emit("exit_lingering", sp.generation, rank=slot.rank, role=sp.role.value,
+                             pid=sp.proc.pid, step=sp.step, reason=why)
+            self.log(f"rank {slot.rank} ({sp.role.value}, pid {sp.proc.pid}) {why}: its Python "
+                     "stacks were dumped to its stderr log; still waiting for it to exit (a "
+                     "final save may be running); if it is stuck, stop the job (Ctrl-C)")
 
     def fire_timers(self, now: float) -> None:
         g = self.group

@@ -1,7 +1,7 @@
 """Pure decision functions and the slot state machine (no processes)."""
 import pytest
 
-from leto_run.decisions import Action, decide_group, hang_verdict
+from leto_run.decisions import Action, decide_group, hang_verdict, linger_verdict
 from leto_run.slot import IllegalTransition, ProcState, SlotProcess, SlotRole
 
 R, S, F = ProcState.RUNNING, ProcState.SUCCEEDED, ProcState.FAILED
@@ -40,6 +40,17 @@ def test_hang_verdict():
     hung, why = hang_verdict(12.5, 12.0, 7.0, 5.0)
     assert hung and "5.5 s" in why
     assert hang_verdict(100.0, 12.0, 7.0, 0.0)[0] is False       # disabled
+
+
+def test_linger_verdict_counts_from_the_later_of_the_bye_and_the_last_peer_exit():
+    assert linger_verdict(50.0, None, 1.0, 5.0)[0] is False       # still in its loop
+    assert linger_verdict(50.0, 1.0, None, 5.0)[0] is False       # a peer still runs
+    assert linger_verdict(50.0, 1.0, 1.0, 0.0)[0] is False        # hang detection off
+    assert linger_verdict(14.9, 2.0, 10.0, 5.0)[0] is False       # alone since 10: 4.9 s
+    slow, why = linger_verdict(15.5, 2.0, 10.0, 5.0)
+    assert slow and "13.5 s ago" in why and "for 5.5 s" in why
+    assert linger_verdict(15.5, 10.0, 2.0, 5.0)[0] is True        # bye after the peers left
+    assert linger_verdict(14.0, 10.0, 2.0, 5.0)[0] is False
 
 
 class _P:
