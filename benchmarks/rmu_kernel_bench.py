@@ -12,7 +12,13 @@ Role: the quick side-by-side that benchmarks/rmu_overhead.py is too slow for (th
   batched syndrome delta over them, `ParityCode.update_delta_many`);
 * **onekernel[LAYOUT]**: cuda/adamw_syndrome.cu in each layout (`leto_runtime.rmu.fused.LAYOUTS`),
   each first checked against the two-kernel path on this device (`Fused.syndrome_check`): a
-  layout that does not give the same bits is reported and not timed.
+  layout that does not give the same bits is reported and not timed;
+* **fold, fold+counts, onecta, onecta-fold** (`fused.BENCH_KERNELS`, kernels the updater does
+  not use): the undo copy folded into the chunk (cuda/adamw_fold.cu: the 3 CTAs of a tile a
+  cluster; with per-tile stage counts), one CTA per tile for the 3 states (cuda/adamw_onecta.cu,
+  reading the undo copy or folding it in), each checked the same way (and the folding ones
+  against the values before the step), next to what they would replace (the undo copy +
+  onekernel[4x2x3]).
 
 Times are CUDA-event means over --reps launches after --warmup; bytes moved are what each kernel
 must read and write at least (HBM traffic, parity pages included), so GB/s compares kernels, not
@@ -141,8 +147,48 @@ def main(argv=None) -> int:
                                              first=a.first, outs=outs, bases=q), a.reps, a.warmup)
         # minimum traffic: old p, m, v and g read, new p, m, v written, parity read and written
         row(label, ms, 7 * chunk_bytes + parity_bytes, "bit-identical to the two-kernel path")
+    fold_rows(a, base, cfg, dev, st, undo, g, coef, code, outs, q, step, chunk_bytes, parity_bytes, row, results,
+              rows)
     report(a, dev, n, S, rows, results)
     return 0
+
+
+def fold_rows(a, base, cfg, dev, st, undo, g, coef, code, outs, q, step, chunk_bytes, parity_bytes, row, results,
+              rows):
+    """The benchmarks' alternatives to the undo copy + onekernel[4x2x3] (fused.BENCH_KERNELS),
+    each self-checked first, next to that pair."""
+    from leto_runtime.rmu import fused as F
+    today = results.get("onekernel[4x2x3]", {}).get("ms")
+    copy = results["copy (undo copy of 3 states)"]["ms"]
+    if today:
+        row("copy + onekernel[4x2x3] (today's chunk)", copy + today, 13 * chunk_bytes + parity_bytes)
+    cluster = torch.cuda.get_device_capability(dev)[0] >= 9
+    written = [torch.empty_like(t) for t in st]
+    page_bytes = st[0].numel() * 4 // a.pages
+    prog = torch.zeros(3 * -(-page_bytes // 4096), dtype=torch.int32, device=dev)   # per state and 4 KiB tile
+    for kernel, what in F.BENCH_KERNELS.items():
+        if kernel.startswith("fold") and not cluster:
+            rows.append(f"| {kernel} | - | - | - | needs sm_90 (clusters) |")
+            continue
+        f = F.Fused(base.ext, cfg, base.variant)
+        try:
+            bad = f.syndrome_check(dev, kernel=kernel)
+        except Exception as e:
+            bad = f"{type(e).__name__}: {e}"
+        if bad:
+            results[kernel] = {"ms": None, "self_check": bad}
+            rows.append(f"| {kernel} | - | - | - | self-check failed: {bad[:160]} |")
+            continue
+        folds = kernel != "onecta"
+
+        def once():
+            if kernel == "fold+counts":
+                prog.zero_()
+            f.chunk_bench_(kernel, st, written if folds else undo, g, step=step, lr=cfg.lr, coef=coef, code=code,
+                           first=a.first, outs=outs, bases=q, progress=prog)
+        # old p, m, v and g read, new (and with the fold old) p, m, v written, parity read and written
+        row(kernel, timed(once, a.reps, a.warmup), (10 if folds else 7) * chunk_bytes + parity_bytes,
+            f"bit-identical; {what}")
 
 
 def report(a, dev, n: int, S: int, rows: list[str], results: dict) -> None:

@@ -14,6 +14,8 @@ namespace leto_rmu {
 struct AdamWSyndromeArgs {
   float* state[3];        // the chunk of params, exp_avg, exp_avg_sq (written: the new values)
   const float* old[3];    // their undo copies (read: the values before this step)
+  float* undo[3];         // the fold kernel's undo copies (written: the values before this step)
+  uint32_t* progress;     // the fold kernel's stage counts, [3][tiles] (zeroed before; or null)
   const float* g;         // the chunk's gradients
   const float* coef;      // 0-dim fp32 on the device (clipping), or null
   AdamWScalars s;
@@ -26,5 +28,18 @@ struct AdamWSyndromeArgs {
 // layout: the kernel's tiling and grid order (adamw_syndrome.cu, 0..3; all give the same bits).
 void adamw_syndrome(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, int variant,
                     int layout, cudaStream_t stream);
+
+// The same chunk with the undo copy folded in (adamw_fold.cu): reads the states in place (f.old
+// unused), writes their old values to f.undo and the new ones in place.  f.progress (if set):
+// per state and 4 KiB tile, the number of 2-page stages (pages n_pad-1-2s, n_pad-2-2s, n_pad =
+// n rounded up to 16) whose undo copy is visible; no new value of a stage is stored before
+// the count includes it.  Layout 0; needs sm_90 (clusters).
+void adamw_syndrome_fold(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, int device,
+                         cudaStream_t stream);
+
+// The same chunk with one CTA per 2 KiB tile for all three states (adamw_onecta.cu): old values
+// from f.old (fold = false) or, with fold, read in place and written to f.undo.
+void adamw_syndrome_onecta(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, bool fold,
+                           cudaStream_t stream);
 
 }  // namespace leto_rmu

@@ -256,11 +256,12 @@ __device__ __forceinline__ void baked_mac(uint32_t (&out)[4][16], uint32_t (&z)[
 // One thread group's whole job: `loop(acc)` runs the Horner page loop into the 4 syndromes of
 // this group (page_loop for syndrome_mix; adamw_syndrome.cu computes its pages on the fly), then
 // the scale, the exchange of syndromes through shared memory and the mix into the outputs.
+// `col`: the thread's column (a kernel that runs several thread sets of kThreads per CTA, each
+// with its own `smem` exchange area, passes its set's own).
 template <class C, int GI, class Loop>
 __device__ __forceinline__ void run_group_with(const SyndromeArgs& a, const MixMasks& masks,
-                                               uint8_t* smem, Loop&& loop) {
+                                               uint8_t* smem, Loop&& loop, int col = thread_col()) {
   constexpr int NB = C::NB;
-  const int col = thread_col();
   const int bl = col / 16, q = col % 16;
   uint32_t acc[4][16];
   static_for<4>([&](auto k) { static_for<16>([&](auto r) { acc[LETO_CV(k)][LETO_CV(r)] = 0u; }); });

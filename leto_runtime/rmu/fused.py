@@ -91,6 +91,40 @@ def load():
     return _ext._cached("rmu_cuda", build)
 
 
+# The benchmarks' chunk kernels (`Fused.chunk_bench_`; extension `load_fold`): the alternatives
+# to the undo copy + adamw_syndrome.cu that benchmarks/rmu_kernel_bench.py measures.
+BENCH_KERNELS = {
+    "fold": "cuda/adamw_fold.cu: the undo copy folded in, the 3 CTAs of a tile a cluster",
+    "fold+counts": "the same with per-tile stage counts ordering undo and in-place stores",
+    "onecta": "cuda/adamw_onecta.cu: one CTA per 2 KiB tile for the 3 states, reads the undo copy",
+    "onecta-fold": "the same with the undo copy folded in (states read in place)",
+}
+
+
+def load_fold():
+    """The benchmarks' chunk kernels (cuda/adamw_fold.cu, adamw_onecta.cu; their own extension:
+    the updater does not use them, so `leto-run --build-kernels` does not build it; JIT-built
+    on first use)."""
+    from leto_runtime.parity import _ext
+
+    def build():
+        import torch.utils.cpp_extension as cpp
+
+        from leto_runtime.parity.errors import ParityBackendUnavailable
+        if torch.version.cuda is None or cpp.CUDA_HOME is None or not torch.cuda.is_available():
+            raise ParityBackendUnavailable("cuda", "no CUDA torch, nvcc or device", "run on a GPU machine")
+        return _ext._load("leto_rmu_fold", ["adamw_fold.cu", "adamw_onecta.cu", "adamw_fold_binding.cpp"], cuda=True,
+                          what="the benchmarks' chunk kernels")
+
+    return _ext._cached("rmu_fold", build)
+
+
+def fold_stages(pages: int) -> int:
+    """The 2-page stages of a fold chunk of `pages` pages (cuda/adamw_fold.cu): stage s holds
+    pages P-1-2s and P-2-2s of P = pages rounded up to 16 (those < pages)."""
+    return ((pages + 15) // 16 * 16) // 2
+
+
 def for_group(device, h, clip: Optional[float]) -> Optional["Fused"]:
     """The fused kernel for one parameter group of a plan (rmu/plan.py), or None when the group
     takes torch ops: a kind other than torch's AdamW, `maximize`, eps = 0 (no AdamWConfig), or
@@ -197,6 +231,32 @@ class Fused:
         views) <- AdamW from `undo` (their values before the step, same sizes) and g; per state y,
         outs[y] (the code's m parity pages, (m, S) uint8) = bases[y] ^ the parity delta of
         undo[y] ^ new[y].  The same bits as step_(deltas=) followed by code.update_delta_many."""
+        self.ext.adamw_syndrome(*self._chunk_args(states, undo, g, step=step, lr=lr, coef=coef, code=code,
+                                                  first=first, outs=outs, bases=bases), self.variant, self.layout)
+
+    def chunk_bench_(self, kernel: str, states: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], g, *,
+                     step: int, lr: float, coef: Optional[torch.Tensor], code, first: int,
+                     outs: Sequence[torch.Tensor], bases: Sequence[torch.Tensor],
+                     progress: Optional[torch.Tensor] = None) -> None:
+        """chunk_syndrome_ through one of the benchmarks' kernels (`BENCH_KERNELS`, extension
+        `load_fold`; the updater uses none of them): the same new states and parity bits.  The
+        folding ones read the states in place and *write* their old values to `undo`; "onecta"
+        reads `undo` as chunk_syndrome_ does.  "fold+counts": `progress` (int32, 3 x 4 KiB tiles
+        of a page, zeroed) counts per state and tile the 2-page stages whose undo copy is
+        visible (`fold_stages`); a stage's new values are stored only once counted."""
+        if kernel not in BENCH_KERNELS:
+            raise ValueError(f"chunk_bench_: kernel {kernel!r} is not one of {', '.join(BENCH_KERNELS)}")
+        if self.variant != 0:
+            raise ValueError("chunk_bench_: only AdamW spelling (variant) 0 is compiled")
+        ext = load_fold()
+        args = self._chunk_args(states, undo, g, step=step, lr=lr, coef=coef, code=code, first=first,
+                                outs=outs, bases=bases)
+        if kernel.startswith("fold"):
+            ext.adamw_syndrome_fold(*args, progress if kernel == "fold+counts" else None)
+        else:
+            ext.adamw_syndrome_onecta(*args, kernel == "onecta-fold")
+
+    def _chunk_args(self, states, undo, g, *, step, lr, coef, code, first, outs, bases) -> tuple:
         import numpy as np
 
         from leto_runtime.parity import delta as D, gf16
@@ -207,14 +267,14 @@ class Fused:
         f32 = lambda t: t.reshape(-1).view(torch.float32)      # noqa: E731
         mix = be._window(np.asarray(gf16.encode_matrix(code.k, code.m)), code.exponents)
         sc = be.scale_window(code.exponents, D.run_scale(code.m, first))
-        self.ext.adamw_syndrome(*[f32(t) for t in states], f32(g), *[f32(t) for t in undo],
-                                None if coef is None else coef.reshape(1),
-                                be._ptrs(rows(outs), dev), be._ptrs(rows(bases), dev), mix, sc,
-                                code.page_bytes, *self._hyper(step, lr), self.variant, self.layout)
+        return (*[f32(t) for t in states], f32(g), *[f32(t) for t in undo],
+                None if coef is None else coef.reshape(1),
+                be._ptrs(rows(outs), dev), be._ptrs(rows(bases), dev), mix, sc,
+                code.page_bytes, *self._hyper(step, lr))
 
-    def syndrome_check(self, device, m: int = 16) -> str:
-        """'' when chunk_syndrome_ gives the two-kernel path's bits on `device`, else what
-        differed.  Cases: a baked (k = 1024, m = 16) and run-time (k = 664, and this job's m)
+    def syndrome_check(self, device, m: int = 16, kernel: str = "copy") -> str:
+        """'' when chunk_syndrome_ (kernel "copy"; else chunk_bench_ with that kernel) gives the
+        two-kernel path's bits on `device`, else what differed.  Cases: a baked (k = 1024, m = 16) and run-time (k = 664, and this job's m)
         mix; runs at offsets that exercise the run scale; a run longer than one 16-page Horner
         period; a page that ends in a partial tile (13 KiB); clipping and weight decay on and
         off; steps 1 and 3."""
@@ -245,9 +305,20 @@ class Fused:
                 code.update_delta_many(want, range(first, first + n), [x.view(torch.uint8).view(n, S) for x in d],
                                        bases=q)
                 got = [torch.empty_like(x) for x in q]
-                f.chunk_syndrome_(st, undo, g, step=step, lr=cfg.lr, coef=coef, code=code, first=first,
-                                  outs=got, bases=q)
                 where = f"k={k} m={mm} first={first} n={n} S={S} step {step}"
+                kw = dict(step=step, lr=cfg.lr, coef=coef, code=code, first=first, outs=got, bases=q)
+                if kernel in ("copy", "onecta"):
+                    (f.chunk_syndrome_(st, undo, g, **kw) if kernel == "copy"
+                     else f.chunk_bench_(kernel, st, undo, g, **kw))
+                else:
+                    written = [torch.full_like(t, float("nan")) for t in st]
+                    prog = torch.zeros(3 * -(-S // 4096), dtype=torch.int32, device=device)
+                    f.chunk_bench_(kernel, st, written, g, progress=prog, **kw)
+                    for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), undo, written):
+                        if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+                            return f"{where}: the {name} undo copy is not the values before the step"
+                    if kernel == "fold+counts" and not bool((prog == fold_stages(n)).all()):
+                        return f"{where}: stage counts {prog.tolist()} after the chunk, not {fold_stages(n)}"
                 for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), ref, st):
                     if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
                         return f"{where}: {name} differs from the fused AdamW kernel"

@@ -220,3 +220,17 @@ def test_adamw_syndrome_kernel_on_full_size_groups(layout, monkeypatch):
         assert torch.equal(a, b)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kernel", list(F.BENCH_KERNELS))
+def test_benchmark_chunk_kernels_pass_the_self_check(kernel):
+    """The benchmarks' chunk kernels (fused.BENCH_KERNELS: the undo copy folded in with a
+    cluster per tile, with stage counts, one CTA per tile with and without the fold) give the
+    two-kernel path's states and parity bits; the folding ones write the values before the step
+    to the undo buffer, bit for bit, and with stage counts every stage of every tile is counted."""
+    if kernel.startswith("fold") and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("thread-block clusters need sm_90")
+    cfg = AdamWConfig(lr=2.2e-4, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0)
+    f = F.Fused.for_device(torch.device("cuda"), cfg)
+    assert f is not None, F.why_not
+    assert f.syndrome_check(torch.device("cuda"), kernel=kernel) == ""
