@@ -69,11 +69,6 @@ struct FusedSmem {
   static constexpr int kBytes = kPipe > C::kSynBytes ? kPipe : C::kSynBytes;
 };
 
-#if __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-#endif
-
 __device__ __forceinline__ uint4 xor_bits(float4 o, float4 n) {
   return make_uint4(__float_as_uint(o.x) ^ __float_as_uint(n.x), __float_as_uint(o.y) ^ __float_as_uint(n.y),
                     __float_as_uint(o.z) ^ __float_as_uint(n.z), __float_as_uint(o.w) ^ __float_as_uint(n.w));
@@ -208,19 +203,16 @@ __device__ __forceinline__ void fused_loop(const SyndromeArgs& a, const leto_rmu
     uint8_t* st = smem + (s % C::kNS) * S::kStage + cdst;
     if constexpr (kFold) {
 #if __CUDA_ARCH__ >= 900
-      // The moments' CTAs leave their new values where g was and arrive at the cluster barrier
-      // of stage s; the params CTA arrives (it is done with stage s-1's buffers) and waits for
-      // them, then reads.  The moments' CTAs wait for stage s only before refilling stage s-1's
-      // buffer (below), so they rarely stall.
+      // The moments' CTAs leave their new values where g was; the params CTA reads them after
+      // the barrier.  (The buffer is refilled only after the next stage's cluster barrier.  A
+      // split arrive/wait, the moments' CTAs waiting only before that refill, measured slower:
+      // docs/BENCHMARKS.md.)
       if (y != 0) {
 #pragma unroll
         for (int p = 0; p < C::kP; ++p)
           if (valid(page_of(s, p))) *slot(st, 1, p) = new_moment<V>(y, *slot(st, 0, p), *slot(st, 1, p), coef, f.s);
-        cluster_arrive();
-      } else {
-        cluster_arrive();
-        cluster_wait();
       }
+      cooperative_groups::this_cluster().sync();
 #pragma unroll
       for (int p = 0; p < C::kP; ++p) {
         const int j = page_of(s, p);
@@ -269,9 +261,6 @@ __device__ __forceinline__ void fused_loop(const SyndromeArgs& a, const leto_rmu
       *reinterpret_cast<volatile uint32_t*>(progress) = static_cast<uint32_t>(s + 1);
       __threadfence();                     // stage's new values (stored after the next barrier)
     }
-#if __CUDA_ARCH__ >= 900
-    if (kFold && y != 0) cluster_wait();   // the params CTA is done with stage s-1's buffer
-#endif
     issue(s + C::kNS - 1);                 // into stage s-1's buffer, free since the first barrier
     const uint8_t* d0 = smem + (s % C::kNS) * S::kStage + bl * C::kBlockStride + q * 4;
 #pragma unroll
