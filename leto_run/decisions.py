@@ -138,19 +138,20 @@ def hang_verdict(now: float, deadline: float | None, last_beat: float | None,
     return True, f"no heartbeat for {now - last_beat:.1f} s (--hang-timeout {timeout:g} s)"
 
 
-def linger_verdict(now: float, finished_at: float | None, alone_since: float | None,
+def linger_verdict(now: float, finished_at: float | None, peers_past_since: float | None,
                    timeout: float) -> tuple[bool, str]:
-    """Is a rank that ended its training loop (its `bye`) slow enough to exit, as the last rank
-    of its node still running, to be worth a look (its stacks dumped, once)?  Not a hang
-    verdict: after the loop a final save may still run, so leto-run waits for it as torchrun
-    does, but says so once `timeout` has passed since both the `bye` and the last peer's exit."""
-    if timeout <= 0 or finished_at is None or alone_since is None:
-        return False, "hang detection off, its loop not ended, or a peer still running"
-    alone = now - max(finished_at, alone_since)
-    if alone < timeout:
-        return False, f"the last rank running for {alone:.1f} s"
-    return True, (f"ended its training loop {now - finished_at:.1f} s ago and is the last rank of "
-                  f"this node still running, for {alone:.1f} s (--hang-timeout {timeout:g} s)")
+    """Is a rank that ended its training loop (its `bye`) slow enough to exit, once every rank
+    of its node has ended its loop or exited (`peers_past_since`), to be worth a look (its
+    stacks dumped, once)?  Not a hang verdict: after the loop a final save may still run, so
+    leto-run waits for it as torchrun does, but says so once `timeout` has passed since both."""
+    if timeout <= 0 or finished_at is None or peers_past_since is None:
+        return False, "hang detection off, or a rank of this node still in its loop"
+    since = now - max(finished_at, peers_past_since)
+    if since < timeout:
+        return False, f"every rank past its loop for {since:.1f} s"
+    return True, (f"ended its training loop {now - finished_at:.1f} s ago and has not exited "
+                  f"{since:.1f} s after every rank of this node ended its loop "
+                  f"(--hang-timeout {timeout:g} s)")
 
 
 def blame_hangs(silent: dict, others_progressing: bool = False) -> tuple[set, str]:

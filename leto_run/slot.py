@@ -81,7 +81,7 @@ class SlotProcess:
     pipes: tuple[int, ...] = ()             # read ends of its stdout/stderr (console labels)
     finished: bool = False                  # its `bye`: the training loop ended
     finished_at: float | None = None        # ... at this monotonic time
-    alone_since: float | None = None        # finished, and every peer of the node has exited
+    peers_past_since: float | None = None   # finished, and every peer of the node too (or exited)
     linger_said: bool = False               # the agent said it is slow to exit (linger_verdict)
     exit_recorded: bool = False             # its `exit` event was emitted (once per process)
     exit_note: dict = field(default_factory=dict)   # why the agent ended it, for that event

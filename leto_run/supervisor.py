@@ -303,16 +303,17 @@ class Supervisor:
             self.status.changed()
 
     def check_lingering(self, now: float) -> None:
-        """A rank that ended its loop and is the last one of the node still running, slow to
-        exit (linger_verdict): its Python stacks go to its log and the agent says so, once; it
-        keeps waiting (a final save may be running; torchrun waits too)."""
+        """A rank that ended its loop, slow to exit once every rank of the node has ended its
+        loop or exited (linger_verdict; ranks stuck in a collective teardown linger together):
+        its Python stacks go to its log and the agent says so, once; it keeps waiting (a final
+        save may be running; torchrun waits too)."""
         actives = [(s, s.active) for s in self.group.slots if s.active is not None]
         for slot, sp in actives:
             if sp.done or not sp.finished or sp.linger_said:
                 continue
-            if all(o.done for s, o in actives if s is not slot):
-                sp.alone_since = sp.alone_since or now
-            slow, why = linger_verdict(now, sp.finished_at, sp.alone_since, self.cfg.recovery.hang_timeout)
+            if all(o.done or o.finished for s, o in actives if s is not slot):
+                sp.peers_past_since = sp.peers_past_since or now
+            slow, why = linger_verdict(now, sp.finished_at, sp.peers_past_since, self.cfg.recovery.hang_timeout)
             if not slow:
                 continue
             sp.linger_said = True

@@ -42,14 +42,14 @@ def test_hang_verdict():
     assert hang_verdict(100.0, 12.0, 7.0, 0.0)[0] is False       # disabled
 
 
-def test_linger_verdict_counts_from_the_later_of_the_bye_and_the_last_peer_exit():
+def test_linger_verdict_counts_from_the_later_of_its_bye_and_every_peer_past_its_loop():
     assert linger_verdict(50.0, None, 1.0, 5.0)[0] is False       # still in its loop
-    assert linger_verdict(50.0, 1.0, None, 5.0)[0] is False       # a peer still runs
+    assert linger_verdict(50.0, 1.0, None, 5.0)[0] is False       # a peer still in its loop
     assert linger_verdict(50.0, 1.0, 1.0, 0.0)[0] is False        # hang detection off
-    assert linger_verdict(14.9, 2.0, 10.0, 5.0)[0] is False       # alone since 10: 4.9 s
+    assert linger_verdict(14.9, 2.0, 10.0, 5.0)[0] is False       # peers past since 10: 4.9 s
     slow, why = linger_verdict(15.5, 2.0, 10.0, 5.0)
-    assert slow and "13.5 s ago" in why and "for 5.5 s" in why
-    assert linger_verdict(15.5, 10.0, 2.0, 5.0)[0] is True        # bye after the peers left
+    assert slow and "13.5 s ago" in why and "5.5 s after" in why
+    assert linger_verdict(15.5, 10.0, 2.0, 5.0)[0] is True        # its bye came last
     assert linger_verdict(14.0, 10.0, 2.0, 5.0)[0] is False
 
 
