@@ -1,7 +1,8 @@
 // The page loop of the one-kernel RMU chunk (AdamW + parity syndrome of the state deltas), shared
-// by its two kernels: adamw_syndrome.cu (the undo copy made before the launch; the kernel reads
-// it) and adamw_fold.cu (the undo copy folded in: the kernel reads the states in place and
-// writes the undo copy itself).  Device code only; included into an anonymous namespace's
+// by adamw_syndrome.cu (the updater's: the undo copy made before the launch; the kernel reads
+// it) and the benchmarks' adamw_fold.cu (the undo copy folded in: the kernel reads the states
+// in place and writes the undo copy itself); adamw_onecta.cu uses its per-element helpers.
+// Device code (and the launch checks, prepare_chunk); included into an anonymous namespace's
 // translation unit after parity_cuda_kernels.cuh.
 //
 // The CTA of state y owns one tile column of the chunk's pages and runs syndrome_mix's Horner
@@ -22,9 +23,10 @@
 //    their new values in shared memory and the params CTA reads them from there (distributed
 //    shared memory) after a cluster barrier.  kProgress: f.progress[y][tile] counts the stages
 //    whose undo copy is visible; a stage's new values are stored only after its count is (the
-//    next stage), so after a kill at any point the pages of the first `progress` stages are
-//    restored from the undo buffer and all others are untouched (docs/RMU.md).  Without it
-//    the order of undo and in-place stores is not guaranteed (the kernel bench's lower bound).
+//    next stage), so after a kill at any point a recovery could restore the pages of the first
+//    `progress` stages from the undo buffer and leave all others, which are untouched (no
+//    recovery does: docs/RMU.md, "Why the undo copy stays a separate copy").  Without it the
+//    order of undo and in-place stores is not guaranteed (the kernel bench's lower bound).
 #pragma once
 
 #include <cooperative_groups.h>
