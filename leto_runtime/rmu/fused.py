@@ -72,10 +72,9 @@ def layout() -> int:
     return LAYOUTS[name]
 
 
-def load():
-    """The compiled extension (JIT-built into the kernel cache like the parity kernels, on first
-    use; raises ParityBackendUnavailable).
-    It also carries the marker's stream-ordered writes (cuda/marker_stream.cpp, `Marker.use_stream`)."""
+def _cuda_ext(key: str, name: str, sources: list[str], what: str):
+    """A CUDA extension of cuda/, JIT-built into the kernel cache on first use, once per process
+    (raises ParityBackendUnavailable without a CUDA torch, nvcc or device)."""
     from leto_runtime.parity import _ext
 
     def build():
@@ -84,11 +83,18 @@ def load():
         from leto_runtime.parity.errors import ParityBackendUnavailable
         if torch.version.cuda is None or cpp.CUDA_HOME is None or not torch.cuda.is_available():
             raise ParityBackendUnavailable("cuda", "no CUDA torch, nvcc or device", "run on a GPU machine")
-        return _ext._load("leto_rmu_cuda", ["adamw_cuda.cu", "adamw_syndrome.cu", "adamw_binding.cpp",
-                                             "marker_stream.cpp", "marker_kernel.cu"],
-                          cuda=True, what="the fused AdamW and marker kernels")
+        return _ext._load(name, sources, cuda=True, what=what)
 
-    return _ext._cached("rmu_cuda", build)
+    return _ext._cached(key, build)
+
+
+def load():
+    """The compiled extension (JIT-built into the kernel cache like the parity kernels, on first
+    use; raises ParityBackendUnavailable).
+    It also carries the marker's stream-ordered writes (cuda/marker_stream.cpp, `Marker.use_stream`)."""
+    return _cuda_ext("rmu_cuda", "leto_rmu_cuda", ["adamw_cuda.cu", "adamw_syndrome.cu", "adamw_binding.cpp",
+                                                    "marker_stream.cpp", "marker_kernel.cu"],
+                     "the fused AdamW and marker kernels")
 
 
 # The benchmarks' chunk kernels (`Fused.chunk_bench_`; extension `load_fold`): the alternatives
@@ -105,18 +111,8 @@ def load_fold():
     """The benchmarks' chunk kernels (cuda/adamw_fold.cu, adamw_onecta.cu; their own extension:
     the updater does not use them, so `leto-run --build-kernels` does not build it; JIT-built
     on first use)."""
-    from leto_runtime.parity import _ext
-
-    def build():
-        import torch.utils.cpp_extension as cpp
-
-        from leto_runtime.parity.errors import ParityBackendUnavailable
-        if torch.version.cuda is None or cpp.CUDA_HOME is None or not torch.cuda.is_available():
-            raise ParityBackendUnavailable("cuda", "no CUDA torch, nvcc or device", "run on a GPU machine")
-        return _ext._load("leto_rmu_fold", ["adamw_fold.cu", "adamw_onecta.cu", "adamw_fold_binding.cpp"], cuda=True,
-                          what="the benchmarks' chunk kernels")
-
-    return _ext._cached("rmu_fold", build)
+    return _cuda_ext("rmu_fold", "leto_rmu_fold", ["adamw_fold.cu", "adamw_onecta.cu", "adamw_fold_binding.cpp"],
+                     "the benchmarks' chunk kernels")
 
 
 def fold_stages(pages: int) -> int:
