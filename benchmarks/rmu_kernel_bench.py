@@ -13,12 +13,12 @@ Role: the quick side-by-side that benchmarks/rmu_overhead.py is too slow for (th
 * **onekernel[LAYOUT]**: cuda/adamw_syndrome.cu in each layout (`leto_runtime.rmu.fused.LAYOUTS`),
   each first checked against the two-kernel path on this device (`Fused.syndrome_check`): a
   layout that does not give the same bits is reported and not timed;
-* **fold, fold+counts, onecta, onecta-fold** (`fused.BENCH_KERNELS`, kernels the updater does
-  not use): the undo copy folded into the chunk (cuda/adamw_fold.cu: the 3 CTAs of a tile a
-  cluster; with per-tile stage counts), one CTA per tile for the 3 states (cuda/adamw_onecta.cu,
-  reading the undo copy or folding it in), each checked the same way (and the folding ones
-  against the values before the step), next to what they would replace (the undo copy +
-  onekernel[4x2x3]).
+* **fold, fold+counts, onecta, onecta-fold, ws, ws-fold** (`fused.BENCH_KERNELS`, kernels the
+  updater does not use): the undo copy folded into the chunk (cuda/adamw_fold.cu: the 3 CTAs of
+  a tile a cluster; with per-tile stage counts), one CTA per tile for the 3 states
+  (cuda/adamw_onecta.cu; cuda/adamw_ws.cu with producer and Horner warps), reading the undo copy
+  or folding it in, each checked the same way (and the folding ones against the values before
+  the step), next to what they would replace (the undo copy + onekernel[4x2x3]).
 
 Times are CUDA-event means over --reps launches after --warmup; bytes moved are what each kernel
 must read and write at least (HBM traffic, parity pages included), so GB/s compares kernels, not
@@ -179,7 +179,7 @@ def fold_rows(a, base, cfg, dev, st, undo, g, coef, code, outs, q, step, chunk_b
             results[kernel] = {"ms": None, "self_check": bad}
             rows.append(f"| {kernel} | - | - | - | self-check failed: {bad[:160]} |")
             continue
-        folds = kernel != "onecta"
+        folds = kernel not in F.BENCH_READS_UNDO
 
         def once():
             if kernel == "fold+counts":

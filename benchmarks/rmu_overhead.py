@@ -33,7 +33,8 @@ memory, for:
   markers: the default until 2026-11-30), and the one kernel's other layouts
   (LETO_RMU_FUSED_LAYOUT): **rmu_f4s** (state-major grid: a tile's three state CTAs adjacent,
   sharing g and the moments through L2), **rmu_f2** (2 KiB tiles: four CTAs per SM instead of
-  two), **rmu_f2s** (both).
+  two), **rmu_f2s** (both), **rmu_ws** (cuda/adamw_ws.cu: one warp-specialized CTA per 2 KiB
+  tile for the three states, producer warps feeding Horner warps).
 
 Each iteration: stream sync, compute, stream sync, update, stream sync (the syncs are the same in
 every variant).  Peak GPU memory is device-wide (`cudaMemGetInfo`: total - free, sampled after

@@ -21,9 +21,10 @@ RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
            # the one-kernel chunk's other layouts (cuda/adamw_syndrome.cu; default 4x2x3)
            "rmu_f4s": {"LETO_RMU_FUSED_LAYOUT": "4x2x3-statemajor"},
            "rmu_f2": {"LETO_RMU_FUSED_LAYOUT": "2x2x3"},
-           "rmu_f2s": {"LETO_RMU_FUSED_LAYOUT": "2x2x3-statemajor"}}
+           "rmu_f2s": {"LETO_RMU_FUSED_LAYOUT": "2x2x3-statemajor"},
+           "rmu_ws": {"LETO_RMU_FUSED_LAYOUT": "ws"}}       # cuda/adamw_ws.cu
 ALTERNATIVES = ("rmu_pipelined", "rmu_inlinewb", "rmu_unbounded", "rmu_twokernel", "rmu_hostfunc", "rmu_prev",
-                "rmu_f4s", "rmu_f2", "rmu_f2s")
+                "rmu_f4s", "rmu_f2", "rmu_f2s", "rmu_ws")
 ALL = (*BASELINES, *RMU_ENV)
 
 

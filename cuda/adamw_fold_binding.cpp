@@ -1,4 +1,4 @@
-// Torch face of the benchmarks' chunk kernels (adamw_fold.cu, adamw_onecta.cu), an extension
+// Torch face of the benchmarks' chunk kernels (adamw_fold.cu, adamw_onecta.cu, adamw_ws.cu), an extension
 // (`leto_runtime.rmu.fused.load_fold`): the updater does not use it (docs/BENCHMARKS.md says
 // what it costs).  Reference: adamw_syndrome on an undo copy made beforehand.
 #include <torch/extension.h>
@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <optional>
+#include <tuple>
 
 #include "adamw_chunk_args.h"
 #include "adamw_syndrome.h"
@@ -41,19 +42,23 @@ void adamw_syndrome_fold(torch::Tensor p, torch::Tensor m, torch::Tensor v, cons
   }
 }
 
-// One CTA per tile for the three states: p, m, v <- AdamW(undo copies; g) (fold = false), or
-// read in place with their old values written to up, um, uv (fold = true); the same parity.
-void adamw_syndrome_onecta(torch::Tensor p, torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
-                           torch::Tensor up, torch::Tensor um, torch::Tensor uv,
-                           const std::optional<torch::Tensor>& coef, const torch::Tensor& outs,
-                           const torch::Tensor& bases, const torch::Tensor& mix, const torch::Tensor& scale,
-                           int64_t page_bytes, double decay, double beta1, double beta2, double eps,
-                           double bc2_sqrt, double step_size, bool has_decay, bool fold) {
+// One CTA per tile for the three states (adamw_onecta.cu; adamw_ws.cu: warp-specialized):
+// p, m, v <- AdamW(undo copies; g) (fold = false), or read in place with their old values
+// written to up, um, uv (fold = true); the same parity.
+using TileKernel = void (*)(const SyndromeArgs&, const leto_rmu::AdamWSyndromeArgs&, const uint16_t*, bool,
+                            cudaStream_t);
+template <TileKernel K>
+void adamw_syndrome_tile(torch::Tensor p, torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
+                         torch::Tensor up, torch::Tensor um, torch::Tensor uv,
+                         const std::optional<torch::Tensor>& coef, const torch::Tensor& outs,
+                         const torch::Tensor& bases, const torch::Tensor& mix, const torch::Tensor& scale,
+                         int64_t page_bytes, double decay, double beta1, double beta2, double eps,
+                         double bc2_sqrt, double step_size, bool has_decay, bool fold) {
   const ChunkCall c = chunk_call(p, m, v, g, up, um, uv, coef, outs, bases, mix, scale, page_bytes, decay, beta1,
                                  beta2, eps, bc2_sqrt, step_size, has_decay);
   const c10::cuda::CUDAGuard guard(p.device());
   try {
-    leto_rmu::adamw_syndrome_onecta(c.a, c.f, c.coef.data(), fold, c10::cuda::getCurrentCUDAStream().stream());
+    K(c.a, c.f, c.coef.data(), fold, c10::cuda::getCurrentCUDAStream().stream());
   } catch (const std::runtime_error& e) {
     TORCH_CHECK(false, "leto rmu CUDA: ", e.what());
   }
@@ -62,17 +67,21 @@ void adamw_syndrome_onecta(torch::Tensor p, torch::Tensor m, torch::Tensor v, co
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "Leto RMU CUDA, benchmarks only: chunk kernels the updater does not use (adamw_fold.cu, adamw_onecta.cu)";
+  m.doc() = "Leto RMU CUDA, benchmarks only: chunk kernels the updater does not use "
+            "(adamw_fold.cu, adamw_onecta.cu, adamw_ws.cu)";
   m.def("adamw_syndrome_fold", &adamw_syndrome_fold,
         "one chunk with the undo copy folded in: AdamW in place, old values to up, um, uv, same parity",
         py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("up"), py::arg("um"), py::arg("uv"),
         py::arg("coef"), py::arg("outs"), py::arg("bases"), py::arg("mix"), py::arg("scale"),
         py::arg("page_bytes"), py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("progress"));
-  m.def("adamw_syndrome_onecta", &adamw_syndrome_onecta,
-        "one chunk, one CTA per tile for the three states (fold: read in place, old values to up, um, uv)",
-        py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("up"), py::arg("um"), py::arg("uv"),
-        py::arg("coef"), py::arg("outs"), py::arg("bases"), py::arg("mix"), py::arg("scale"),
-        py::arg("page_bytes"), py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
-        py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("fold"));
+  for (const auto& [name, fn, doc] :
+       {std::tuple{"adamw_syndrome_onecta", &adamw_syndrome_tile<leto_rmu::adamw_syndrome_onecta>,
+                   "one chunk, one CTA per tile for the three states (fold: read in place, old values to up, um, uv)"},
+        std::tuple{"adamw_syndrome_ws", &adamw_syndrome_tile<leto_rmu::adamw_syndrome_ws>,
+                   "the same with warp-specialized CTAs (producer warps, Horner warps)"}})
+    m.def(name, fn, doc, py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("up"), py::arg("um"),
+          py::arg("uv"), py::arg("coef"), py::arg("outs"), py::arg("bases"), py::arg("mix"), py::arg("scale"),
+          py::arg("page_bytes"), py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+          py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("fold"));
 }

@@ -64,7 +64,8 @@ namespace leto_rmu {
 void adamw_syndrome(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, int variant,
                     int layout, cudaStream_t stream) {
   if (variant != 0) throw std::runtime_error("adamw_syndrome: only AdamW spelling (variant) 0 is compiled");
-  if (layout < 0 || layout > 3) throw std::runtime_error("adamw_syndrome: layout must be 0..3");
+  if (layout < 0 || layout > 4) throw std::runtime_error("adamw_syndrome: layout must be 0..4");
+  if (layout == 4) return adamw_syndrome_ws(args, f, coef, false, stream);   // adamw_ws.cu
   SyndromeArgs a;
   MixMasks masks{};
   const float* undo[3] = {f.old[0], f.old[1], f.old[2]};

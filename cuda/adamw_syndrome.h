@@ -25,7 +25,8 @@ struct AdamWSyndromeArgs {
 // outs[y] = bases[y] ^ sum_t coef[i][t] scale[t] S_t(old_y ^ new_y) (args as for syndrome_mix:
 // outs/bases device arrays of 3 x m_out page addresses, scale = the run offset's x^(f t)).
 // Throws std::runtime_error on a bad argument or launch error.
-// layout: the kernel's tiling and grid order (adamw_syndrome.cu, 0..3; all give the same bits).
+// layout: the kernel's tiling and grid order (adamw_syndrome.cu, 0..3; 4: adamw_ws.cu's
+// warp-specialized CTAs; all give the same bits).
 void adamw_syndrome(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, int variant,
                     int layout, cudaStream_t stream);
 
@@ -41,5 +42,11 @@ void adamw_syndrome_fold(const SyndromeArgs& args, const AdamWSyndromeArgs& f, c
 // from f.old (fold = false) or, with fold, read in place and written to f.undo.
 void adamw_syndrome_onecta(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, bool fold,
                            cudaStream_t stream);
+
+// The same chunk with warp-specialized CTAs (adamw_ws.cu): one CTA per 2 KiB tile, producer
+// warps for AdamW and the memory traffic, Horner warps fed through a shared ring; f.old / fold
+// as adamw_syndrome_onecta.
+void adamw_syndrome_ws(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, bool fold,
+                       cudaStream_t stream);
 
 }  // namespace leto_rmu

@@ -13,7 +13,8 @@ When: `every_steps` (at steps that are multiples of it, so the steps stay the sa
 fallback), `every_s` (the first boundary `every_s` after the last checkpoint), or Young's
 interval sqrt(2 * C * MTBF) for the non-HOF failure rate `ff_mtbf` (paper §8.1), C being the
 step's stall of the last checkpoint (the first checkpoint is taken after the first step, to
-measure C).  A checkpoint still being written when the next is due skips that one.
+measure C).  A checkpoint still being written when the next is due skips that one, unless the
+next is the final one (the state training ends with): that one waits for the write.
 
 Failures of the write (a full disk, a permission taken away, a path gone) never stop training:
 the partial directory is removed, the failure is logged and reported (`phase` datagram
@@ -89,15 +90,19 @@ class Checkpointer:
                 if job.inplace and s.writer in ("auto", "shadow") else None)
         return cls(s, ctx.world_size, job._report_phase, job.faults.fire_in_thread, peer)
 
-    def maybe_save(self, job, t: int, final: bool = False) -> None:
+    def maybe_save(self, job, t: int, final: bool = False, wait_s: float = 0.0) -> None:
+        """Checkpoint the state of t finished steps if one is due.  A write still in flight
+        skips it -- except the `final` one (the state training ends with), which waits up to
+        `wait_s` for that write rather than be lost."""
         self._refuse_unsettled()
         yes, why = due(t, job.start_step, self.s, last_step=self.last_step,
                        since_last=time.monotonic() - self.last_time, cost=self.cost,
                        min_interval=2.0 * self.write_s)
         if not yes or F.check(os.path.join(self.s.directory, F.name(t))).complete:
             return                    # (complete already: a promoted trainer redoes step t)
-        if self._writing():
-            log(f"checkpoint of step {t} skipped: the previous one is still being written")
+        if self._writing() and not (final and self._idle_within(wait_s)):
+            log(f"checkpoint of step {t} skipped: the previous one is still being written"
+                + (f" after {wait_s:g} s" if final else ""))
             return
         self.last_step, self.last_time = t, time.monotonic()
         # The last one is taken here: the shadow may be stopped as soon as training ends.
@@ -171,6 +176,15 @@ class Checkpointer:
             self.write_s = float(info["write_s"])
             self.peer.longest = max(self.peer.longest, self.write_s)
         return False
+
+    def _idle_within(self, timeout: float) -> bool:
+        """Wait (bounded) until no write is in flight, here or in the shadow."""
+        end = time.monotonic() + timeout
+        if self.thread is not None:
+            self.thread.join(timeout)
+        while self._writing() and time.monotonic() < end:
+            time.sleep(0.05)
+        return not self._writing()
 
     def close(self, timeout: float) -> None:
         """When training ends: waits (bounded) for a write in flight, here or in the shadow."""

@@ -399,7 +399,7 @@ class Job:
                          seconds=st.seconds, passes=st.passes, repaired=st.repaired,
                          boundary_repairs=self.guard.repairs.count)
         if ckpt is not None:
-            ckpt.maybe_save(self, total, final=True)    # the final state, when one is due
+            ckpt.maybe_save(self, total, final=True, wait_s=self.ctx.pg_timeout)  # when due
             ckpt.close(self.ctx.pg_timeout)
         demotion.finished()
         hb.done()

@@ -56,7 +56,9 @@ def wanted() -> bool:
 # all give the same bits -- each is self-checked against the two-kernel path before use -- and
 # which is fastest is measured (benchmarks/rmu_overhead.py, the rmu_f* variants).
 LAYOUT_ENV = "LETO_RMU_FUSED_LAYOUT"
-LAYOUTS = {"4x2x3": 0, "4x2x3-statemajor": 1, "2x2x3": 2, "2x2x3-statemajor": 3}
+# "ws": cuda/adamw_ws.cu, one warp-specialized CTA per 2 KiB tile for the three states (the
+# updater's chunk through the same binding; adamw_syndrome.cu dispatches to it).
+LAYOUTS = {"4x2x3": 0, "4x2x3-statemajor": 1, "2x2x3": 2, "2x2x3-statemajor": 3, "ws": 4}
 
 
 class LayoutError(ValueError):
@@ -92,8 +94,8 @@ def load():
     """The compiled extension (JIT-built into the kernel cache like the parity kernels, on first
     use; raises ParityBackendUnavailable).
     It also carries the marker's stream-ordered writes (cuda/marker_stream.cpp, `Marker.use_stream`)."""
-    return _cuda_ext("rmu_cuda", "leto_rmu_cuda", ["adamw_cuda.cu", "adamw_syndrome.cu", "adamw_binding.cpp",
-                                                    "marker_stream.cpp", "marker_kernel.cu"],
+    return _cuda_ext("rmu_cuda", "leto_rmu_cuda", ["adamw_cuda.cu", "adamw_syndrome.cu", "adamw_ws.cu",
+                                                    "adamw_binding.cpp", "marker_stream.cpp", "marker_kernel.cu"],
                      "the fused AdamW and marker kernels")
 
 
@@ -104,14 +106,18 @@ BENCH_KERNELS = {
     "fold+counts": "the same with per-tile stage counts ordering undo and in-place stores",
     "onecta": "cuda/adamw_onecta.cu: one CTA per 2 KiB tile for the 3 states, reads the undo copy",
     "onecta-fold": "the same with the undo copy folded in (states read in place)",
+    "ws-fold": "cuda/adamw_ws.cu (the layout \"ws\") with the undo copy folded in (states read in place)",
 }
+# Those that read the undo copy made beforehand (the others write it).
+BENCH_READS_UNDO = ("onecta",)
 
 
 def load_fold():
-    """The benchmarks' chunk kernels (cuda/adamw_fold.cu, adamw_onecta.cu; their own extension:
+    """The benchmarks' chunk kernels (cuda/adamw_fold.cu, adamw_onecta.cu, adamw_ws.cu; their own extension:
     the updater does not use them, so `leto-run --build-kernels` does not build it; JIT-built
     on first use)."""
-    return _cuda_ext("rmu_fold", "leto_rmu_fold", ["adamw_fold.cu", "adamw_onecta.cu", "adamw_fold_binding.cpp"],
+    return _cuda_ext("rmu_fold", "leto_rmu_fold", ["adamw_fold.cu", "adamw_onecta.cu", "adamw_ws.cu",
+                                                     "adamw_fold_binding.cpp"],
                      "the benchmarks' chunk kernels")
 
 
@@ -236,8 +242,8 @@ class Fused:
                      progress: Optional[torch.Tensor] = None) -> None:
         """chunk_syndrome_ through one of the benchmarks' kernels (`BENCH_KERNELS`, extension
         `load_fold`; the updater uses none of them): the same new states and parity bits.  The
-        folding ones read the states in place and *write* their old values to `undo`; "onecta"
-        reads `undo` as chunk_syndrome_ does.  "fold+counts": `progress` (int32, 3 x 4 KiB tiles
+        folding ones read the states in place and *write* their old values to `undo`; those in
+        `BENCH_READS_UNDO` read `undo` as chunk_syndrome_ does.  "fold+counts": `progress` (int32, 3 x 4 KiB tiles
         of a page, zeroed) counts per state and tile the 2-page stages whose undo copy is
         visible (`fold_stages`); a stage's new values are stored only once counted."""
         if kernel not in BENCH_KERNELS:
@@ -250,7 +256,8 @@ class Fused:
         if kernel.startswith("fold"):
             ext.adamw_syndrome_fold(*args, progress if kernel == "fold+counts" else None)
         else:
-            ext.adamw_syndrome_onecta(*args, kernel == "onecta-fold")
+            tile = ext.adamw_syndrome_ws if kernel.startswith("ws") else ext.adamw_syndrome_onecta
+            tile(*args, kernel not in BENCH_READS_UNDO)
 
     def _chunk_args(self, states, undo, g, *, step, lr, coef, code, first, outs, bases) -> tuple:
         import numpy as np
@@ -303,7 +310,7 @@ class Fused:
                 got = [torch.empty_like(x) for x in q]
                 where = f"k={k} m={mm} first={first} n={n} S={S} step {step}"
                 kw = dict(step=step, lr=cfg.lr, coef=coef, code=code, first=first, outs=got, bases=q)
-                if kernel in ("copy", "onecta"):
+                if kernel == "copy" or kernel in BENCH_READS_UNDO:
                     (f.chunk_syndrome_(st, undo, g, **kw) if kernel == "copy"
                      else f.chunk_bench_(kernel, st, undo, g, **kw))
                 else:

@@ -250,3 +250,32 @@ def test_the_write_runs_at_nice_19_in_its_own_thread_only():
     t.join(30)
     _lowest_priority(probe)
     assert seen == [19, base] and os.getpriority(os.PRIO_PROCESS, 0) == base
+
+
+def test_the_final_checkpoint_waits_for_a_write_in_flight_instead_of_being_skipped(
+        monkeypatch, cleanup, tmp_path):
+    """A write still in flight skips a due checkpoint, but not the final one: the state the
+    training ends with waits (bounded) for that write and is then written.  (On a busy machine
+    a previous write -- a shadow's runs at nice 19 -- can outlast the steps up to the end.)"""
+    from leto_runtime.ckpt_writer import Checkpointer
+    job = _job(monkeypatch)
+    release, reports = threading.Event(), []
+
+    def fault(point: str, step: int) -> None:      # the write of step 2 takes until released
+        if point == "checkpoint.write" and step == 2:
+            release.wait(60)
+
+    d = tmp_path / "ck"
+    ck = Checkpointer(Settings(directory=str(d), every_steps=2, keep=10), 1,
+                      lambda *a, **k: reports.append(k.get("step")), fault=fault)
+    ck.maybe_save(job, 2)
+    ck.maybe_save(job, 4)                          # in flight: skipped
+    t0 = time.monotonic()
+    ck.maybe_save(job, 6, final=True, wait_s=0.5)  # waits its bound, then skipped all the same
+    assert 0.5 <= time.monotonic() - t0 < 30
+    threading.Timer(1.0, release.set).start()
+    ck.maybe_save(job, 8, final=True, wait_s=60)   # waits for step 2's write, then writes
+    ck.close(60)
+    assert {s: F.check(str(d / F.name(s))).complete for s in (2, 4, 6, 8)} == {
+        2: True, 4: False, 6: False, 8: True}
+    assert sorted(reports) == [2, 8]

@@ -36,11 +36,11 @@ def test_updater_on_cpu_uses_the_torch_ops():
 
 
 def test_fused_layout_is_read_from_the_env_and_a_bad_name_says_the_fix(monkeypatch):
-    """LETO_RMU_FUSED_LAYOUT picks the one-kernel chunk's layout (cuda/adamw_syndrome.cu's 0..3);
+    """LETO_RMU_FUSED_LAYOUT picks the one-kernel chunk's layout (cuda/adamw_syndrome.cu's 0..4);
     a name the kernel does not have is a typed error listing the names, not a silent fallback."""
     monkeypatch.delenv(F.LAYOUT_ENV, raising=False)
     assert F.layout() == 0
-    assert sorted(F.LAYOUTS.values()) == [0, 1, 2, 3]
+    assert sorted(F.LAYOUTS.values()) == [0, 1, 2, 3, 4]
     for name, i in F.LAYOUTS.items():
         monkeypatch.setenv(F.LAYOUT_ENV, name)
         assert F.layout() == i
