@@ -18,7 +18,8 @@ next is the final one (the state training ends with): that one waits for the wri
 
 Failures of the write (a full disk, a permission taken away, a path gone) never stop training:
 the partial directory is removed, the failure is logged and reported (`phase` datagram
-`checkpoint`, `error=`), and the next due boundary tries again.
+`checkpoint`, `error=`), and the next due boundary tries again.  A due checkpoint skipped (a
+write in flight) is reported too (`checkpoint_skipped`, `reason=`).
 
 Where rank 0 has a shadow (in-place mode, `writer` auto), the copy is the shadow's instead
 (`leto_runtime.ckpt_snapshot`, over `ckpt_handshake`): the active only sends what retained
@@ -101,8 +102,10 @@ class Checkpointer:
         if not yes or F.check(os.path.join(self.s.directory, F.name(t))).complete:
             return                    # (complete already: a promoted trainer redoes step t)
         if self._writing() and not (final and self._idle_within(wait_s)):
-            log(f"checkpoint of step {t} skipped: the previous one is still being written"
-                + (f" after {wait_s:g} s" if final else ""))
+            why_not = ("the previous one is still being written"
+                       + (f" after {wait_s:g} s" if final else ""))
+            log(f"checkpoint of step {t} skipped: {why_not}")
+            self.report("checkpoint_skipped", 0.0, step=t, reason=why_not)
             return
         self.last_step, self.last_time = t, time.monotonic()
         # The last one is taken here: the shadow may be stopped as soon as training ends.

@@ -168,7 +168,12 @@ def test_a_failed_checkpoint_write_warns_and_training_goes_on(reference, tmp_pat
     assert p.returncode == 0, err[-4000:]
     compare_runs(reference(STEPS), out, 2, range(STEPS), err[-4000:])
     failed = [e for e in of(events(ev), "phase", phase="checkpoint") if e.get("error")]
-    assert [e["step"] for e in failed] == [3, 6, 9, 12], failed
+    # A due checkpoint fails, or -- a write in flight, e.g. the shadow's at nice 19 on a busy
+    # machine -- is skipped with a reason; the final one waits for that write instead.
+    skipped = of(events(ev), "phase", phase="checkpoint_skipped")
+    assert all("still being written" in e["reason"] for e in skipped), skipped
+    assert sorted(e["step"] for e in failed + skipped) == [3, 6, 9, 12], (failed, skipped)
+    assert 12 in [e["step"] for e in failed], failed
     assert "training goes on" in err
     assert ck.read_text() == "a file where the checkpoints should go"
 

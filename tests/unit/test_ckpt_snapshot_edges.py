@@ -267,7 +267,7 @@ def test_the_final_checkpoint_waits_for_a_write_in_flight_instead_of_being_skipp
 
     d = tmp_path / "ck"
     ck = Checkpointer(Settings(directory=str(d), every_steps=2, keep=10), 1,
-                      lambda *a, **k: reports.append(k.get("step")), fault=fault)
+                      lambda name, _s, **k: reports.append((name, k["step"])), fault=fault)
     ck.maybe_save(job, 2)
     ck.maybe_save(job, 4)                          # in flight: skipped
     t0 = time.monotonic()
@@ -278,4 +278,5 @@ def test_the_final_checkpoint_waits_for_a_write_in_flight_instead_of_being_skipp
     ck.close(60)
     assert {s: F.check(str(d / F.name(s))).complete for s in (2, 4, 6, 8)} == {
         2: True, 4: False, 6: False, 8: True}
-    assert sorted(reports) == [2, 8]
+    assert sorted(reports) == [("checkpoint", 2), ("checkpoint", 8), ("checkpoint_skipped", 4),
+                               ("checkpoint_skipped", 6)]
