@@ -62,6 +62,13 @@ CASES = {
     "gloo2-release-two-hofs": (2, ["kill:rank=1:step=3:at=backward",
                                    "kill:rank=1:step=8:gen=1:at=rmu.update:garbage=1"],
                                ["--demote", "release"]),
+    # the update through the warp-specialized chunk kernel (cuda/adamw_ws.cu), whatever the default
+    "nccl-rmu.update+garbage+pages-ws": (1, [
+        "pages:rank=0:step=4:at=rmu.update:tier=device:group=1:first=0:count=6",
+        "kill:rank=0:step=4:at=rmu.update:group=1:chunk=1:garbage=1"], [], {"LETO_RMU_FUSED_LAYOUT": "ws"}),
+    "gloo2-two-ranks-rmu-ws": (2, ["kill:rank=0:step=4:at=rmu.commit:group=0:chunk=2",
+                                   "kill:rank=1:step=4:at=rmu.delta:group=1:chunk=0:garbage=1"],
+                               [], {"LETO_RMU_FUSED_LAYOUT": "ws"}),
 }
 
 
@@ -88,17 +95,21 @@ def _only_the_injected_failures(injects, evs, logs: Path, stderr: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_inplace_recovery_on_gpu_is_bit_exact(case, reference, tmp_path):
     world, injects, *extra = CASES[case]
+    more_args, env = (list(extra) + [[], {}])[:2]
     ref = reference(world)
     ev = tmp_path / "events.jsonl"
     args = ["--standalone", "--nproc-per-node", str(world), *GEOM, "--hang-timeout", _hang_timeout(injects),
-            "--events", str(ev), "--log-dir", str(tmp_path / "logs"), *(extra[0] if extra else [])]
+            "--events", str(ev), "--log-dir", str(tmp_path / "logs"), *more_args]
     for s in injects:
         args += ["--inject", s]
-    p = run(leto_cmd(*args, SCRIPT, *MODEL, "--out", str(tmp_path)), base_env(), timeout=600)
+    p = run(leto_cmd(*args, SCRIPT, *MODEL, "--out", str(tmp_path)), base_env(**env), timeout=600)
     report = p.stderr[p.stderr.find("Recovery report"):]
     print(f"\n=== {case} ===\n{report}")
     assert p.returncode == 0, p.stderr[-5000:]
     _only_the_injected_failures(injects, events(ev), tmp_path / "logs", p.stderr)
+    if env.get("LETO_RMU_FUSED_LAYOUT"):    # the layout under test ran: it passed its self-check
+        logs = " ".join(f.read_text(errors="replace") for f in (tmp_path / "logs").rglob("*") if f.is_file())
+        assert "AdamW + parity kernel not used" not in logs + p.stderr
     assert [final_digest(tmp_path, r) for r in range(world)] == \
         [final_digest(ref, r) for r in range(world)]
     for r in range(world):
