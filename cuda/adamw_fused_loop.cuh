@@ -130,6 +130,21 @@ inline bool prepare_chunk(const SyndromeArgs& args, const leto_rmu::AdamWSyndrom
   return true;
 }
 
+// The launch of a one-CTA-per-tile chunk kernel (adamw_onecta.cu, adamw_ws.cu): the opt-in to
+// `smem` bytes of dynamic shared memory (once per kernel) and a grid of the chunk's tiles.
+template <class C, auto kKernel>
+inline void launch_tiles(int threads, int smem, const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f,
+                         const MixMasks& masks, cudaStream_t stream, const char* what) {
+  static bool attr = [&] {
+    check(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "cudaFuncSetAttribute");
+    return true;
+  }();
+  (void)attr;
+  const int blocks = static_cast<int>(a.page_bytes / 1024);
+  kKernel<<<dim3(static_cast<unsigned>((blocks + C::NB - 1) / C::NB)), threads, smem, stream>>>(a, f, masks);
+  check(cudaGetLastError(), what);
+}
+
 template <class C, int GI, int V, bool kFold, bool kProgress>
 __device__ __forceinline__ void fused_loop(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f,
                                            int y, uint8_t* smem, uint32_t (&acc)[4][16]) {

@@ -135,17 +135,8 @@ __global__ void __launch_bounds__(kSets * C::kThreads, 1)
 template <class C, bool kFold>
 void launch_onecta(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, const MixMasks& masks,
                    cudaStream_t stream) {
-  auto kern = adamw_onecta_kernel<C, 0, kFold>;
-  constexpr int smem = OneSmem<C>::kBytes;
-  static bool attr = [&] {
-    check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "cudaFuncSetAttribute");
-    return true;
-  }();
-  (void)attr;
-  const int blocks = static_cast<int>(a.page_bytes / 1024);
-  const unsigned tiles = static_cast<unsigned>((blocks + C::NB - 1) / C::NB);
-  kern<<<dim3(tiles), kSets * C::kThreads, smem, stream>>>(a, f, masks);
-  check(cudaGetLastError(), "adamw_syndrome_onecta kernel launch");
+  launch_tiles<C, adamw_onecta_kernel<C, 0, kFold>>(kSets * C::kThreads, OneSmem<C>::kBytes, a, f, masks, stream,
+                                                    "adamw_syndrome_onecta kernel launch");
 }
 
 }  // namespace

@@ -201,17 +201,8 @@ __global__ void __launch_bounds__(WsSmem<C>::kThreads, 1)
 template <class C, bool kFold>
 void launch_ws(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, const MixMasks& masks,
                cudaStream_t stream) {
-  auto kern = adamw_ws_kernel<C, 0, kFold>;
-  constexpr int smem = WsSmem<C>::kBytes;
-  static bool attr = [&] {
-    check(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem), "cudaFuncSetAttribute");
-    return true;
-  }();
-  (void)attr;
-  const int blocks = static_cast<int>(a.page_bytes / 1024);
-  const unsigned tiles = static_cast<unsigned>((blocks + C::NB - 1) / C::NB);
-  kern<<<dim3(tiles), WsSmem<C>::kThreads, smem, stream>>>(a, f, masks);
-  check(cudaGetLastError(), "adamw_syndrome_ws kernel launch");
+  launch_tiles<C, adamw_ws_kernel<C, 0, kFold>>(WsSmem<C>::kThreads, WsSmem<C>::kBytes, a, f, masks, stream,
+                                                "adamw_syndrome_ws kernel launch");
 }
 
 }  // namespace
