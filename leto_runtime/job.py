@@ -398,11 +398,13 @@ class Job:
             self._report("scrub", action="summary", slices=st.slices, bytes=st.bytes,
                          seconds=st.seconds, passes=st.passes, repaired=st.repaired,
                          boundary_repairs=self.guard.repairs.count)
+        demotion.finished()
+        # The loop has ended: what follows (the final checkpoint, which may wait for a write in
+        # flight) is no hang; the agent names a rank slow to exit with its stacks instead.
+        hb.done()
         if ckpt is not None:
             ckpt.maybe_save(self, total, final=True, wait_s=self.ctx.pg_timeout)  # when due
             ckpt.close(self.ctx.pg_timeout)
-        demotion.finished()
-        hb.done()
 
     def step_seed(self, t: int) -> int:
         return (self.seed * 1_000_003 + t) * 65_537 + self.rank

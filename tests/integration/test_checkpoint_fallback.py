@@ -66,13 +66,16 @@ def test_a_torn_checkpoint_is_skipped_and_page_losses_beyond_tolerance_fall_back
                   "--inject", "kill:rank=0:step=6:at=checkpoint.write:gen=1",
                   "--inject", "pages:rank=0:count=3:tier=device:step=8",
                   "--inject", "kill:rank=0:step=9:at=checkpoint.snapshot:gen=1:attempt=1",
-                  SCRIPT, "--steps", str(STEPS), "--step-time", "1.0", "--out", str(out)),
+                  # 6 s between checkpoints: on a busy machine the shadow's write (at nice 19)
+                  # has taken 4 s, and one still in flight skips the next (a checkpoint_skipped)
+                  SCRIPT, "--steps", str(STEPS), "--step-time", "2.0", "--out", str(out)),
             base_env(), timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     compare_runs(ref, out, 2, range(STEPS), p.stderr[-4000:])
     evs = events(ev)
     [fb] = of(evs, "fallback")
     assert fb["step"] == 3 and fb["path"] == str(ck / "step_000000003"), fb
+    assert not of(evs, "phase", phase="checkpoint_skipped"), "a write outlasted 3 steps (busy machine)"
     assert ".partial-step_000000006-" in fb["reason"] and "torn" in fb["reason"]
     assert [e["action"] for e in of(evs, "decision")][-2:] == ["fall_back", "succeed"]
     written = {e["step"]: e["by"] for e in of(evs, "phase", phase="checkpoint") if e.get("path")
@@ -142,6 +145,29 @@ def test_a_state_manager_gone_for_good_falls_back_to_the_checkpoint_exactly(refe
     assert "gone for good" in fb["reason"], fb
     compare_runs(reference(STEPS), out, 2, range(STEPS), err[-4000:])
     assert_nothing_left(evs)
+
+
+def test_the_final_checkpoint_waiting_for_a_stuck_write_is_no_hang(reference, tmp_path):
+    """The trainer's write of step 3 never ends (an injected hang in its writer thread, as a
+    stuck file system would leave it): the checkpoints of 6 and 9 are skipped, and the final
+    one waits for that write, at most --pg-timeout, then is skipped too, each with a reason.
+    That wait comes after the training loop: it is no hang (no heartbeat for longer than
+    --hang-timeout), the job ends with code 0, bit-exact, and nothing is recovered."""
+    out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
+    out.mkdir()
+    p = run(_leto(ev, ck, "--checkpoint-writer", "trainer", "--hang-timeout", "6", "--pg-timeout", "15",
+                  "--inject", "hang:rank=0:step=3:at=checkpoint.write",
+                  SCRIPT, "--steps", str(STEPS), "--step-time", "0.1", "--out", str(out)),
+            base_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    compare_runs(reference(STEPS), out, 2, range(STEPS), p.stderr[-4000:])
+    evs = events(ev)
+    assert not of(evs, "hang_detected") and not of(evs, "promote"), p.stderr[-4000:]
+    skipped = {e["step"]: e["reason"] for e in of(evs, "phase", phase="checkpoint_skipped")}
+    assert sorted(skipped) == [6, 9, 12], skipped
+    assert skipped[12] == "the previous one is still being written after 15 s", skipped
+    assert not [e for e in of(evs, "phase", phase="checkpoint") if e.get("path")]
+    assert "did not finish within 15 s" in p.stderr
 
 
 @pytest.mark.parametrize("mode", ["inplace", "restart"])
