@@ -30,8 +30,9 @@ copy is complete -- normally long done by then.  A shadow that does not answer w
 Calling contract: `Checkpointer.for_job(job)` is None when checkpointing is off or this rank
 does not write; `maybe_save(job, t)` at the top of step t (after the boundary repair, before
 the step writes retained memory: the state is that of t finished steps); `before_update(job,
-t)` before step t's update writes the retained states; `close(timeout)` when training ends
-(waits, bounded, for a write in flight, here or in the shadow).
+t)` before step t's update writes the retained states; `finish(job, total, timeout)` when
+training ends (the final checkpoint, then a bounded wait for a write in flight, here or in the
+shadow).
 """
 from __future__ import annotations
 
@@ -91,29 +92,30 @@ class Checkpointer:
                 if job.inplace and s.writer in ("auto", "shadow") else None)
         return cls(s, ctx.world_size, job._report_phase, job.faults.fire_in_thread, peer)
 
-    def maybe_save(self, job, t: int, final: bool = False, wait_s: float = 0.0) -> None:
+    def maybe_save(self, job, t: int, final: bool = False, wait_s: float = 0.0) -> bool:
         """Checkpoint the state of t finished steps if one is due.  A write still in flight
         skips it -- except the `final` one (the state training ends with), which waits up to
-        `wait_s` for that write rather than be lost."""
+        `wait_s` for that write rather than be lost.  True when a due one was skipped."""
         self._refuse_unsettled()
         yes, why = due(t, job.start_step, self.s, last_step=self.last_step,
                        since_last=time.monotonic() - self.last_time, cost=self.cost,
                        min_interval=2.0 * self.write_s)
         if not yes or F.check(os.path.join(self.s.directory, F.name(t))).complete:
-            return                    # (complete already: a promoted trainer redoes step t)
+            return False              # (complete already: a promoted trainer redoes step t)
         if self._writing() and not (final and self._idle_within(wait_s)):
             why_not = ("the previous one is still being written"
                        + (f" after {wait_s:g} s" if final else ""))
             log(f"checkpoint of step {t} skipped: {why_not}")
             self.report("checkpoint_skipped", 0.0, step=t, reason=why_not)
-            return
+            return True
         self.last_step, self.last_time = t, time.monotonic()
         # The last one is taken here: the shadow may be stopped as soon as training ends.
         small = None if final or self.peer is None else self.peer.ask(job, t, why)
         if small is not None:
             self.pending = (t, why, small)
-            return
+            return False
         self._take(job, t, why)
+        return False
 
     def before_update(self, job, t: int) -> None:
         """At the start of step t's update, before anything writes the retained states: the
@@ -189,14 +191,11 @@ class Checkpointer:
             time.sleep(0.05)
         return not self._writing()
 
-    def close(self, timeout: float) -> None:
-        """When training ends: waits (bounded) for a write in flight, here or in the shadow."""
-        end = time.monotonic() + timeout
-        if self.thread is not None:
-            self.thread.join(timeout)
-        while self.peer is not None and self.peer.writing() is True and time.monotonic() < end:
-            time.sleep(0.05)
-        if self._writing():
+    def finish(self, job, t: int, timeout: float) -> None:
+        """When training ends: the final checkpoint (t steps), if due, then a wait (bounded)
+        for the write in flight, here or in the shadow.  A write the final one already waited
+        `timeout` for in vain is not waited for again."""
+        if self.maybe_save(job, t, final=True, wait_s=timeout) or not self._idle_within(timeout):
             log(f"the checkpoint being written did not finish within {timeout:g} s; "
                 "its partial directory is never loaded")
 

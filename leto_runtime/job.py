@@ -403,8 +403,7 @@ class Job:
         # flight) is no hang; the agent names a rank slow to exit with its stacks instead.
         hb.done()
         if ckpt is not None:
-            ckpt.maybe_save(self, total, final=True, wait_s=self.ctx.pg_timeout)  # when due
-            ckpt.close(self.ctx.pg_timeout)
+            ckpt.finish(self, total, self.ctx.pg_timeout)
 
     def step_seed(self, t: int) -> int:
         return (self.seed * 1_000_003 + t) * 65_537 + self.rank

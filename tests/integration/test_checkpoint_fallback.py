@@ -36,6 +36,18 @@ def _leto(ev: Path, ck: Path, *args: str) -> list[str]:
                     *args)
 
 
+def _exact_run(reference, tmp_path: Path, step_time: str, *args: str) -> tuple[list, str, Path]:
+    """leto-run with `args` over the script's STEPS steps: it must end with code 0, bit-exact
+    against torchrun.  -> (its events, its stderr, the checkpoint directory)."""
+    out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
+    out.mkdir()
+    p = run(_leto(ev, ck, *args, SCRIPT, "--steps", str(STEPS), "--step-time", step_time, "--out", str(out)),
+            base_env(), timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    compare_runs(reference(STEPS), out, 2, range(STEPS), p.stderr[-4000:])
+    return events(ev), p.stderr, ck
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """`get(steps)`: the fault-free torchrun run of `steps` steps (once per test run)."""
@@ -101,15 +113,8 @@ def test_the_trainer_writer_survives_a_kill_during_its_write(reference, tmp_path
     it is SIGKILLed while it writes the one of step 6 (a HOF, recovered in place: the partial
     directory stays, and is never loaded), and the job ends bit-exact with the checkpoints of
     9 and 12, which are the trainer's."""
-    out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
-    out.mkdir()
-    p = run(_leto(ev, ck, "--checkpoint-writer", "trainer",
-                  "--inject", "kill:rank=0:step=6:at=checkpoint.write",
-                  SCRIPT, "--steps", str(STEPS), "--step-time", "0.3", "--out", str(out)),
-            base_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    compare_runs(reference(STEPS), out, 2, range(STEPS), p.stderr[-4000:])
-    evs = events(ev)
+    evs, _, ck = _exact_run(reference, tmp_path, "0.3", "--checkpoint-writer", "trainer",
+                            "--inject", "kill:rank=0:step=6:at=checkpoint.write")
     assert {e["by"] for e in of(evs, "phase", phase="checkpoint") if e.get("path")} == {"trainer"}
     assert sorted(os.listdir(ck)) == ["step_000000009", "step_000000012"]
     assert_nothing_left(evs)
@@ -153,21 +158,15 @@ def test_the_final_checkpoint_waiting_for_a_stuck_write_is_no_hang(reference, tm
     one waits for that write, at most --pg-timeout, then is skipped too, each with a reason.
     That wait comes after the training loop: it is no hang (no heartbeat for longer than
     --hang-timeout), the job ends with code 0, bit-exact, and nothing is recovered."""
-    out, ck, ev = tmp_path / "out", tmp_path / "ck", tmp_path / "ev.jsonl"
-    out.mkdir()
-    p = run(_leto(ev, ck, "--checkpoint-writer", "trainer", "--hang-timeout", "6", "--pg-timeout", "15",
-                  "--inject", "hang:rank=0:step=3:at=checkpoint.write",
-                  SCRIPT, "--steps", str(STEPS), "--step-time", "0.1", "--out", str(out)),
-            base_env(), timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    compare_runs(reference(STEPS), out, 2, range(STEPS), p.stderr[-4000:])
-    evs = events(ev)
-    assert not of(evs, "hang_detected") and not of(evs, "promote"), p.stderr[-4000:]
+    evs, stderr, _ = _exact_run(reference, tmp_path, "0.1", "--checkpoint-writer", "trainer",
+                                "--hang-timeout", "6", "--pg-timeout", "15",
+                                "--inject", "hang:rank=0:step=3:at=checkpoint.write")
+    assert not of(evs, "hang_detected") and not of(evs, "promote"), stderr[-4000:]
     skipped = {e["step"]: e["reason"] for e in of(evs, "phase", phase="checkpoint_skipped")}
     assert sorted(skipped) == [6, 9, 12], skipped
     assert skipped[12] == "the previous one is still being written after 15 s", skipped
     assert not [e for e in of(evs, "phase", phase="checkpoint") if e.get("path")]
-    assert "did not finish within 15 s" in p.stderr
+    assert "did not finish within 15 s" in stderr
 
 
 @pytest.mark.parametrize("mode", ["inplace", "restart"])

@@ -274,8 +274,7 @@ def test_the_final_checkpoint_waits_for_a_write_in_flight_instead_of_being_skipp
     ck.maybe_save(job, 6, final=True, wait_s=0.5)  # waits its bound, then skipped all the same
     assert 0.5 <= time.monotonic() - t0 < 30
     threading.Timer(1.0, release.set).start()
-    ck.maybe_save(job, 8, final=True, wait_s=60)   # waits for step 2's write, then writes
-    ck.close(60)
+    ck.finish(job, 8, 60)                          # waits for step 2's write, then writes
     assert {s: F.check(str(d / F.name(s))).complete for s in (2, 4, 6, 8)} == {
         2: True, 4: False, 6: False, 8: True}
     assert sorted(reports) == [("checkpoint", 2), ("checkpoint", 8), ("checkpoint_skipped", 4),
