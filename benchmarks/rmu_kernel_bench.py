@@ -54,15 +54,21 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layouts", default=None, help="comma-separated (default: all)")
+    p.add_argument("--bench-kernels", default=None,
+                   help="comma-separated among fused.BENCH_KERNELS (default: all; the folding ones "
+                        "but ws-fold+counts build the leto_rmu_fold extension)")
     p.add_argument("--json")
     p.add_argument("--md")
     a = p.parse_args(argv)
     if a.first + a.pages > a.k:
         p.error(f"--first {a.first} + --pages {a.pages} exceed the group's {a.k} pages")
-    from leto_runtime.rmu.fused import LAYOUTS
+    from leto_runtime.rmu.fused import BENCH_KERNELS, LAYOUTS
     bad = [x for x in (a.layouts.split(",") if a.layouts else []) if x not in LAYOUTS]
     if bad:
         p.error(f"--layouts: {', '.join(bad)} not among {', '.join(LAYOUTS)}")
+    bad = [x for x in (a.bench_kernels.split(",") if a.bench_kernels else []) if x not in BENCH_KERNELS]
+    if bad:
+        p.error(f"--bench-kernels: {', '.join(bad)} not among {', '.join(BENCH_KERNELS)}")
     return a
 
 
@@ -162,11 +168,15 @@ def fold_rows(a, base, cfg, dev, st, undo, g, coef, code, outs, q, step, chunk_b
     copy = results["copy (undo copy of 3 states)"]["ms"]
     if today:
         row("copy + onekernel[4x2x3] (today's chunk)", copy + today, 13 * chunk_bytes + parity_bytes)
+    ws = results.get("onekernel[ws]", {}).get("ms")
+    if ws:
+        row("copy + onekernel[ws]", copy + ws, 13 * chunk_bytes + parity_bytes)
     cluster = torch.cuda.get_device_capability(dev)[0] >= 9
     written = [torch.empty_like(t) for t in st]
     page_bytes = st[0].numel() * 4 // a.pages
     prog = torch.zeros(3 * -(-page_bytes // 4096), dtype=torch.int32, device=dev)   # per state and 4 KiB tile
-    for kernel, what in F.BENCH_KERNELS.items():
+    chosen = a.bench_kernels.split(",") if a.bench_kernels else list(F.BENCH_KERNELS)
+    for kernel, what in ((k, F.BENCH_KERNELS[k]) for k in chosen):
         if kernel.startswith("fold") and not cluster:
             rows.append(f"| {kernel} | - | - | - | needs sm_90 (clusters) |")
             continue

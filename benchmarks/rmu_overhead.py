@@ -34,7 +34,9 @@ memory, for:
   (LETO_RMU_FUSED_LAYOUT): **rmu_f4s** (state-major grid: a tile's three state CTAs adjacent,
   sharing g and the moments through L2), **rmu_f2** (2 KiB tiles: four CTAs per SM instead of
   two), **rmu_f2s** (both), **rmu_ws** (cuda/adamw_ws.cu: one warp-specialized CTA per 2 KiB
-  tile for the three states, producer warps feeding Horner warps).
+  tile for the three states, producer warps feeding Horner warps; the default layout since
+  2026-12-07, `rmu_f4` is the 4x2x3 layout before it), **rmu_fold** (LETO_RMU_FOLD=1: the
+  undo copy folded into the ws kernel, leto_runtime/rmu/fold.py).
 
 Each iteration: stream sync, compute, stream sync, update, stream sync (the syncs are the same in
 every variant).  Peak GPU memory is device-wide (`cudaMemGetInfo`: total - free, sampled after
@@ -347,6 +349,7 @@ def _describe_update(res, a, dev, name, up, begin, compute, update) -> None:
         res["fused_syndrome_why_not"] = FZ.why_not_syndrome or FZ.why_not
     res["marker_mode"] = up.marker.mode if up.streamed else "fenced"
     res["undo_slots"] = up.slots
+    res["fold"] = up.fold
     res["wb_overlap"] = up.wb_overlap
     up.profile = None
     if a.trace:

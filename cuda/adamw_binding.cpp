@@ -73,6 +73,36 @@ void adamw_syndrome(torch::Tensor p, torch::Tensor m, torch::Tensor v, const tor
   }
 }
 
+// The folded chunk (adamw_ws.cu, fold with counts): p, m, v <- AdamW(p, m, v; g) in place, their
+// old values to up, um, uv, the same parity pages; counts: int64 CUDA tensors (two copies, in
+// different pages) of one word per 512-byte column of a page, (tag << 16) | the stages whose
+// undo copy is visible (leto_runtime/rmu/fold.py reads them).
+void adamw_syndrome_fold(torch::Tensor p, torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
+                         torch::Tensor up, torch::Tensor um, torch::Tensor uv,
+                         const std::optional<torch::Tensor>& coef, const torch::Tensor& outs,
+                         const torch::Tensor& bases, const torch::Tensor& mix, const torch::Tensor& scale,
+                         int64_t page_bytes, double decay, double beta1, double beta2, double eps,
+                         double bc2_sqrt, double step_size, bool has_decay, torch::Tensor counts0,
+                         torch::Tensor counts1, int64_t tag) {
+  ChunkCall c = chunk_call(p, m, v, g, up, um, uv, coef, outs, bases, mix, scale, page_bytes, decay, beta1,
+                           beta2, eps, bc2_sqrt, step_size, has_decay);
+  const int64_t units = (page_bytes / 1024 + 1) / 2 * 4;     // the grid's tiles x 4 producer warps
+  for (const auto* t : {&counts0, &counts1})
+    TORCH_CHECK(t->is_cuda() && t->device() == p.device() && t->scalar_type() == torch::kInt64 &&
+                    t->is_contiguous() && t->numel() == units,
+                "adamw_syndrome_fold: counts must be contiguous int64 tensors of ", units, " words on ", p.device());
+  TORCH_CHECK(tag >= 0 && tag < (int64_t{1} << 48), "adamw_syndrome_fold: tag must be in [0, 2^48)");
+  c.f.counts[0] = reinterpret_cast<uint64_t*>(counts0.data_ptr<int64_t>());
+  c.f.counts[1] = reinterpret_cast<uint64_t*>(counts1.data_ptr<int64_t>());
+  c.f.tag = static_cast<uint64_t>(tag);
+  const c10::cuda::CUDAGuard guard(p.device());
+  try {
+    leto_rmu::adamw_syndrome_ws(c.a, c.f, c.coef.data(), true, c10::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "leto rmu CUDA: ", e.what());
+  }
+}
+
 }  // namespace
 
 void register_marker_stream(pybind11::module& m);  // marker_stream.cpp
@@ -90,5 +120,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("page_bytes"), py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("variant") = 0,
         py::arg("layout") = 0);
+  m.def("adamw_syndrome_fold", &adamw_syndrome_fold,
+        "one chunk with the undo copy folded in (ws): AdamW in place, old values to up, um, uv, the same "
+        "parity; per-unit stage counts in counts0 and counts1",
+        py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("up"), py::arg("um"), py::arg("uv"),
+        py::arg("coef"), py::arg("outs"), py::arg("bases"), py::arg("mix"), py::arg("scale"),
+        py::arg("page_bytes"), py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("counts0"), py::arg("counts1"),
+        py::arg("tag"));
   register_marker_stream(m);
 }

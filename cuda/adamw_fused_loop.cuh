@@ -25,7 +25,7 @@
 //    whose undo copy is visible; a stage's new values are stored only after its count is (the
 //    next stage), so after a kill at any point a recovery could restore the pages of the first
 //    `progress` stages from the undo buffer and leave all others, which are untouched (no
-//    recovery does: docs/RMU.md, "Why the undo copy stays a separate copy").  Without it the
+//    recovery uses this kernel: docs/RMU.md, "The folded chunk").  Without it the
 //    order of undo and in-place stores is not guaranteed (the kernel bench's lower bound).
 #pragma once
 

@@ -16,6 +16,12 @@ struct AdamWSyndromeArgs {
   const float* old[3];    // their undo copies (read: the values before this step)
   float* undo[3];         // the fold kernel's undo copies (written: the values before this step)
   uint32_t* progress;     // the fold kernel's stage counts, [3][tiles] (zeroed before; or null)
+  // adamw_ws.cu's fold with counts (the updater's folded chunk): per 512-byte column ("unit") u
+  // of a page, counts[c][u] = (tag << 16) | the 2-page stages whose undo copy is visible, in
+  // two copies c (separate pages: one can be lost); a stage's new values are stored only after
+  // its count is visible.  Null: no counts.
+  uint64_t* counts[2];
+  uint64_t tag;           // < 2^48: the transaction (leto_runtime/rmu/fold.py)
   const float* g;         // the chunk's gradients
   const float* coef;      // 0-dim fp32 on the device (clipping), or null
   AdamWScalars s;
@@ -45,7 +51,7 @@ void adamw_syndrome_onecta(const SyndromeArgs& args, const AdamWSyndromeArgs& f,
 
 // The same chunk with warp-specialized CTAs (adamw_ws.cu): one CTA per 2 KiB tile, producer
 // warps for AdamW and the memory traffic, Horner warps fed through a shared ring; f.old / fold
-// as adamw_syndrome_onecta.
+// as adamw_syndrome_onecta; with fold and f.counts set, the stage counts above.
 void adamw_syndrome_ws(const SyndromeArgs& args, const AdamWSyndromeArgs& f, const uint16_t* coef, bool fold,
                        cudaStream_t stream);
 

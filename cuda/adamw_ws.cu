@@ -1,8 +1,7 @@
-// RMU's chunk in one kernel with warp-specialized CTAs (benchmarks only, in the `leto_rmu_fold`
-// extension).  Why: adamw_syndrome.cu's CTAs alternate between the AdamW phase (memory) and the
-// Horner (ALU) behind CTA-wide barriers, so a chunk costs about the sum of the two
-// (docs/BENCHMARKS.md).  Here one CTA owns a 2 KiB tile of all three states, and its warps have
-// one job each:
+// RMU's chunk in one kernel with warp-specialized CTAs (layout `ws`).  Why: adamw_syndrome.cu's
+// CTAs alternate between the AdamW phase (memory) and the Horner (ALU) behind CTA-wide
+// barriers, so a chunk costs about the sum of the two (docs/BENCHMARKS.md).  Here one CTA owns
+// a 2 KiB tile of all three states, and its warps have one job each:
 //  * 4 producer warps (128 threads, 16 bytes of each page each): old p, m, v and g stream
 //    into a ring of their own with cp.async (each thread reads back only what it loaded: no
 //    barrier); they run AdamW, store the new states (and, fold, the old values to the undo
@@ -14,8 +13,18 @@
 // Horner of one stage overlaps the producers' loads and stores of the next ones.
 // 512 threads at 128 registers: one CTA (16 warps) per SM, the whole register file.
 //
+// Fold with counts (the updater's folded chunk, leto_runtime/rmu/fold.py): a producer warp owns
+// a 512-byte column ("unit") of every page.  At stage s each lane stores the stage's old values
+// to the undo buffer, keeps the new ones in a private stash, fences, and after a __syncwarp
+// lane 0 stores count = s + 1 (two copies); only then, after the next stage's fence and
+// __syncwarp, does the warp store stage s's new values in place.  So at any instant, whatever
+// stops the kernel: every stage below a unit's visible count has its undo copy complete, and no
+// stage at or above it has a new value stored.  Recovery restores exactly those stages from the
+// undo buffer.
+//
 // Reference: adamw_syndrome.cu (the same states and parity bits; with fold, on an undo copy
-// made beforehand, whose bytes the undo buffer then holds).  Fused::syndrome_check checks it.
+// made beforehand, whose bytes the undo buffer then holds).  Fused::syndrome_check and
+// Fused::fold_check check it.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -35,13 +44,16 @@ constexpr int kDelta = 3;           // the shared delta ring (stages)
 template <bool B>
 using CfgWs = Cfg<2, 2, kDelta, true, true, B, false>;
 
-template <class C>
+template <class C, bool kCounts = false>
 struct WsSmem {
   static constexpr int kDeltaStage = kWsSets * C::kP * C::kPageSmem;       // 3 states' deltas
   static constexpr int kDeltaBytes = kDelta * kDeltaStage;
   static constexpr int kInSlot = kProducers * 16;                          // one input of one page
   static constexpr int kInStage = kInputs * C::kP * kInSlot;
-  static constexpr int kPipe = kDeltaBytes + kIn * kInStage;
+  // fold with counts: each producer's new values of two stages (stored one stage late)
+  static constexpr int kStashStage = kWsSets * C::kP * kInSlot;
+  static constexpr int kStash = kCounts ? 2 * kStashStage : 0;
+  static constexpr int kPipe = kDeltaBytes + kIn * kInStage + kStash;
   static constexpr int kBytes = kPipe > kWsSets * C::kSynBytes ? kPipe : kWsSets * C::kSynBytes;
   static constexpr int kThreads = kWsSets * C::kThreads + kProducers;
 };
@@ -59,10 +71,11 @@ __device__ __forceinline__ void bar_arrive(int id) {
 }
 
 // A producer thread (pt = 0..127): its 16 bytes of every page of the tile.
-template <class C, int V, bool kFold>
+template <class C, int V, bool kFold, bool kCounts>
 __device__ __forceinline__ void ws_produce(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, int pt,
                                            uint8_t* smem) {
-  using S = WsSmem<C>;
+  static_assert(!kCounts || kFold, "counts order the fold's stores");
+  using S = WsSmem<C, kCounts>;
   constexpr int NB = C::NB;
   const size_t tile_off = static_cast<size_t>(blockIdx.x) * NB * 1024;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
@@ -101,6 +114,31 @@ __device__ __forceinline__ void ws_produce(const SyndromeArgs& a, const leto_rmu
                        : (y == 0 ? f.state[0] : (y == 1 ? f.state[1] : f.state[2]));
     *reinterpret_cast<float4*>(reinterpret_cast<uint8_t*>(base) + static_cast<size_t>(j) * a.page_bytes + csrc) = v;
   };
+  // Counts: this warp's unit; the stash slot of stage s's new value of state y, page p.
+  const size_t unit = static_cast<size_t>(blockIdx.x) * (kProducers / 32) + pt / 32;
+  auto stash = [&](int s, int y, int p) {
+    return reinterpret_cast<float4*>(smem + S::kDeltaBytes + kIn * S::kInStage + (s & 1) * S::kStashStage +
+                                     (y * C::kP + p) * S::kInSlot + pt * 16);
+  };
+  auto store_new = [&](int s) {       // stage s's new values, from the stash
+#pragma unroll
+    for (int p = 0; p < C::kP; ++p) {
+      const int j = page_of(s, p);
+      if (valid(j)) {
+#pragma unroll
+        for (int y = 0; y < 3; ++y) store(y, j, *stash(s, y, p), false);
+      }
+    }
+  };
+  auto count = [&](int s) {           // stages 0..s: undo copies visible (this warp), then counted
+    __threadfence();
+    __syncwarp();
+    if (pt % 32 == 0) {
+      const uint64_t c = (f.tag << 16) | static_cast<uint64_t>(s + 1);
+      *reinterpret_cast<volatile uint64_t*>(f.counts[0] + unit) = c;
+      *reinterpret_cast<volatile uint64_t*>(f.counts[1] + unit) = c;
+    }
+  };
 
 #pragma unroll
   for (int s = 0; s < kIn - 1; ++s) issue(s);
@@ -121,13 +159,21 @@ __device__ __forceinline__ void ws_produce(const SyndromeArgs& a, const leto_rmu
 #pragma unroll
         for (int y = 0; y < 3; ++y) {
           if (kFold) store(y, j, o[y], true);
-          store(y, j, n[y], false);
+          if (kCounts) {
+            *stash(s, y, p) = n[y];
+          } else {
+            store(y, j, n[y], false);
+          }
           d[y][p] = xor_bits(o[y], n[y]);
         }
       } else {
 #pragma unroll
         for (int y = 0; y < 3; ++y) d[y][p] = make_uint4(0u, 0u, 0u, 0u);   // a zero delta
       }
+    }
+    if constexpr (kCounts) {
+      count(s);                           // after this warp's fence and sync: count s + 1 was
+      if (s > 0) store_new(s - 1);        // stored (lane 0) before stage s-1's new values are
     }
     const int k = s % kDelta;
     if (s >= kDelta) bar_sync<C>(bar_empty(k));   // the Horner warps are done with stage s - kDelta
@@ -139,6 +185,13 @@ __device__ __forceinline__ void ws_produce(const SyndromeArgs& a, const leto_rmu
     bar_arrive<C>(bar_full(k));
   }
   cp_async_wait<0>();
+  if constexpr (kCounts) {
+    if (n_stages > 0) {
+      __threadfence();                    // lane 0's last count is visible first
+      __syncwarp();
+      store_new(n_stages - 1);
+    }
+  }
   // Take the Horner warps' last arrivals, so that no named barrier is left half-way.
   for (int s = n_stages > kDelta ? n_stages - kDelta : 0; s < n_stages; ++s) bar_sync<C>(bar_empty(s % kDelta));
 }
@@ -166,14 +219,14 @@ __device__ __forceinline__ void ws_consume(const SyndromeArgs& a, int y, int col
   }
 }
 
-template <class C, int V, bool kFold>
+template <class C, int V, bool kFold, bool kCounts>
 __global__ void __launch_bounds__(WsSmem<C>::kThreads, 1)
     adamw_ws_kernel(const SyndromeArgs a_in, const leto_rmu::AdamWSyndromeArgs f,
                     const __grid_constant__ MixMasks masks) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int hthreads = kWsSets * C::kThreads;
   if (static_cast<int>(threadIdx.x) >= hthreads) {   // whole warps: the branch is warp-uniform
-    ws_produce<C, V, kFold>(a_in, f, static_cast<int>(threadIdx.x) - hthreads, smem);
+    ws_produce<C, V, kFold, kCounts>(a_in, f, static_cast<int>(threadIdx.x) - hthreads, smem);
     __syncthreads();   // the rings are free (run_group_with's exchange reuses the memory)
     __syncthreads();   // run_group_with's exchange barrier
     return;
@@ -198,11 +251,11 @@ __global__ void __launch_bounds__(WsSmem<C>::kThreads, 1)
   }
 }
 
-template <class C, bool kFold>
+template <class C, bool kFold, bool kCounts = false>
 void launch_ws(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, const MixMasks& masks,
                cudaStream_t stream) {
-  launch_tiles<C, adamw_ws_kernel<C, 0, kFold>>(WsSmem<C>::kThreads, WsSmem<C>::kBytes, a, f, masks, stream,
-                                                "adamw_syndrome_ws kernel launch");
+  launch_tiles<C, adamw_ws_kernel<C, 0, kFold, kCounts>>(WsSmem<C, kCounts>::kThreads, WsSmem<C, kCounts>::kBytes,
+                                                         a, f, masks, stream, "adamw_syndrome_ws kernel launch");
 }
 
 }  // namespace
@@ -216,11 +269,16 @@ void adamw_syndrome_ws(const SyndromeArgs& args, const AdamWSyndromeArgs& f, con
   const float* undo[3] = {fold ? f.undo[0] : f.old[0], fold ? f.undo[1] : f.old[1], fold ? f.undo[2] : f.old[2]};
   bool baked = false;
   if (!prepare_chunk(args, f, undo, coef, a, masks, baked)) return;
-  switch ((baked ? 1 : 0) + (fold ? 2 : 0)) {
+  const bool counts = fold && f.counts[0] != nullptr;
+  if (counts && (f.counts[1] == nullptr || f.tag >> 48 != 0))
+    throw std::invalid_argument("adamw_syndrome_ws: counts need two copies and a tag below 2^48");
+  switch ((baked ? 1 : 0) + (fold ? 2 : 0) + (counts ? 2 : 0)) {
     case 0: launch_ws<CfgWs<false>, false>(a, f, masks, stream); break;
     case 1: launch_ws<CfgWs<true>, false>(a, f, masks, stream); break;
     case 2: launch_ws<CfgWs<false>, true>(a, f, masks, stream); break;
-    default: launch_ws<CfgWs<true>, true>(a, f, masks, stream); break;
+    case 3: launch_ws<CfgWs<true>, true>(a, f, masks, stream); break;
+    case 4: launch_ws<CfgWs<false>, true, true>(a, f, masks, stream); break;
+    default: launch_ws<CfgWs<true>, true, true>(a, f, masks, stream); break;
   }
 }
 

@@ -99,15 +99,17 @@ def _process_state() -> dict:
     mask = os.umask(0o022)
     os.umask(mask)
     return {"nice": os.getpriority(os.PRIO_PROCESS, 0), "affinity": os.sched_getaffinity(0),
-            "umask": mask, "cwd": os.getcwd()}
+            "umask": mask, "cwd": os.getcwd(),
+            "environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}}
 
 
 @pytest.fixture(autouse=True)
 def _process_state_kept():
     """A test must leave its (xdist worker) process as it found it: a nice value, CPU set,
-    umask or working directory changed here passes to every process every later test of this
-    worker starts (a main thread once left at nice 19 made them run 5-15x slower beside the
-    other workers).  Restored, and the test that changed it fails."""
+    umask, working directory or environment variable changed here passes to every process every
+    later test of this worker starts (a main thread once left at nice 19 made them run 5-15x
+    slower beside the other workers; the agent's rendezvous setting, run in process, once
+    reached a later test's torchrun workers).  Restored, and the test that changed it fails."""
     before = _process_state()
     yield
     after = _process_state()
@@ -116,7 +118,13 @@ def _process_state_kept():
         os.sched_setaffinity(0, before["affinity"])
         os.umask(before["umask"])
         os.chdir(before["cwd"])
-        changed = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+        for k in [k for k in os.environ if k not in before["environ"] and k != "PYTEST_CURRENT_TEST"]:
+            del os.environ[k]
+        os.environ.update(before["environ"])
+        changed = {k: (before[k], after[k]) for k in before if before[k] != after[k] and k != "environ"}
+        env = before["environ"], after["environ"]
+        changed.update({f"${k}": (env[0].get(k), env[1].get(k)) for k in {*env[0], *env[1]}
+                        if env[0].get(k) != env[1].get(k)})
         pytest.fail(f"the test changed its process's state (before, after): {changed}")
 
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from leto_runtime.rmu import adamw as A
+from leto_runtime.rmu import fold as FD
 from leto_runtime.rmu.cpu_chunks import ChunkCalls
 
 
@@ -223,6 +224,47 @@ class ChunkOps:
             for i, st in enumerate(ss.model):
                 code.update(ss.q(i, 1 - auth, g), idx, ss.undo_pages(i, count, self.slot(g, j)),
                             st.pages(gi.first + first, count), base=ss.q(i, auth, g), scratch=self.scratch)
+
+    # ---- the folded chunk (fold.py) ----------------------------------------------------------
+    def fold_update(self, t: int, g: int, j: int, chunk: tuple[int, int], views, grad, coef, lr,
+                    auth: int, kernel: bool) -> None:
+        """The chunk with its undo copy folded in: `kernel` (CUDA, fused.fold_ok) in one kernel
+        that leaves per-unit stage counts; otherwise the same protocol in order -- the undo
+        copy, every unit counted, then the update and the parity delta."""
+        ss = self.ss
+        first, count = chunk
+        tg = FD.tag(t, ss.chunk_index(g, j))
+        counts = [ss.fold_counts(c) for c in range(2)]
+        if kernel:
+            gi = ss.model[0].groups[g]
+            undo = [ss.undo_pages(i, count, 0) for i in range(3)]
+            self.fused.chunk_fold_(views, undo, grad, step=t + 1, lr=lr, coef=coef, code=self.code(gi.k),
+                                   first=first, outs=[ss.q(i, 1 - auth, g) for i in range(3)],
+                                   bases=[ss.q(i, auth, g) for i in range(3)], counts=counts, tag=tg)
+            return
+        self._copy_undo(g, j)
+        FD.count_all_(counts, tg, count)
+        deltas = self.update(t, g, chunk, views, grad, coef, lr)
+        self.parity_delta(g, j, chunk, auth, deltas)
+
+    def fold_garbage(self, t: int, g: int, j: int, chunk: tuple[int, int], scratch_buf: int) -> None:
+        """What a kill inside the folded kernel leaves (fold.garbage_), and torn scratch parity."""
+        ss = self.ss
+        first, count = chunk
+        p0 = ss.model[0].groups[g].first + first
+        gen = torch.Generator().manual_seed(0xF01D)
+        FD.garbage_([st.pages(p0, count) for st in ss.model], [ss.undo_pages(i, count, 0) for i in range(3)],
+                    [ss.fold_counts(c) for c in range(2)], FD.tag(t, ss.chunk_index(g, j)), gen)
+        self.scratch_garbage(g, scratch_buf)
+
+    def scratch_garbage(self, g: int, scratch_buf: int) -> None:
+        """A third of each state's scratch parity buffer overwritten with random bytes."""
+        gen = torch.Generator().manual_seed(0x5C7A)
+        for i in range(3):
+            q = self.ss.q(i, scratch_buf, g)
+            qn = torch.randint(0, 256, (q.numel() // 3,), generator=gen, dtype=torch.uint8)
+            q.view(-1)[:qn.numel()].copy_(qn.to(q.device))
+        self.fence()
 
     def garbage(self, g: int, first: int, count: int, scratch_buf: int) -> None:
         """What a kill inside a kernel leaves: part of the chunk and of the scratch parity

@@ -40,12 +40,14 @@ import torch
 
 from leto_runtime.wire import settings
 from leto_runtime.rmu import adamw as A
+from leto_runtime.rmu import fold as FD
 
 log = logging.getLogger("leto.rmu")
 
 _cache: dict = {}
 why_not: str = ""
 why_not_syndrome: str = ""
+why_not_fold: str = ""
 
 
 def wanted() -> bool:
@@ -59,19 +61,35 @@ LAYOUT_ENV = "LETO_RMU_FUSED_LAYOUT"
 # "ws": cuda/adamw_ws.cu, one warp-specialized CTA per 2 KiB tile for the three states (the
 # updater's chunk through the same binding; adamw_syndrome.cu dispatches to it).
 LAYOUTS = {"4x2x3": 0, "4x2x3-statemajor": 1, "2x2x3": 2, "2x2x3-statemajor": 3, "ws": 4}
+# "auto": ws, or 4x2x3 where ws fails its self-check on the device (e.g. a GPU whose shared
+# memory per block is below ws's ~101 KiB); a named layout has no fallback.
+AUTO = "auto"
+AUTO_ORDER = (4, 0)
+
+
+def _name(lay: int) -> str:
+    return next(n for n, i in LAYOUTS.items() if i == lay)
 
 
 class LayoutError(ValueError):
     """LETO_RMU_FUSED_LAYOUT names no layout of the kernel."""
 
 
-def layout() -> int:
+def layouts() -> tuple[int, ...]:
+    """The layouts to self-check, in order of preference: the one named, or AUTO_ORDER."""
     name = settings.get().rmu_fused_layout
+    if name == AUTO:
+        return AUTO_ORDER
     if name not in LAYOUTS:
         raise LayoutError(f"{LAYOUT_ENV}={name!r} is not a layout of the AdamW + parity kernel "
                           f"(cuda/adamw_syndrome.cu): use one of {', '.join(LAYOUTS)}, or unset it "
-                          f"for the default 4x2x3")
-    return LAYOUTS[name]
+                          f"for the default 4x2x3 ({AUTO}: ws, else 4x2x3)")
+    return (LAYOUTS[name],)
+
+
+def layout() -> int:
+    """The preferred layout (before the device's self-check picks among `layouts()`)."""
+    return layouts()[0]
 
 
 def _cuda_ext(key: str, name: str, sources: list[str], what: str):
@@ -107,6 +125,7 @@ BENCH_KERNELS = {
     "onecta": "cuda/adamw_onecta.cu: one CTA per 2 KiB tile for the 3 states, reads the undo copy",
     "onecta-fold": "the same with the undo copy folded in (states read in place)",
     "ws-fold": "cuda/adamw_ws.cu (the layout \"ws\") with the undo copy folded in (states read in place)",
+    "ws-fold+counts": "the same with per-unit stage counts: the updater's folded chunk (LETO_RMU_FOLD=1, rmu/fold.py)",
 }
 # Those that read the undo copy made beforehand (the others write it).
 BENCH_READS_UNDO = ("onecta",)
@@ -149,6 +168,7 @@ class Fused:
     def __init__(self, ext, cfg: "A.AdamWConfig", variant: int = 0):
         self.ext, self.cfg, self.variant = ext, cfg, variant
         self.layout = layout()
+        self.candidates = layouts()
 
     @classmethod
     def for_device(cls, device, cfg: "A.AdamWConfig") -> Optional["Fused"]:
@@ -211,19 +231,31 @@ class Fused:
         if not settings.get().rmu_fused_syndrome:
             why_not_syndrome = "LETO_RMU_FUSED_SYNDROME=0"
             return False
-        key = ("syndrome", str(torch.device(device)), self.cfg, self.variant, self.layout, m)
+        key = ("syndrome", str(torch.device(device)), self.cfg, self.variant, self.candidates, m)
         if key not in _cache:
             bad = ("only AdamW spelling 0 is compiled into the syndrome kernel, this device needs "
                    f"{self.variant}") if self.variant != 0 else ""
-            if not bad:
+            picked, why = None, []
+            for lay in ([] if bad else self.candidates):
+                self.layout = lay
                 try:
-                    bad = self.syndrome_check(torch.device(device), m)
-                except Exception as e:          # build or launch failure: keep two kernels, say why
-                    bad = f"{type(e).__name__}: {e}"
-            if bad:
+                    b = self.syndrome_check(torch.device(device), m)
+                except Exception as e:          # build or launch failure: next layout, say why
+                    b = f"{type(e).__name__}: {e}"
+                if not b:
+                    picked = lay
+                    break
+                why.append(f"layout {_name(lay)}: {b}")
+            bad = bad or "; ".join(why)
+            if picked is None:
                 log.warning("leto.rmu: AdamW + parity kernel not used: %s", bad)
-            why_not_syndrome = bad
-            _cache[key] = not bad
+            elif why:
+                log.warning("leto.rmu: AdamW + parity kernel in layout %s (%s)", _name(picked), "; ".join(why))
+            why_not_syndrome = "" if picked is not None else bad
+            _cache[key] = picked
+        if _cache[key] is not None:
+            self.layout = _cache[key]
+        return _cache[key] is not None
         return _cache[key]
 
     def chunk_syndrome_(self, states: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], g, *,
@@ -235,6 +267,34 @@ class Fused:
         undo[y] ^ new[y].  The same bits as step_(deltas=) followed by code.update_delta_many."""
         self.ext.adamw_syndrome(*self._chunk_args(states, undo, g, step=step, lr=lr, coef=coef, code=code,
                                                   first=first, outs=outs, bases=bases), self.variant, self.layout)
+
+    def fold_ok(self, device, m: int = 16) -> bool:
+        """chunk_fold_ (always the ws kernel, whatever the one-kernel chunk's layout) may be
+        used on `device`: it gives the one-kernel chunk's bits, the undo copy and full counts
+        (checked once; `why_not_fold` says why not)."""
+        global why_not_fold
+        key = ("fold", str(torch.device(device)), self.cfg, self.variant, m)
+        if key not in _cache:
+            try:
+                bad = self.syndrome_check(torch.device(device), m, kernel="fold")
+            except Exception as e:          # build or launch failure: the undo copy stays
+                bad = f"{type(e).__name__}: {e}"
+            if bad:
+                log.warning("leto.rmu: folded chunk not used: %s", bad)
+            why_not_fold = bad
+            _cache[key] = not bad
+        return _cache[key]
+
+    def chunk_fold_(self, states: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], g, *,
+                    step: int, lr: float, coef: Optional[torch.Tensor], code, first: int,
+                    outs: Sequence[torch.Tensor], bases: Sequence[torch.Tensor],
+                    counts: Sequence[torch.Tensor], tag: int) -> None:
+        """chunk_syndrome_ with the undo copy folded in (cuda/adamw_ws.cu): the states are read
+        in place, their old values written to `undo`, and `counts` (two int64 copies of
+        fold.units words) say per unit which stages' undo copy is visible (fold.py)."""
+        self.ext.adamw_syndrome_fold(*self._chunk_args(states, undo, g, step=step, lr=lr, coef=coef, code=code,
+                                                       first=first, outs=outs, bases=bases),
+                                     counts[0], counts[1], tag)
 
     def chunk_bench_(self, kernel: str, states: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], g, *,
                      step: int, lr: float, coef: Optional[torch.Tensor], code, first: int,
@@ -250,6 +310,13 @@ class Fused:
             raise ValueError(f"chunk_bench_: kernel {kernel!r} is not one of {', '.join(BENCH_KERNELS)}")
         if self.variant != 0:
             raise ValueError("chunk_bench_: only AdamW spelling (variant) 0 is compiled")
+        if kernel == "ws-fold+counts":          # the updater's kernel, in the main extension
+            u = FD.units(code.page_bytes)
+            if getattr(self, "_bench_counts", None) is None or self._bench_counts[0].numel() != u:
+                self._bench_counts = [torch.zeros(u, dtype=torch.int64, device=states[0].device) for _ in range(2)]
+            self.chunk_fold_(states, undo, g, step=step, lr=lr, coef=coef, code=code, first=first, outs=outs,
+                             bases=bases, counts=self._bench_counts, tag=FD.tag(step, first))
+            return
         ext = load_fold()
         args = self._chunk_args(states, undo, g, step=step, lr=lr, coef=coef, code=code, first=first,
                                 outs=outs, bases=bases)
@@ -276,7 +343,8 @@ class Fused:
                 code.page_bytes, *self._hyper(step, lr))
 
     def syndrome_check(self, device, m: int = 16, kernel: str = "copy") -> str:
-        """'' when chunk_syndrome_ (kernel "copy"; else chunk_bench_ with that kernel) gives the
+        """'' when chunk_syndrome_ (kernel "copy"; "fold": chunk_fold_, whose undo copy and
+        counts are checked too; else chunk_bench_ with that kernel) gives the
         two-kernel path's bits on `device`, else what differed.  Cases: a baked (k = 1024, m = 16) and run-time (k = 664, and this job's m)
         mix; runs at offsets that exercise the run scale; a run longer than one 16-page Horner
         period; a page that ends in a partial tile (13 KiB); clipping and weight decay on and
@@ -316,12 +384,19 @@ class Fused:
                 else:
                     written = [torch.full_like(t, float("nan")) for t in st]
                     prog = torch.zeros(3 * -(-S // 4096), dtype=torch.int32, device=device)
-                    f.chunk_bench_(kernel, st, written, g, progress=prog, **kw)
+                    counts = [torch.full((FD.units(S),), -1, dtype=torch.int64, device=device) for _ in range(2)]
+                    tg = FD.tag(step, first)
+                    (f.chunk_fold_(st, written, g, counts=counts, tag=tg, **kw) if kernel == "fold"
+                     else f.chunk_bench_(kernel, st, written, g, progress=prog, **kw))
                     for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), undo, written):
                         if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
                             return f"{where}: the {name} undo copy is not the values before the step"
                     if kernel == "fold+counts" and not bool((prog == fold_stages(n)).all()):
                         return f"{where}: stage counts {prog.tolist()} after the chunk, not {fold_stages(n)}"
+                    full = (tg << 16) | FD.n_stages(n)
+                    if kernel == "fold" and not all(bool((c == full).all()) for c in counts):
+                        return (f"{where}: fold counts {sorted(set(counts[0].tolist()))} after the chunk, "
+                                f"not {full} (tag {tg}, {FD.n_stages(n)} stages) in both copies")
                 for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), ref, st):
                     if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
                         return f"{where}: {name} differs from the fused AdamW kernel"

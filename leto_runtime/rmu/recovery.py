@@ -7,7 +7,8 @@
    starts at T+1 when all had completed T).  Anything else is impossible by construction and
    raises `RecoveryError`.
 2. `repair(states, record, need_grads)` -- rebuild every failed page from a consistent
-   boundary: an uncommitted chunk is restored from the undo buffer first; the group being
+   boundary: an uncommitted chunk is restored from the undo buffer first (a folded one where
+   its stage counts say its undo copy is current: fold.py); the group being
    updated is decoded against its authoritative parity buffer Q (it encodes the committed
    chunks; the host parity of that group is stale and will be rewritten by the write-back),
    and so is a group whose write-back the marker names as possibly under way (`wb`, against
@@ -27,6 +28,7 @@ itself was reconstructed and read).  It returns a `RepairReport`.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -34,8 +36,12 @@ import torch
 
 from leto_runtime.rmp.reconstruct import (GroupLoss, ReconstructReport, Unrecoverable,
                                           _feasible, _repair_group)
+from leto_runtime.rmu import fold as FD
 from leto_runtime.rmu.marker import GState, Phase, Record
 from leto_runtime.rmu.states import MARKER, QBUF, UNDO, StateSet
+
+
+log = logging.getLogger("leto.rmu")
 
 
 class RecoveryError(RuntimeError):
@@ -167,6 +173,7 @@ def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions
     lost = [set(st.marks.data) for st in ss.model]
     # 1. plan: an uncommitted chunk comes back from the undo buffer, then every group's decode
     restore = _undo_restores(ss, rec, cg, undo_lost, lost)
+    folded = _fold_restores(ss, rec, cg, undo_lost, lost)
     plans = []          # (kind, state index / st, GroupLoss, extra)
     bad: list[GroupLoss] = []
     for i, st in enumerate(ss.model):
@@ -205,6 +212,11 @@ def repair(ss: StateSet, rec: Record, *, need_grads: bool, updater, transactions
     for i, page, u in restore:
         ss.model[i].pages(page, 1).copy_(ss.undo.pages(u, 1))
     rep.restored_from_undo = len(restore)
+    if folded is not None:
+        base, count, mask = folded
+        for i, st in enumerate(ss.model):
+            keep = [q for q in range(count) if base + q in lost[i]]     # erasures: decoded below
+            rep.restored_from_undo += FD.restore_(st.pages(base, count), ss.undo_pages(i, count, 0), mask, keep)
     for kind, who, loss in plans:
         if kind == "host":
             _repair_group(who, loss, backend)
@@ -241,6 +253,35 @@ def _undo_restores(ss: StateSet, rec: Record, cg: int | None, undo_lost: set[int
                     restore.append((i, base + q, u))
                     lost[i].discard(base + q)
     return restore
+
+
+def _fold_restores(ss: StateSet, rec: Record, cg: int | None, undo_lost: set[int],
+                   lost: list[set[int]]):
+    """The folded chunk in flight (`sub` = FOLD_SUB): (first page, pages, restore mask) from
+    its stage counts (fold.py), else None.  A page whose undo page was lost becomes an erasure
+    in `lost`; so does every page of the chunk when both copies of the counts were lost."""
+    if cg is None or rec.gstate != GState.CHUNKS or rec.sub != FD.FOLD_SUB:
+        return None
+    first, count = ss.chunks(cg)[rec.chunk]
+    base = ss.model[0].groups[cg].first + first
+    tg = FD.tag(rec.t, ss.chunk_index(cg, rec.chunk))
+    copies = [None if ss.fold_count_page(c) in undo_lost else ss.fold_counts(c) for c in range(2)]
+    counts = FD.read_counts(copies, tg, count)
+    if counts is None:
+        log.warning("leto.rmu: both copies of the folded chunk's stage counts were lost: its %d "
+                    "pages per state are erasures", count)
+        counts = torch.zeros(FD.units(ss.geo.page_bytes), dtype=torch.int64)
+        for i in range(3):
+            lost[i].update(range(base, base + count))
+    mask = FD.restore_mask(counts, count, ss.geo.page_bytes)
+    whole = mask.all(dim=1).tolist()        # pages wholly restored: a loss there does not matter
+    for i in range(3):
+        for q in range(count):
+            if ss.undo_index(i, q, slot=0) in undo_lost:
+                lost[i].add(base + q)
+            elif whole[q]:
+                lost[i].discard(base + q)
+    return base, count, mask
 
 
 def _decode_with_q(ss: StateSet, i: int, loss: GroupLoss, auth: int, updater) -> None:

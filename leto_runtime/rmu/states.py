@@ -6,7 +6,8 @@ Role: name, allocate/attach and describe the memory of data-parallel AdamW train
     leto/marker                                               one host page, protected
     leto/rmu/undo    U: one chunk of params, exp_avg, exp_avg_sq (undo slot 0), then three
                      chunks for the chunk's delta pages (CUDA two-kernel update) / the update's
-                     scratch (torch-ops path) / undo slot 1   retained, unprotected
+                     scratch (torch-ops path) / undo slot 1, then two pages for the folded
+                     chunk's stage counts (fold.py; never lent)   retained, unprotected
     leto/rmu/parity  Q/Q': four parity buffers (H1 pages) per model state, on the data's device,
                      retained, unprotected (chunk commits make them recoverable, docs/RMU.md).
                      Group g's pair (auth 0/1) is buffers (2g, 2g+1) mod 4, so group g+1's pair
@@ -47,6 +48,7 @@ UNDO = "leto/rmu/undo"
 QBUF = "leto/rmu/parity"
 ALIGN = 16          # elements: every parameter view starts 64-byte aligned
 QBUFS = 4               # parity buffers per model state (StateSet.q_first)
+FOLD_PAGES = 2          # the folded chunk's two copies of its stage counts (fold.py)
 MARKER_BYTES = 4096     # one host page (the record needs 1 KiB)
 
 
@@ -197,6 +199,16 @@ class StateSet:
         """Page index within the undo state of page `page` of a chunk's undo copy."""
         return (3 * slot + state_index) * self.chunk_pages + page
 
+    def fold_count_page(self, copy: int) -> int:
+        """Page index within the undo state of copy 0/1 of the folded chunk's stage counts."""
+        return 6 * self.chunk_pages + copy
+
+    def fold_counts(self, copy: int) -> torch.Tensor:
+        """Copy 0/1 of the folded chunk's stage counts: int64 words, one per 512-byte unit of
+        a page (fold.units), at the start of its own page."""
+        from leto_runtime.rmu.fold import units
+        return self.undo.pages(self.fold_count_page(copy), 1).view(-1).view(torch.int64)[:units(self.geo.page_bytes)]
+
     def delta_pages(self, state_index: int, count: int) -> torch.Tensor:
         """Where the fused CUDA update writes old ^ new of chunk pages of model state
         `state_index` (chunks 3..5 of the undo state, i.e. undo slot 1: so the two-kernel path
@@ -212,12 +224,17 @@ class StateSet:
 
     def lend_ranges(self) -> list[tuple[int, int]]:
         """(address, bytes) of the device memory RMU can lend for activations outside the
-        update phase: the undo/scratch state and the parity buffers."""
+        update phase: the undo/scratch state and the parity buffers (not the fold's stage
+        counts: a stale count must be a count, never an activation's bytes)."""
         out = []
-        for st in (self.undo, self.qbuf):
-            t = st.pages(0, st.n_pages)
+        for st, keep in ((self.undo, FOLD_PAGES), (self.qbuf, 0)):
+            t = st.pages(0, st.n_pages - keep)
             out.append((t.data_ptr(), t.numel() * t.element_size()))
         return out
+
+    def chunk_index(self, g: int, j: int) -> int:
+        """Chunk j of group g's position among all of the update's chunks."""
+        return sum(len(self.chunks(h)) for h in range(g)) + j
 
     def chunks(self, g: int) -> list[tuple[int, int]]:
         """(first page within the group, page count) of every chunk of group g."""
@@ -252,7 +269,8 @@ def open_states(layout: Layout, *, client, geo: Geometry, device: str, chunk_pag
     per group, which fault injections name, is unchanged)."""
     H1, S = geo.tier1, geo.page_bytes
     chunk_pages = max(1, min(chunk_pages, geo.data_pages, layout.nbytes // S))
-    undo_bytes = 6 * chunk_pages * S          # 3 undo chunks + 3 delta chunks (one is the scratch)
+    # 3 undo chunks + 3 delta chunks (one is the scratch) + the fold's counts
+    undo_bytes = (6 * chunk_pages + FOLD_PAGES) * S
     q_bytes = 3 * QBUFS * H1 * S
     n = layout.nbytes // 4
     if client is None:

@@ -18,47 +18,36 @@ Pseudocode 1 of the paper, per rank, over the states of `states.StateSet`:
 
 C_j stands for chunk j of params, exp_avg and exp_avg_sq together (one transaction), Q/Q' for
 their three pairs of parity buffers.  The marker is written after each operation has finished
-(on GPU after the stream reached it), so it never claims work that is not done.
+(on GPU after the stream reached it), so it never claims work that is not done.  Folded
+(LETO_RMU_FOLD=1): marker sub=3, then U, C_j and Q' in one kernel with stage counts (fold.py).
 
 `transactions=False` is the ablation of the paper's Fig. 12: no undo copy and no per-chunk
 parity commit (parity re-encoded at the end of the group), so a crash inside the update leaves
 state that can only be updated a second time: the run diverges (exactness is the transactions').
 
-`inject(point, **where)` is called before each operation (`contract.INJECT_POINTS`); the
-trainer's fault injection kills the process there.
-`where` carries `step`, `group`, `chunk` and `garbage`: a callable that scribbles random bytes
-into the chunk being updated and the scratch parity, as a kill in the middle of a kernel would
-leave them.
+`inject(point, **where)` is called before each operation (`contract.INJECT_POINTS`).
+`where` carries `step`, `group`, `chunk` and `garbage`: a callable that leaves what a kill in
+the middle of a kernel can (chunk and scratch parity torn; folded: fold.garbage_).
 
-Activation lending (paper §5.3, `leto_runtime.rmu.lend`): on CUDA the undo/scratch and parity
-buffers are lent to the caching allocator for activations outside the update phase.  `begin(t)`
-writes the marker (COMPUTE) and then starts lending; `protect_grads(t)` -- the first thing
-`step()` does, before any write to U or Q -- ends it and checks that no tensor created during
-forward/backward is still alive in that memory (`lend.LendingError` otherwise).  U/Q contents
-matter only while the marker says UPDATING, so activations written there are harmless to
-recovery.  `lend=False` (or LETO_LEND=0) turns it off.
+Activation lending (paper §5.3, `lend.py`): on CUDA U and Q are lent to the caching allocator
+for activations between `begin(t)` (after the COMPUTE marker) and `protect_grads(t)`, which
+ends it and checks that no tensor created meanwhile is still alive there (`lend.LendingError`);
+U/Q contents matter only while the marker says UPDATING.  `lend=False` (LETO_LEND=0): off.
 
 The work is split three ways (same transactions, same bits on every path).  This module orders
 each iteration: the operations, the marker writes that claim them, the injection points.
-`chunk_ops.ChunkOps` is a chunk's data path -- undo copy, AdamW, parity delta (CUDA: the fused
-kernels of `fused.Fused`; CPU: replayed calls).  `side_stream.SideStream` runs the next group's
-parity load and the overlapped write-back beside the current stream (CUDA).
-`profile = {}` makes every `lap()` synchronize and charge the time to a phase (benchmarks).
+`chunk_ops.ChunkOps` is a chunk's data path (undo copy, AdamW, parity delta; the folded chunk,
+`fold.py`, with LETO_RMU_FOLD=1); `side_stream.SideStream` runs the next group's parity load and
+the overlapped write-back beside the current stream (CUDA).  `profile = {}` makes every `lap()`
+synchronize and charge the time to a phase (benchmarks).
 
-Marker writes on CUDA are stream-ordered (`Marker.write_async`): each is queued right behind the
-operation it claims and before the one it guards, so the host never waits for a marker and the
-GPU runs the operations back to back; the host stays at most LETO_RMU_LOOKAHEAD chunks ahead of
-the GPU, waiting inside a closed drain window (`lookahead.py`).  The update settles (waits for
-its queued work) before it returns, and the fault injection settles before it fires
-(`leto_runtime.faults`): a kill then strikes with the GPU caught up to the host, as the kill
-points are defined.  On CPU, or with LETO_RMU_STREAM_MARKER=0, every marker write is "fence,
-then host store".  By default on CUDA the record is stored by a one-block kernel into registered
-host memory (cuda/marker_kernel.cu); LETO_RMU_STREAM_MARKER=hostfunc queues a host function.
-
-With LETO_RMU_UNDO_PIPELINE=1, where the chunk runs as one kernel (AdamW + parity delta from the
-undo copy, `fused`) or on CPU, the undo state's two halves are two undo slots (chunk_ops.py; off
-by default: measured no faster, see `__init__`).  Group 0's parity load (and, with two slots,
-chunk 0's undo copy) starts as soon as lending ends, beside the gradients' encode.
+Marker writes on CUDA are stream-ordered (`Marker.write_async`; by default a one-block kernel,
+cuda/marker_kernel.cu): each is queued right behind the operation it claims and before the one
+it guards, so the GPU runs the operations back to back; the host stays at most
+LETO_RMU_LOOKAHEAD chunks ahead of the GPU (`lookahead.py`).  The update settles before it
+returns, and the fault injection settles before it fires (`leto_runtime.faults`).  On CPU, or
+with LETO_RMU_STREAM_MARKER=0, every marker write is "fence, then host store".
+LETO_RMU_UNDO_PIPELINE=1: two undo slots (chunk_ops.py; off by default, measured no faster).
 
 Calling contract: `Updater(states, cfg)`; per iteration `begin(t)`, then `protect_grads(t)`,
 `synchronize(t, pg)` and `update(t)` in that order (`step(t, pg)` does all three); `close()`
@@ -73,6 +62,7 @@ import torch
 
 from leto_runtime.wire import settings
 from leto_runtime.rmu import adamw as A
+from leto_runtime.rmu import fold as FD
 from leto_runtime.rmu.chunk_ops import ChunkOps
 from leto_runtime.rmu.lookahead import Lookahead
 from leto_runtime.rmu.marker import GState, Marker, Phase, Record
@@ -91,9 +81,8 @@ class Updater:
         from leto_runtime.parity import ParityCode
 
         self.ss, self.cfg, self.backend, self.transactions = ss, cfg, backend, transactions
-        # `plan` (rmu/plan.py): parameter groups with their own values, each group of torch's
-        # AdamW in the fused kernel checked for its values (fused.for_group), others torch ops;
-        # without one, `cfg`'s AdamW over every parameter (the fused kernels where checked).
+        # `plan` (rmu/plan.py): parameter groups with their own values (fused.for_group per
+        # group, else torch ops); without one, `cfg`'s AdamW over every parameter.
         self.plan = plan
         self.clip = plan.clip if plan is not None else cfg.clip_grad_norm
         self.inject = inject or _noinject
@@ -110,20 +99,17 @@ class Updater:
         self.lend_on = self.cuda and (L.wanted(ss.device) if lend is None else bool(lend))
         self.lender = None
         self.lend_hold: str | None = None
-        # CUDA: one fused kernel for AdamW that also writes the chunk's delta pages (fused.py;
-        # None when it is off or did not pass its bit-exactness self-check on this device).
+        # CUDA: the fused AdamW kernel (fused.py; None: off, or failed its self-check here) ...
         from leto_runtime.rmu.fused import Fused
         self.fused = (Fused.for_device(ss.device, cfg) if self.cuda and transactions
                       and plan is None else None)
         # ... and, where enabled and checked, AdamW and the parity delta in one kernel that reads
         # the undo copy (fused.chunk_syndrome_; off with LETO_RMU_FUSED_SYNDROME=0).
         self.fused_syndrome = self.fused is not None and self.fused.syndrome_ok(ss.device, ss.geo.tier1)
-        # Phase breakdown for benchmarks (benchmarks/rmu_overhead.py): a dict turns it on; every
-        # lap then synchronizes the stream, so only profiled iterations pay for it.
+        # Phase breakdown for benchmarks (a dict turns it on; every lap then synchronizes).
         self.profile: dict | None = None
         self._lap_t = 0.0
-        # CUDA: the next group's host parity is copied into its load buffer on a side stream
-        # while this group's chunks run (states.StateSet.q), and the overlapped write-back.
+        # CUDA: the next group's parity load and the overlapped write-back on a side stream.
         self.side = SideStream(ss, self.cuda)
         # CUDA: marker writes queued in stream order instead of "fence, then host store".
         # LETO_RMU_STREAM_MARKER: kernel (default: device-side stores), 1 / hostfunc, 0 (fences).
@@ -132,16 +118,19 @@ class Updater:
         self.streamed = (self.cuda and transactions and smode != "0"
                          and self.marker.use_stream(ss.device, "hostfunc" if smode in ("1", "hostfunc")
                                                     else "kernel"))
-        # Undo slots (LETO_RMU_UNDO_PIPELINE=1, off by default: no faster on the H200, docs/
-        # BENCHMARKS.md): chunk j+1's undo copy queued on its own stream beside chunk j's kernel.
+        # Undo slots (LETO_RMU_UNDO_PIPELINE=1): chunk j+1's undo copy beside chunk j's kernel.
         piped = knobs.rmu_undo_pipeline
         self.slots = 2 if transactions and piped and (self.fused_syndrome or not self.cuda) else 1
+        # The folded chunk (LETO_RMU_FOLD=1; fold.py): the undo copy made inside the chunk's
+        # kernel, which leaves per-unit stage counts for recovery (CUDA: where that kernel passed
+        # its check, fused.fold_ok; CPU: the same protocol, the copy first).  One undo slot.
+        self.fold = transactions and knobs.rmu_fold and self.slots == 1 and (
+            not self.cuda or (self.fused_syndrome and self.fused.fold_ok(ss.device, ss.geo.tier1)))
         # Write-back overlap (default; LETO_RMU_WB_OVERLAP=0: off): group g's write-back and
         # tier-2 refresh queued on the side stream while the marker moves on to g+1 and names g
         # in `wb` (the next marker write that drops it waits for them; recovery finishes it).
         self.wb_overlap = transactions and knobs.rmu_wb_overlap
-        # A chunk's undo copy, AdamW and parity delta (chunk_ops.py); `_chunk` makes them a
-        # transaction.
+        # A chunk's undo copy, AdamW and parity delta; `_chunk` makes them a transaction.
         self.chunks = ChunkOps(ss, cfg, gflat=self.gflat, code=self.code, fence=self.fence,
                                transactions=transactions, fused=self.fused,
                                one_kernel=self.fused_syndrome, slots=self.slots, plan=plan,
@@ -391,10 +380,8 @@ class Updater:
             rec = self._mark(gstate=GState.CHUNKS, chunk=0, sub=0, auth=0)
             self.lap("markers")
         if rec.gstate == GState.CHUNKS:
-            # While the marker names the previous group's write-back, that group's buffers are
-            # authoritative for recovery; group g+1's prefetch reuses one of them (group g-1's
-            # and g+1's pairs are the same four-buffer slots), so it waits until the marker
-            # stops naming it: after this group's first chunk.
+            # While the marker names g-1's write-back, its buffers are authoritative; g+1's
+            # prefetch reuses them, so it waits until the marker stops naming it (first chunk).
             late = self.wb_overlap and m.rec.wb >= 0
             if not late:
                 self.side.prefetch(t, g + 1)
@@ -411,9 +398,7 @@ class Updater:
                 for i, st in enumerate(ss.model):
                     q = ss.q(i, m.rec.auth, g)
                     q.copy_(self.code(st.groups[g].k).encode(st.group_pages(g)))
-            if self.wb_overlap:
-                # The marker moves on to g+1 naming g's write-back, which runs beside g+1's
-                # work; the previous one must be over before the marker stops naming it.
+            if self.wb_overlap:         # the marker moves on to g+1 naming g's write-back
                 self.side.finish_writeback()
                 rec = self._mark(group=g + 1, chunk=0, sub=0, auth=0, gstate=GState.LOAD, wb=g,
                                  wb_auth=m.rec.auth)
@@ -438,10 +423,8 @@ class Updater:
             self.lap("markers")
 
     def _writeback(self, t: int, g: int, auth: int, side: bool) -> None:
-        """Group g's host tier-1 parity <- its buffer `auth`, then its tier 2 (the marker names
-        g in `wb` first).  `side`: on the side stream (CUDA), ordered after everything queued so
-        far; `SideStream.finish_writeback` makes the current stream wait for it.  The side
-        stream runs in order, so the next prefetch into g's buffers (group g+2's) follows it."""
+        """Group g's host tier-1 parity <- its buffer `auth`, then its tier 2.  `side`: on the
+        side stream (CUDA) after everything queued so far (SideStream.finish_writeback waits)."""
         ss = self.ss
         with self.side.writeback(side) as stream:
             self.inject("rmu.writeback", step=t, group=g)
@@ -470,6 +453,8 @@ class Updater:
         first, count = chunk
         views, grad = ops.operands(g, chunk)
         where = dict(step=t, group=g, chunk=j)
+        if self.fold:
+            return self._fold_chunk(t, g, j, chunk, views, grad, coef, lr)
         if self.transactions:
             self.inject("rmu.undo", **where)
             ops.undo(t, g, j)
@@ -495,5 +480,21 @@ class Updater:
         ops.parity_delta(g, j, chunk, auth, deltas)
         self.inject("rmu.commit", **where)
         self.lap("chunk parity delta")
+        self._mark(chunk=j + 1, sub=0, auth=1 - auth)
+        self.lap("markers")
+
+    def _fold_chunk(self, t: int, g: int, j: int, chunk: tuple[int, int], views, grad, coef, lr) -> None:
+        """Chunk j of group g folded (fold.py): the marker says so before the kernel writes;
+        its counts tell recovery what to restore until the commit."""
+        ops, where = self.chunks, dict(step=t, group=g, chunk=j)
+        self.inject("rmu.undo", **where)
+        auth = self._mark(chunk=j, sub=FD.FOLD_SUB).auth
+        self.lap("markers")
+        self.inject("rmu.update", garbage=lambda: ops.fold_garbage(t, g, j, chunk, 1 - auth), **where)
+        ops.fold_update(t, g, j, chunk, views, grad, coef, lr, auth, kernel=self.cuda)
+        self.lap("adamw + chunk parity delta")
+        # after the kernel only the commit is left: a kill leaves the scratch parity torn at most
+        self.inject("rmu.delta", garbage=lambda: ops.scratch_garbage(g, 1 - auth), **where)
+        self.inject("rmu.commit", **where)
         self._mark(chunk=j + 1, sub=0, auth=1 - auth)
         self.lap("markers")

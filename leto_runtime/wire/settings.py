@@ -135,6 +135,7 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "rmu_fused_variant": ("LETO_RMU_FUSED_VARIANT", _optional_count, None),
     "rmu_stream_marker": ("LETO_RMU_STREAM_MARKER", _choice("kernel", "hostfunc", "1", "0"), "kernel"),
     "rmu_undo_pipeline": ("LETO_RMU_UNDO_PIPELINE", _flag, False),
+    "rmu_fold": ("LETO_RMU_FOLD", _flag, True),             # the folded chunk (rmu/fold.py)
     "rmu_wb_overlap": ("LETO_RMU_WB_OVERLAP", _flag, True),
     "rmu_lookahead": ("LETO_RMU_LOOKAHEAD", _count(0, 16), 1),     # chunks queued ahead (rmu/lookahead.py)
     # a waiting shadow's rehearsed update on scratch (leto_runtime/rmu/rehearsal.py)
@@ -207,6 +208,7 @@ class Settings:
     rmu_fused_variant: int | None
     rmu_stream_marker: str
     rmu_undo_pipeline: bool
+    rmu_fold: bool
     rmu_wb_overlap: bool
     rmu_lookahead: int
     rehearse: bool

@@ -95,7 +95,7 @@ def _only_the_injected_failures(injects, evs, logs: Path, stderr: str) -> None:
 @pytest.mark.parametrize("case", list(CASES))
 def test_inplace_recovery_on_gpu_is_bit_exact(case, reference, tmp_path):
     world, injects, *extra = CASES[case]
-    more_args, env = (list(extra) + [[], {}])[:2]
+    more_args, env = (list(extra) + [[], {}][len(extra):])[:2]
     ref = reference(world)
     ev = tmp_path / "events.jsonl"
     args = ["--standalone", "--nproc-per-node", str(world), *GEOM, "--hang-timeout", _hang_timeout(injects),
@@ -107,8 +107,11 @@ def test_inplace_recovery_on_gpu_is_bit_exact(case, reference, tmp_path):
     print(f"\n=== {case} ===\n{report}")
     assert p.returncode == 0, p.stderr[-5000:]
     _only_the_injected_failures(injects, events(ev), tmp_path / "logs", p.stderr)
-    if env.get("LETO_RMU_FUSED_LAYOUT"):    # the layout under test ran: it passed its self-check
-        logs = " ".join(f.read_text(errors="replace") for f in (tmp_path / "logs").rglob("*") if f.is_file())
+    # the kernels under test ran (each passed its self-check): the folded chunk (the default),
+    # and a layout a case names
+    logs = " ".join(f.read_text(errors="replace") for f in (tmp_path / "logs").rglob("*") if f.is_file())
+    assert "folded chunk not used" not in logs + p.stderr
+    if env.get("LETO_RMU_FUSED_LAYOUT"):
         assert "AdamW + parity kernel not used" not in logs + p.stderr
     assert [final_digest(tmp_path, r) for r in range(world)] == \
         [final_digest(ref, r) for r in range(world)]

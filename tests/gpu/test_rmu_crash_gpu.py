@@ -87,12 +87,16 @@ ALTERNATIVES = {
                           "update+done group pages@tolerance", "rmu.done"]),
     "hostfunc-marker": ({"LETO_RMU_STREAM_MARKER": "hostfunc"},
                         ["sync.after", "rmu.undo", "rmu.commit", "rmu.writeback", "commit+marker page lost"]),
+    # the folded chunk (leto_runtime/rmu/fold.py): the undo copy inside the ws kernel
+    "fold": ({"LETO_RMU_FOLD": "1"},
+             ["rmu.undo", "rmu.update+garbage", "rmu.delta+garbage", "rmu.commit", "update+pages@tolerance",
+              *cpu.FOLD_CASES]),
 }
 
 
 @pytest.mark.parametrize("path,case", [(p, c) for p, (_, cases) in ALTERNATIVES.items() for c in cases])
 def test_kill_on_an_alternative_path_is_bit_exact(path, case, reference):
-    point, _ = {**cpu.CASES, **cpu.WB_CASES, **cpu.SLOT_CASES}[case]
+    point, _ = {**cpu.CASES, **cpu.WB_CASES, **cpu.SLOT_CASES, **cpu.FOLD_CASES}[case]
     env = ALTERNATIVES[path][0]
     with SlotHarness(device="cuda:0", geometry=GEO, allow_wait=10, ready_timeout=120) as h:
         rc, _, err = run(h.socket, [point], allow=h.allow, env=env)
@@ -100,5 +104,6 @@ def test_kill_on_an_alternative_path_is_bit_exact(path, case, reference):
         rc, res, err = run(h.socket, [], allow=h.allow, env=env)
         assert rc == 0, err
     print(f"{case} ({path}): resumed {res['resume']}, {res['repaired']} pages repaired")
+    assert res["fold"] == (path == "fold"), "the folded chunk was not used (its kernel's check failed?)"
     assert res["digest"] == reference, f"{case}: state differs from the fault-free run"
     assert res["parity_problems"] == [] and res["parity_after_recovery"] == []

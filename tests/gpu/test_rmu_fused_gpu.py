@@ -234,3 +234,46 @@ def test_benchmark_chunk_kernels_pass_the_self_check(kernel):
     f = F.Fused.for_device(torch.device("cuda"), cfg)
     assert f is not None, F.why_not
     assert f.syndrome_check(torch.device("cuda"), kernel=kernel) == ""
+
+
+def test_folded_chunk_passes_its_self_check_and_counts_a_full_size_chunk(monkeypatch):
+    """cuda/adamw_ws.cu with the undo copy folded in (leto_runtime/rmu/fold.py): the one-kernel
+    chunk's states and parity bits, the values before the step in the undo buffer, and every
+    unit of both copies of the counts at all stages of this transaction -- on the self-check's
+    cases and on a 256-page chunk of 2 MiB pages at offset 768 of a baked group."""
+    from leto_runtime.parity import ParityCode as PC
+    from leto_runtime.rmu import fold as FD
+    monkeypatch.setenv(F.LAYOUT_ENV, "ws")
+    dev = torch.device("cuda")
+    cfg = AdamWConfig(lr=2.2e-4, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0)
+    f = F.Fused.for_device(dev, cfg)
+    assert f is not None and f.syndrome_ok(dev), F.why_not_syndrome
+    assert f.fold_ok(dev), F.why_not_fold
+    S, n, first = 2 * MiB, 256, 768
+    E = S // 4
+    code = PC(1024, 16, S, backend="cuda")
+    gen = torch.Generator(device=dev).manual_seed(9)
+    st = [torch.randn(n * E, device=dev, generator=gen), torch.randn(n * E, device=dev, generator=gen) * 1e-3,
+          torch.rand(n * E, device=dev, generator=gen) * 1e-6]
+    old = [t.clone() for t in st]
+    g = torch.randn(n * E, device=dev, generator=gen) * 1e-2
+    q = [torch.randint(0, 256, (16, S), dtype=torch.uint8, device=dev, generator=gen) for _ in range(3)]
+    coef = torch.tensor(0.5, device=dev)
+    ref = [t.clone() for t in st]
+    want = [torch.empty_like(x) for x in q]
+    f.chunk_syndrome_(ref, [t.clone() for t in old], g, step=7, lr=cfg.lr, coef=coef, code=code, first=first,
+                      outs=want, bases=q)
+    undo = [torch.full_like(t, float("nan")) for t in st]
+    counts = [torch.full((FD.units(S),), -1, dtype=torch.int64, device=dev) for _ in range(2)]
+    got = [torch.empty_like(x) for x in q]
+    tg = FD.tag(41, 123)
+    f.chunk_fold_(st, undo, g, step=7, lr=cfg.lr, coef=coef, code=code, first=first, outs=got, bases=q,
+                  counts=counts, tag=tg)
+    for a, b in zip(ref, st):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for a, b in zip(old, undo):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    for c in counts:
+        assert bool((c == (tg << 16) | FD.n_stages(n)).all())

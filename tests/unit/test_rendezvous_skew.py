@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import inspect
 
+import pytest
+
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from leto_run import job_secret
 from leto_run.cli import load_config
 from leto_run.rendezvous import make_handler, next_round
+from leto_runtime.wire import contract as C
+
+
+@pytest.fixture(autouse=True)
+def _agent_setting_restored(monkeypatch):
+    """make_handler sets the agent's own TORCH_DISABLE_SHARE_RDZV_TCP_STORE (rendezvous.py):
+    in this process it must not outlive the test (set here as the agent does: undone after)."""
+    monkeypatch.setenv(C.TORCH_SHARE_RDZV_STORE_OFF, "1")
 
 
 def test_torch_still_skews_its_first_round():

@@ -37,13 +37,16 @@ def test_updater_on_cpu_uses_the_torch_ops():
 
 def test_fused_layout_is_read_from_the_env_and_a_bad_name_says_the_fix(monkeypatch):
     """LETO_RMU_FUSED_LAYOUT picks the one-kernel chunk's layout (cuda/adamw_syndrome.cu's 0..4);
-    a name the kernel does not have is a typed error listing the names, not a silent fallback."""
+    unset, 4x2x3; "auto" checks ws first with 4x2x3 as its fallback; a name the kernel does not
+    have is a typed error listing the names, not a silent fallback."""
     monkeypatch.delenv(F.LAYOUT_ENV, raising=False)
-    assert F.layout() == 0
+    assert F.layouts() == (0,) and F.layout() == 0
+    monkeypatch.setenv(F.LAYOUT_ENV, "auto")
+    assert F.layouts() == (F.LAYOUTS["ws"], F.LAYOUTS["4x2x3"]) and F.layout() == 4
     assert sorted(F.LAYOUTS.values()) == [0, 1, 2, 3, 4]
     for name, i in F.LAYOUTS.items():
         monkeypatch.setenv(F.LAYOUT_ENV, name)
-        assert F.layout() == i
+        assert F.layout() == i and F.layouts() == (i,)
     monkeypatch.setenv(F.LAYOUT_ENV, "2x2x3-rowmajor")
     with pytest.raises(F.LayoutError, match="2x2x3-rowmajor.*one of 4x2x3, 4x2x3-statemajor"):
         F.layout()

@@ -15,6 +15,14 @@ from leto_run.rendezvous import make_handler, next_round
 from leto_run.store_listen import StoreBindError, bind_plan, listening_addresses, server_store
 from leto_runtime.control_auth import KEY_BYTES, derive_job_key
 from leto_testing import base_env, free_port, leto_cmd, run, with_env
+from leto_runtime.wire import contract as C
+
+
+@pytest.fixture(autouse=True)
+def _agent_setting_restored(monkeypatch):
+    """make_handler sets the agent's own TORCH_DISABLE_SHARE_RDZV_TCP_STORE (rendezvous.py):
+    in this process it must not outlive the test (set here as the agent does: undone after)."""
+    monkeypatch.setenv(C.TORCH_SHARE_RDZV_STORE_OFF, "1")
 
 LOOPBACK = ("127.0.0.1", "::1")
 

@@ -48,9 +48,8 @@ def inject(point, step=None, group=None, chunk=None, garbage=None):
             continue
         if p.get("chunk") is not None and p["chunk"] != chunk:
             continue
-        if DEV != "cpu" and p.get("garbage") and garbage is not None:
+        if p.get("garbage") and garbage is not None:
             garbage()               # a kill inside a kernel, before the HBM loss unmaps pages
-            garbage = None
         if DEV != "cpu" and p.get("pages"):
             torch.cuda.synchronize()
         for spec in p.get("pages", []):
@@ -60,8 +59,6 @@ def inject(point, step=None, group=None, chunk=None, garbage=None):
                 st = next(s for s in ss.all if s.name == name)
                 spec["group"] = st.groups[spec.pop("gindex")].id
             client.inject_pages(**spec)
-        if p.get("garbage") and garbage is not None:
-            garbage()
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -84,7 +81,7 @@ def initialize():
 res, rep = prepare(ss, up, rank=0, initialize=initialize, fire=inject,
                    transactions=transactions, backend="cpu" if DEV == "cpu" else "auto")
 start = res.step
-info = {"resume": None if rep is None else [res.action, res.t],
+info = {"resume": None if rep is None else [res.action, res.t], "fold": up.fold,
         "repaired": 0 if rep is None else rep.pages,
         # right after the recovery (the interrupted update finished): later steps rewrite every
         # group's parity and would hide a write-back or tier 2 the recovery left stale
