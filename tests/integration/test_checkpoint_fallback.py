@@ -120,6 +120,25 @@ def test_the_trainer_writer_survives_a_kill_during_its_write(reference, tmp_path
     assert_nothing_left(evs)
 
 
+def test_a_kill_during_the_final_checkpoint_is_recovered_and_the_final_checkpoint_written(reference,
+                                                                                         tmp_path):
+    """Rank 0's active (`--checkpoint-writer trainer`) is SIGKILLed while it writes the final
+    checkpoint (step 12), after its training loop ended and it said so (its `bye`): a death
+    then is still a failure, not a success.  The in-place recovery's promoted trainer finds
+    every update done and writes the final checkpoint itself; the job ends with code 0,
+    bit-exact, and the final checkpoint is complete."""
+    evs, _, ck = _exact_run(reference, tmp_path, "0.3", "--checkpoint-writer", "trainer",
+                            "--inject", f"kill:rank=0:step={STEPS}:at=checkpoint.write")
+    assert of(evs, "promote"), "the death after the loop was not recovered"
+    from leto_runtime.wire import ckpt_files as F
+    names = sorted(n for n in os.listdir(ck) if not n.startswith("."))     # (a partial is hidden)
+    assert names == [F.name(9), F.name(STEPS)], os.listdir(ck)          # --checkpoint-keep 2
+    assert F.check(str(ck / F.name(STEPS))).complete
+    [final] = [e for e in of(evs, "phase", phase="checkpoint") if e.get("path") and e["step"] == STEPS]
+    assert final["generation"] >= 1, final             # written by the promoted trainer
+    assert_nothing_left(evs)
+
+
 def test_a_state_manager_gone_for_good_falls_back_to_the_checkpoint_exactly(reference,
                                                                            tmp_path):
     """Slot 1's state manager is SIGKILLed until the agent gives it up; then rank 1's trainer is
