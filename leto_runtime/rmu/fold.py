@@ -97,15 +97,24 @@ def restore_mask(counts: torch.Tensor, n: int, page_bytes: int) -> torch.Tensor:
 def restore_(chunk_pages: torch.Tensor, undo_pages: torch.Tensor, mask: torch.Tensor,
              keep: list[int] = ()) -> int:
     """chunk_pages (n, S) uint8 <- undo_pages where `mask` (n, units) says so, except pages
-    in `keep` (erasures: decoded later).  Returns the pages touched."""
+    in `keep` (erasures: decoded later).  Page by page, so that the temporary memory is at most
+    one page (a promoted trainer's device may be nearly full).  Returns the pages touched."""
     n, S = chunk_pages.shape
-    m = mask.to(chunk_pages.device)
-    if keep:
-        m = m.clone()
-        m[list(keep)] = False
-    per_byte = m.repeat_interleave(UNIT_BYTES, dim=1)[:, :S]
-    chunk_pages.copy_(torch.where(per_byte, undo_pages, chunk_pages))
-    return int(m.any(dim=1).sum())
+    if S % UNIT_BYTES:
+        raise FoldError(f"{S}-byte pages are not whole {UNIT_BYTES}-byte units")
+    rows = mask[:, :S // UNIT_BYTES].cpu()
+    touched = 0
+    for p in range(n):
+        if p in keep or not bool(rows[p].any()):
+            continue
+        touched += 1
+        if bool(rows[p].all()):
+            chunk_pages[p].copy_(undo_pages[p])
+            continue
+        sel = rows[p].to(chunk_pages.device)
+        c, u = chunk_pages[p].view(-1, UNIT_BYTES), undo_pages[p].view(-1, UNIT_BYTES)
+        c[sel] = u[sel]
+    return touched
 
 
 def count_all_(copies: list[torch.Tensor], tg: int, n: int) -> None:

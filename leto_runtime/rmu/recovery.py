@@ -266,7 +266,10 @@ def _fold_restores(ss: StateSet, rec: Record, cg: int | None, undo_lost: set[int
     base = ss.model[0].groups[cg].first + first
     tg = FD.tag(rec.t, ss.chunk_index(cg, rec.chunk))
     copies = [None if ss.fold_count_page(c) in undo_lost else ss.fold_counts(c) for c in range(2)]
-    counts = FD.read_counts(copies, tg, count)
+    try:
+        counts = FD.read_counts(copies, tg, count)
+    except FD.FoldError as e:           # corrupt evidence: no guess, the checkpoint fallback
+        raise RecoveryError(f"the folded chunk {rec.chunk} of group {cg}: {e}") from e
     if counts is None:
         log.warning("leto.rmu: both copies of the folded chunk's stage counts were lost: its %d "
                     "pages per state are erasures", count)

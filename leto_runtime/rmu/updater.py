@@ -124,7 +124,7 @@ class Updater:
         # The folded chunk (LETO_RMU_FOLD=1; fold.py): the undo copy made inside the chunk's
         # kernel, which leaves per-unit stage counts for recovery (CUDA: where that kernel passed
         # its check, fused.fold_ok; CPU: the same protocol, the copy first).  One undo slot.
-        self.fold = transactions and knobs.rmu_fold and self.slots == 1 and (
+        self.fold = transactions and knobs.rmu_fold and self.slots == 1 and g.page_bytes % 1024 == 0 and (
             not self.cuda or (self.fused_syndrome and self.fused.fold_ok(ss.device, ss.geo.tier1)))
         # Write-back overlap (default; LETO_RMU_WB_OVERLAP=0: off): group g's write-back and
         # tier-2 refresh queued on the side stream while the marker moves on to g+1 and names g

@@ -130,3 +130,30 @@ def test_the_injected_kill_is_one_the_kernel_can_leave_and_restores():
     for c, d in zip(chunk, undo):
         FD.restore_(c, d, mask)
     assert all(torch.equal(c, b) for c, b in zip(chunk, before))
+
+
+def test_counts_that_are_not_the_kernel_s_stop_the_recovery_before_it_writes(monkeypatch):
+    """A count of this transaction above the chunk's stages (corrupt memory, not a lost page):
+    recovery does not guess -- RecoveryError (the trainer exits for the checkpoint fallback)
+    and the chunk is left as it was."""
+    from leto_runtime.rmu.adamw import AdamWConfig
+    from leto_runtime.rmu.marker import GState, Phase
+    from leto_runtime.rmu.recovery import RecoveryError, repair
+    from leto_runtime.rmu.states import Geometry, Layout, open_states
+    from leto_runtime.rmu.updater import Updater
+    monkeypatch.setenv("LETO_RMU_FOLD", "1")
+    geo = Geometry(8, 4, 1, 4096)
+    ss = open_states(Layout.of([("w", (20000,))], geo.page_bytes), client=None, geo=geo, device="cpu",
+                     chunk_pages=2)
+    up = Updater(ss, AdamWConfig(lr=1e-2), backend="cpu")
+    assert up.fold
+    ss.flat(ss.model[0]).copy_(torch.randn(ss.flat(ss.model[0]).numel(), generator=torch.Generator().manual_seed(1)))
+    rec = up.marker.write(t=3, phase=Phase.UPDATING, group=0, chunk=1, sub=FD.FOLD_SUB, auth=0,
+                          gstate=GState.CHUNKS)
+    tg = FD.tag(3, ss.chunk_index(0, 1))
+    for c in range(2):
+        ss.fold_counts(c).fill_((tg << 16) | (FD.n_stages(2) + 1))
+    before = ss.flat(ss.model[0]).clone()
+    with pytest.raises(RecoveryError, match="not the kernel's"):
+        repair(ss, rec, need_grads=False, updater=up, backend="cpu")
+    assert torch.equal(ss.flat(ss.model[0]), before)
