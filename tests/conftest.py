@@ -95,12 +95,19 @@ def _cpu_logged(item):
             f.write(f"{own + kids:.2f} {time.monotonic() - t0:.2f} {item.nodeid} {own:.2f}\n")
 
 
+# Set by libraries for the rest of the process, whichever test first loads them (torch's
+# inductor names its cache directory when it first runs; torch's CUDA initialization sets
+# CUDA_MODULE_LOADING; its NCCL process groups their defaults): not a test's change.
+_LIBRARY_SET = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_", "TRITON_", "CUDA_MODULE_LOADING", "NCCL_",
+                "TORCH_NCCL_")
+
+
 def _process_state() -> dict:
     mask = os.umask(0o022)
     os.umask(mask)
     return {"nice": os.getpriority(os.PRIO_PROCESS, 0), "affinity": os.sched_getaffinity(0),
             "umask": mask, "cwd": os.getcwd(),
-            "environ": {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}}
+            "environ": {k: v for k, v in os.environ.items() if not k.startswith(_LIBRARY_SET)}}
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +125,7 @@ def _process_state_kept():
         os.sched_setaffinity(0, before["affinity"])
         os.umask(before["umask"])
         os.chdir(before["cwd"])
-        for k in [k for k in os.environ if k not in before["environ"] and k != "PYTEST_CURRENT_TEST"]:
+        for k in [k for k in os.environ if k not in before["environ"] and not k.startswith(_LIBRARY_SET)]:
             del os.environ[k]
         os.environ.update(before["environ"])
         changed = {k: (before[k], after[k]) for k in before if before[k] != after[k] and k != "environ"}
