@@ -1,4 +1,4 @@
-// Torch face of the benchmarks' chunk kernels (adamw_fold.cu, adamw_onecta.cu, adamw_ws.cu), an extension
+// Torch face of the benchmarks' chunk kernels (adamw_fold.cu, adamw_onecta.cu, adamw_ws_bench.cu), an extension
 // (`leto_runtime.rmu.fused.load_fold`): the updater does not use it (docs/BENCHMARKS.md says
 // what it costs).  Reference: adamw_syndrome on an undo copy made beforehand.
 #include <torch/extension.h>
@@ -64,6 +64,36 @@ void adamw_syndrome_tile(torch::Tensor p, torch::Tensor m, torch::Tensor v, cons
   }
 }
 
+// The folded chunk with its counts (adamw_ws_bench.cu): as the updater's adamw_syndrome_fold,
+// counting every `batch` stages (1, 2 or 4).
+void adamw_syndrome_ws_counts(torch::Tensor p, torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
+                              torch::Tensor up, torch::Tensor um, torch::Tensor uv,
+                              const std::optional<torch::Tensor>& coef, const torch::Tensor& outs,
+                              const torch::Tensor& bases, const torch::Tensor& mix, const torch::Tensor& scale,
+                              int64_t page_bytes, double decay, double beta1, double beta2, double eps,
+                              double bc2_sqrt, double step_size, bool has_decay, torch::Tensor counts0,
+                              torch::Tensor counts1, int64_t tag, int64_t batch) {
+  ChunkCall c = chunk_call(p, m, v, g, up, um, uv, coef, outs, bases, mix, scale, page_bytes, decay, beta1,
+                           beta2, eps, bc2_sqrt, step_size, has_decay);
+  const int64_t units = (page_bytes / 1024 + 1) / 2 * 4;
+  for (const auto* t : {&counts0, &counts1})
+    TORCH_CHECK(t->is_cuda() && t->device() == p.device() && t->scalar_type() == torch::kInt64 &&
+                    t->is_contiguous() && t->numel() == units,
+                "adamw_syndrome_ws_counts: counts must be contiguous int64 tensors of ", units, " words");
+  TORCH_CHECK(tag >= 0 && tag < (int64_t{1} << 48) && (batch == 1 || batch == 2 || batch == 4),
+              "adamw_syndrome_ws_counts: tag in [0, 2^48), batch 1, 2 or 4");
+  c.f.counts[0] = reinterpret_cast<uint64_t*>(counts0.data_ptr<int64_t>());
+  c.f.counts[1] = reinterpret_cast<uint64_t*>(counts1.data_ptr<int64_t>());
+  c.f.tag = static_cast<uint64_t>(tag);
+  c.f.count_batch = static_cast<int>(batch);
+  const c10::cuda::CUDAGuard guard(p.device());
+  try {
+    leto_rmu::adamw_syndrome_ws(c.a, c.f, c.coef.data(), true, c10::cuda::getCurrentCUDAStream().stream());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "leto rmu CUDA: ", e.what());
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -75,6 +105,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("coef"), py::arg("outs"), py::arg("bases"), py::arg("mix"), py::arg("scale"),
         py::arg("page_bytes"), py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("progress"));
+  m.def("adamw_syndrome_ws_counts", &adamw_syndrome_ws_counts,
+        "the folded chunk with per-unit stage counts, a count every `batch` stages",
+        py::arg("p"), py::arg("m"), py::arg("v"), py::arg("g"), py::arg("up"), py::arg("um"), py::arg("uv"),
+        py::arg("coef"), py::arg("outs"), py::arg("bases"), py::arg("mix"), py::arg("scale"),
+        py::arg("page_bytes"), py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("counts0"), py::arg("counts1"),
+        py::arg("tag"), py::arg("batch"));
   for (const auto& [name, fn, doc] :
        {std::tuple{"adamw_syndrome_onecta", &adamw_syndrome_tile<leto_rmu::adamw_syndrome_onecta>,
                    "one chunk, one CTA per tile for the three states (fold: read in place, old values to up, um, uv)"},

@@ -44,15 +44,15 @@ constexpr int kDelta = 3;           // the shared delta ring (stages)
 template <bool B>
 using CfgWs = Cfg<2, 2, kDelta, true, true, B, false>;
 
-template <class C, bool kCounts = false>
+template <class C, bool kCounts = false, int kBatch = 1>
 struct WsSmem {
   static constexpr int kDeltaStage = kWsSets * C::kP * C::kPageSmem;       // 3 states' deltas
   static constexpr int kDeltaBytes = kDelta * kDeltaStage;
   static constexpr int kInSlot = kProducers * 16;                          // one input of one page
   static constexpr int kInStage = kInputs * C::kP * kInSlot;
-  // fold with counts: each producer's new values of two stages (stored one stage late)
+  // fold with counts: each producer's new values of two batches of stages (stored one batch late)
   static constexpr int kStashStage = kWsSets * C::kP * kInSlot;
-  static constexpr int kStash = kCounts ? 2 * kStashStage : 0;
+  static constexpr int kStash = kCounts ? 2 * kBatch * kStashStage : 0;
   static constexpr int kPipe = kDeltaBytes + kIn * kInStage + kStash;
   static constexpr int kBytes = kPipe > kWsSets * C::kSynBytes ? kPipe : kWsSets * C::kSynBytes;
   static constexpr int kThreads = kWsSets * C::kThreads + kProducers;
@@ -71,11 +71,14 @@ __device__ __forceinline__ void bar_arrive(int id) {
 }
 
 // A producer thread (pt = 0..127): its 16 bytes of every page of the tile.
-template <class C, int V, bool kFold, bool kCounts>
+// kBatch: stages per count (a fence and a count after every kBatch stages; the stash holds two
+// batches).  The updater's kernel counts every stage (1); the benchmarks' build
+// (adamw_ws_bench.cu) has 2 and 4 as well.
+template <class C, int V, bool kFold, bool kCounts, int kBatch>
 __device__ __forceinline__ void ws_produce(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, int pt,
                                            uint8_t* smem) {
   static_assert(!kCounts || kFold, "counts order the fold's stores");
-  using S = WsSmem<C, kCounts>;
+  using S = WsSmem<C, kCounts, kBatch>;
   constexpr int NB = C::NB;
   const size_t tile_off = static_cast<size_t>(blockIdx.x) * NB * 1024;
   const int blocks = static_cast<int>(a.page_bytes / 1024);
@@ -117,7 +120,7 @@ __device__ __forceinline__ void ws_produce(const SyndromeArgs& a, const leto_rmu
   // Counts: this warp's unit; the stash slot of stage s's new value of state y, page p.
   const size_t unit = static_cast<size_t>(blockIdx.x) * (kProducers / 32) + pt / 32;
   auto stash = [&](int s, int y, int p) {
-    return reinterpret_cast<float4*>(smem + S::kDeltaBytes + kIn * S::kInStage + (s & 1) * S::kStashStage +
+    return reinterpret_cast<float4*>(smem + S::kDeltaBytes + kIn * S::kInStage + (s % (2 * kBatch)) * S::kStashStage +
                                      (y * C::kP + p) * S::kInSlot + pt * 16);
   };
   auto store_new = [&](int s) {       // stage s's new values, from the stash
@@ -172,8 +175,11 @@ __device__ __forceinline__ void ws_produce(const SyndromeArgs& a, const leto_rmu
       }
     }
     if constexpr (kCounts) {
-      count(s);                           // after this warp's fence and sync: count s + 1 was
-      if (s > 0) store_new(s - 1);        // stored (lane 0) before stage s-1's new values are
+      if (s % kBatch == kBatch - 1 || s == n_stages - 1) {
+        count(s);                         // after this warp's fence and sync: the count of the
+        const int b0 = s - s % kBatch;    // batch before was stored (lane 0) before its stages'
+        for (int q = b0 - kBatch > 0 ? b0 - kBatch : 0; q < b0; ++q) store_new(q);   // new values
+      }
     }
     const int k = s % kDelta;
     if (s >= kDelta) bar_sync<C>(bar_empty(k));   // the Horner warps are done with stage s - kDelta
@@ -189,7 +195,7 @@ __device__ __forceinline__ void ws_produce(const SyndromeArgs& a, const leto_rmu
     if (n_stages > 0) {
       __threadfence();                    // lane 0's last count is visible first
       __syncwarp();
-      store_new(n_stages - 1);
+      for (int q = (n_stages - 1) - (n_stages - 1) % kBatch; q < n_stages; ++q) store_new(q);
     }
   }
   // Take the Horner warps' last arrivals, so that no named barrier is left half-way.
@@ -219,14 +225,14 @@ __device__ __forceinline__ void ws_consume(const SyndromeArgs& a, int y, int col
   }
 }
 
-template <class C, int V, bool kFold, bool kCounts>
+template <class C, int V, bool kFold, bool kCounts, int kBatch>
 __global__ void __launch_bounds__(WsSmem<C>::kThreads, 1)
     adamw_ws_kernel(const SyndromeArgs a_in, const leto_rmu::AdamWSyndromeArgs f,
                     const __grid_constant__ MixMasks masks) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int hthreads = kWsSets * C::kThreads;
   if (static_cast<int>(threadIdx.x) >= hthreads) {   // whole warps: the branch is warp-uniform
-    ws_produce<C, V, kFold, kCounts>(a_in, f, static_cast<int>(threadIdx.x) - hthreads, smem);
+    ws_produce<C, V, kFold, kCounts, kBatch>(a_in, f, static_cast<int>(threadIdx.x) - hthreads, smem);
     __syncthreads();   // the rings are free (run_group_with's exchange reuses the memory)
     __syncthreads();   // run_group_with's exchange barrier
     return;
@@ -251,11 +257,22 @@ __global__ void __launch_bounds__(WsSmem<C>::kThreads, 1)
   }
 }
 
-template <class C, bool kFold, bool kCounts = false>
+template <class C, bool kFold, bool kCounts = false, int kBatch = 1>
 void launch_ws(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, const MixMasks& masks,
                cudaStream_t stream) {
-  launch_tiles<C, adamw_ws_kernel<C, 0, kFold, kCounts>>(WsSmem<C, kCounts>::kThreads, WsSmem<C, kCounts>::kBytes,
-                                                         a, f, masks, stream, "adamw_syndrome_ws kernel launch");
+  using S = WsSmem<C, kCounts, kBatch>;
+  launch_tiles<C, adamw_ws_kernel<C, 0, kFold, kCounts, kBatch>>(S::kThreads, S::kBytes, a, f, masks, stream,
+                                                                 "adamw_syndrome_ws kernel launch");
+}
+
+template <int kBatch>
+void launch_counts(bool baked, const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, const MixMasks& masks,
+                   cudaStream_t stream) {
+  if (baked) {
+    launch_ws<CfgWs<true>, true, true, kBatch>(a, f, masks, stream);
+  } else {
+    launch_ws<CfgWs<false>, true, true, kBatch>(a, f, masks, stream);
+  }
 }
 
 }  // namespace
@@ -272,13 +289,23 @@ void adamw_syndrome_ws(const SyndromeArgs& args, const AdamWSyndromeArgs& f, con
   const bool counts = fold && f.counts[0] != nullptr;
   if (counts && (f.counts[1] == nullptr || f.tag >> 48 != 0))
     throw std::invalid_argument("adamw_syndrome_ws: counts need two copies and a tag below 2^48");
-  switch ((baked ? 1 : 0) + (fold ? 2 : 0) + (counts ? 2 : 0)) {
+  const int batch = f.count_batch > 0 ? f.count_batch : 1;
+  if (counts) {
+    switch (batch) {
+      case 1: launch_counts<1>(baked, a, f, masks, stream); return;
+#ifdef LETO_WS_COUNT_BATCHES
+      case 2: launch_counts<2>(baked, a, f, masks, stream); return;
+      case 4: launch_counts<4>(baked, a, f, masks, stream); return;
+#endif
+      default: throw std::invalid_argument("adamw_syndrome_ws: no kernel counting every " + std::to_string(batch) +
+                                           " stages in this build");
+    }
+  }
+  switch ((baked ? 1 : 0) + (fold ? 2 : 0)) {
     case 0: launch_ws<CfgWs<false>, false>(a, f, masks, stream); break;
     case 1: launch_ws<CfgWs<true>, false>(a, f, masks, stream); break;
     case 2: launch_ws<CfgWs<false>, true>(a, f, masks, stream); break;
-    case 3: launch_ws<CfgWs<true>, true>(a, f, masks, stream); break;
-    case 4: launch_ws<CfgWs<false>, true, true>(a, f, masks, stream); break;
-    default: launch_ws<CfgWs<true>, true, true>(a, f, masks, stream); break;
+    default: launch_ws<CfgWs<true>, true>(a, f, masks, stream); break;
   }
 }
 

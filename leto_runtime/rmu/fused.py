@@ -126,6 +126,8 @@ BENCH_KERNELS = {
     "onecta-fold": "the same with the undo copy folded in (states read in place)",
     "ws-fold": "cuda/adamw_ws.cu (the layout \"ws\") with the undo copy folded in (states read in place)",
     "ws-fold+counts": "the same with per-unit stage counts: the updater's folded chunk (LETO_RMU_FOLD=1, rmu/fold.py)",
+    "ws-fold+counts/2": "the same counting every 2 stages (a fence per 2 stages; cuda/adamw_ws_bench.cu)",
+    "ws-fold+counts/4": "the same counting every 4 stages",
 }
 # Those that read the undo copy made beforehand (the others write it).
 BENCH_READS_UNDO = ("onecta",)
@@ -135,7 +137,7 @@ def load_fold():
     """The benchmarks' chunk kernels (cuda/adamw_fold.cu, adamw_onecta.cu, adamw_ws.cu; their own extension:
     the updater does not use them, so `leto-run --build-kernels` does not build it; JIT-built
     on first use)."""
-    return _cuda_ext("rmu_fold", "leto_rmu_fold", ["adamw_fold.cu", "adamw_onecta.cu", "adamw_ws.cu",
+    return _cuda_ext("rmu_fold", "leto_rmu_fold", ["adamw_fold.cu", "adamw_onecta.cu", "adamw_ws_bench.cu",
                                                      "adamw_fold_binding.cpp"],
                      "the benchmarks' chunk kernels")
 
@@ -299,7 +301,7 @@ class Fused:
     def chunk_bench_(self, kernel: str, states: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], g, *,
                      step: int, lr: float, coef: Optional[torch.Tensor], code, first: int,
                      outs: Sequence[torch.Tensor], bases: Sequence[torch.Tensor],
-                     progress: Optional[torch.Tensor] = None) -> None:
+                     progress: Optional[torch.Tensor] = None, counts=None) -> None:
         """chunk_syndrome_ through one of the benchmarks' kernels (`BENCH_KERNELS`, extension
         `load_fold`; the updater uses none of them): the same new states and parity bits.  The
         folding ones read the states in place and *write* their old values to `undo`; those in
@@ -310,12 +312,18 @@ class Fused:
             raise ValueError(f"chunk_bench_: kernel {kernel!r} is not one of {', '.join(BENCH_KERNELS)}")
         if self.variant != 0:
             raise ValueError("chunk_bench_: only AdamW spelling (variant) 0 is compiled")
-        if kernel == "ws-fold+counts":          # the updater's kernel, in the main extension
+        if kernel.startswith("ws-fold+counts"):  # /1: the updater's kernel, in the main extension
             u = FD.units(code.page_bytes)
-            if getattr(self, "_bench_counts", None) is None or self._bench_counts[0].numel() != u:
-                self._bench_counts = [torch.zeros(u, dtype=torch.int64, device=states[0].device) for _ in range(2)]
-            self.chunk_fold_(states, undo, g, step=step, lr=lr, coef=coef, code=code, first=first, outs=outs,
-                             bases=bases, counts=self._bench_counts, tag=FD.tag(step, first))
+            if counts is None:
+                if getattr(self, "_bench_counts", None) is None or self._bench_counts[0].numel() != u:
+                    self._bench_counts = [torch.zeros(u, dtype=torch.int64, device=states[0].device) for _ in range(2)]
+                counts = self._bench_counts
+            kw = dict(step=step, lr=lr, coef=coef, code=code, first=first, outs=outs, bases=bases)
+            if kernel == "ws-fold+counts":
+                self.chunk_fold_(states, undo, g, counts=counts, tag=FD.tag(step, first), **kw)
+            else:
+                load_fold().adamw_syndrome_ws_counts(*self._chunk_args(states, undo, g, **kw), counts[0], counts[1],
+                                                     FD.tag(step, first), int(kernel.rsplit("/", 1)[1]))
             return
         ext = load_fold()
         args = self._chunk_args(states, undo, g, step=step, lr=lr, coef=coef, code=code, first=first,
@@ -386,15 +394,16 @@ class Fused:
                     prog = torch.zeros(3 * -(-S // 4096), dtype=torch.int32, device=device)
                     counts = [torch.full((FD.units(S),), -1, dtype=torch.int64, device=device) for _ in range(2)]
                     tg = FD.tag(step, first)
+                    counted = kernel == "fold" or kernel.startswith("ws-fold+counts")
                     (f.chunk_fold_(st, written, g, counts=counts, tag=tg, **kw) if kernel == "fold"
-                     else f.chunk_bench_(kernel, st, written, g, progress=prog, **kw))
+                     else f.chunk_bench_(kernel, st, written, g, progress=prog, counts=counts, **kw))
                     for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), undo, written):
                         if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
                             return f"{where}: the {name} undo copy is not the values before the step"
                     if kernel == "fold+counts" and not bool((prog == fold_stages(n)).all()):
                         return f"{where}: stage counts {prog.tolist()} after the chunk, not {fold_stages(n)}"
                     full = (tg << 16) | FD.n_stages(n)
-                    if kernel == "fold" and not all(bool((c == full).all()) for c in counts):
+                    if counted and not all(bool((c == full).all()) for c in counts):
                         return (f"{where}: fold counts {sorted(set(counts[0].tolist()))} after the chunk, "
                                 f"not {full} (tag {tg}, {FD.n_stages(n)} stages) in both copies")
                 for name, a, b in zip(("params", "exp_avg", "exp_avg_sq"), ref, st):

@@ -32,3 +32,11 @@ def test_an_unknown_layout_is_refused_before_anything_runs(capsys):
         kb.parse_args(["--layouts", "4x2x3,3x3x3"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "3x3x3 not among 4x2x3, 4x2x3-statemajor" in err
+
+
+def test_an_unknown_bench_kernel_is_refused_before_anything_runs(capsys):
+    with pytest.raises(SystemExit) as e:
+        kb.parse_args(["--bench-kernels", "ws-fold+counts/4,ws-fold+counts/3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "ws-fold+counts/3 not among fold, fold+counts" in err
+    assert kb.parse_args(["--bench-kernels", "ws-fold+counts,ws-fold+counts/2"]).bench_kernels
