@@ -86,15 +86,7 @@ void adamw_syndrome_fold(torch::Tensor p, torch::Tensor m, torch::Tensor v, cons
                          torch::Tensor counts1, int64_t tag) {
   ChunkCall c = chunk_call(p, m, v, g, up, um, uv, coef, outs, bases, mix, scale, page_bytes, decay, beta1,
                            beta2, eps, bc2_sqrt, step_size, has_decay);
-  const int64_t units = (page_bytes / 1024 + 1) / 2 * 4;     // the grid's tiles x 4 producer warps
-  for (const auto* t : {&counts0, &counts1})
-    TORCH_CHECK(t->is_cuda() && t->device() == p.device() && t->scalar_type() == torch::kInt64 &&
-                    t->is_contiguous() && t->numel() == units,
-                "adamw_syndrome_fold: counts must be contiguous int64 tensors of ", units, " words on ", p.device());
-  TORCH_CHECK(tag >= 0 && tag < (int64_t{1} << 48), "adamw_syndrome_fold: tag must be in [0, 2^48)");
-  c.f.counts[0] = reinterpret_cast<uint64_t*>(counts0.data_ptr<int64_t>());
-  c.f.counts[1] = reinterpret_cast<uint64_t*>(counts1.data_ptr<int64_t>());
-  c.f.tag = static_cast<uint64_t>(tag);
+  set_counts(c, p, counts0, counts1, tag, page_bytes, 1);
   const c10::cuda::CUDAGuard guard(p.device());
   try {
     leto_rmu::adamw_syndrome_ws(c.a, c.f, c.coef.data(), true, c10::cuda::getCurrentCUDAStream().stream());

@@ -107,4 +107,22 @@ ChunkCall chunk_call(torch::Tensor& p, torch::Tensor& m, torch::Tensor& v, const
   return c;
 }
 
+// The folded chunk's stage counts (adamw_ws.cu): two int64 copies of one word per 512-byte unit
+// of a page (the grid's tiles x 4 producer warps), the transaction's tag, a count every `batch`
+// stages.
+void set_counts(ChunkCall& c, const torch::Tensor& p, torch::Tensor& counts0, torch::Tensor& counts1, int64_t tag,
+                int64_t page_bytes, int64_t batch) {
+  const int64_t units = (page_bytes / 1024 + 1) / 2 * 4;
+  for (const auto* t : {&counts0, &counts1})
+    TORCH_CHECK(t->is_cuda() && t->device() == p.device() && t->scalar_type() == torch::kInt64 &&
+                    t->is_contiguous() && t->numel() == units,
+                "adamw_syndrome_fold: counts must be contiguous int64 tensors of ", units, " words on ", p.device());
+  TORCH_CHECK(tag >= 0 && tag < (int64_t{1} << 48), "adamw_syndrome_fold: tag must be in [0, 2^48)");
+  TORCH_CHECK(batch == 1 || batch == 2 || batch == 4, "adamw_syndrome_fold: a count every 1, 2 or 4 stages");
+  c.f.counts[0] = reinterpret_cast<uint64_t*>(counts0.data_ptr<int64_t>());
+  c.f.counts[1] = reinterpret_cast<uint64_t*>(counts1.data_ptr<int64_t>());
+  c.f.tag = static_cast<uint64_t>(tag);
+  c.f.count_batch = static_cast<int>(batch);
+}
+
 }  // namespace

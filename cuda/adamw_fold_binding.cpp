@@ -75,17 +75,7 @@ void adamw_syndrome_ws_counts(torch::Tensor p, torch::Tensor m, torch::Tensor v,
                               torch::Tensor counts1, int64_t tag, int64_t batch) {
   ChunkCall c = chunk_call(p, m, v, g, up, um, uv, coef, outs, bases, mix, scale, page_bytes, decay, beta1,
                            beta2, eps, bc2_sqrt, step_size, has_decay);
-  const int64_t units = (page_bytes / 1024 + 1) / 2 * 4;
-  for (const auto* t : {&counts0, &counts1})
-    TORCH_CHECK(t->is_cuda() && t->device() == p.device() && t->scalar_type() == torch::kInt64 &&
-                    t->is_contiguous() && t->numel() == units,
-                "adamw_syndrome_ws_counts: counts must be contiguous int64 tensors of ", units, " words");
-  TORCH_CHECK(tag >= 0 && tag < (int64_t{1} << 48) && (batch == 1 || batch == 2 || batch == 4),
-              "adamw_syndrome_ws_counts: tag in [0, 2^48), batch 1, 2 or 4");
-  c.f.counts[0] = reinterpret_cast<uint64_t*>(counts0.data_ptr<int64_t>());
-  c.f.counts[1] = reinterpret_cast<uint64_t*>(counts1.data_ptr<int64_t>());
-  c.f.tag = static_cast<uint64_t>(tag);
-  c.f.count_batch = static_cast<int>(batch);
+  set_counts(c, p, counts0, counts1, tag, page_bytes, batch);
   const c10::cuda::CUDAGuard guard(p.device());
   try {
     leto_rmu::adamw_syndrome_ws(c.a, c.f, c.coef.data(), true, c10::cuda::getCurrentCUDAStream().stream());
