@@ -37,8 +37,7 @@ def _cfg():
 
 def _fused(dev):
     from leto_runtime.rmu import fused as F
-    os.environ[F.LAYOUT_ENV] = "ws"
-    f = F.Fused.for_device(dev, _cfg())
+    f = F.Fused.for_device(dev, _cfg())     # (the folded kernel is ws's whatever the layout)
     if f is None or not f.syndrome_ok(dev) or not f.fold_ok(dev):
         raise RuntimeError(f"the folded chunk kernel is not usable here: {F.why_not or F.why_not_syndrome or F.why_not_fold}")
     return f

@@ -145,14 +145,16 @@ class ChunkOps:
     def update_with_delta(self, t: int, g: int, j: int, chunk: tuple[int, int], views, grad,
                           coef, lr: float, auth: int) -> None:
         """One kernel: the chunk's AdamW from its undo copy, and Q' = Q ^ delta for each state."""
+        undo, kw = self._kernel_args(g, j, chunk, auth)
+        self.fused.chunk_syndrome_(views, undo, grad, step=t + 1, lr=lr, coef=coef, **kw)
+
+    def _kernel_args(self, g: int, j: int, chunk: tuple[int, int], auth: int):
+        """The one-kernel chunk's undo pages and its parity arguments (Q' = buffer 1 - auth)."""
         ss = self.ss
         first, count = chunk
-        gi = ss.model[0].groups[g]
         undo = [ss.undo_pages(i, count, self.slot(g, j)) for i in range(3)]
-        self.fused.chunk_syndrome_(views, undo, grad, step=t + 1,
-                                   lr=lr, coef=coef, code=self.code(gi.k), first=first,
-                                   outs=[ss.q(i, 1 - auth, g) for i in range(3)],
-                                   bases=[ss.q(i, auth, g) for i in range(3)])
+        return undo, dict(code=self.code(ss.model[0].groups[g].k), first=first,
+                          outs=[ss.q(i, 1 - auth, g) for i in range(3)], bases=[ss.q(i, auth, g) for i in range(3)])
 
     def update(self, t: int, g: int, chunk: tuple[int, int], views, grad, coef, lr: float | None):
         """AdamW in place on the chunk; returns the delta pages the fused kernel wrote (with
@@ -233,14 +235,11 @@ class ChunkOps:
         copy, every unit counted, then the update and the parity delta."""
         ss = self.ss
         first, count = chunk
-        tg = FD.tag(t, ss.chunk_index(g, j))
+        tg = FD.tag(t, *ss.chunk_index(g, j))
         counts = [ss.fold_counts(c) for c in range(2)]
         if kernel:
-            gi = ss.model[0].groups[g]
-            undo = [ss.undo_pages(i, count, 0) for i in range(3)]
-            self.fused.chunk_fold_(views, undo, grad, step=t + 1, lr=lr, coef=coef, code=self.code(gi.k),
-                                   first=first, outs=[ss.q(i, 1 - auth, g) for i in range(3)],
-                                   bases=[ss.q(i, auth, g) for i in range(3)], counts=counts, tag=tg)
+            undo, kw = self._kernel_args(g, j, chunk, auth)
+            self.fused.chunk_fold_(views, undo, grad, step=t + 1, lr=lr, coef=coef, counts=counts, tag=tg, **kw)
             return
         self._copy_undo(g, j)
         FD.count_all_(counts, tg, count)
@@ -254,7 +253,7 @@ class ChunkOps:
         p0 = ss.model[0].groups[g].first + first
         gen = torch.Generator().manual_seed(0xF01D)
         FD.garbage_([st.pages(p0, count) for st in ss.model], [ss.undo_pages(i, count, 0) for i in range(3)],
-                    [ss.fold_counts(c) for c in range(2)], FD.tag(t, ss.chunk_index(g, j)), gen)
+                    [ss.fold_counts(c) for c in range(2)], FD.tag(t, *ss.chunk_index(g, j)), gen)
         self.scratch_garbage(g, scratch_buf)
 
     def scratch_garbage(self, g: int, scratch_buf: int) -> None:
@@ -272,12 +271,9 @@ class ChunkOps:
         ss = self.ss
         gi = ss.model[0].groups[g]
         gen = torch.Generator().manual_seed(0xBAD)
-        for i, st in enumerate(ss.model):
+        for st in ss.model:
             pages = st.pages(gi.first + first, count)
             half = max(1, pages.numel() // 2)
             noise = torch.randint(0, 256, (half,), generator=gen, dtype=torch.uint8)
             pages.view(-1)[:half].copy_(noise.to(pages.device))
-            q = ss.q(i, scratch_buf, g)
-            qn = torch.randint(0, 256, (q.numel() // 3,), generator=gen, dtype=torch.uint8)
-            q.view(-1)[:qn.numel()].copy_(qn.to(q.device))
-        self.fence()
+        self.scratch_garbage(g, scratch_buf)

@@ -40,7 +40,6 @@ FOLD_SUB = 3            # the marker's `sub`: chunk `chunk` is folded in flight 
 UNIT_BYTES = 512        # one producer warp's column of a page (cuda/adamw_ws.cu)
 PAGES_PER_STAGE = 2
 TAG_BITS = 48
-CHUNK_BITS = 16         # chunks per iteration's update, below 2^16
 
 
 class FoldError(RuntimeError):
@@ -52,12 +51,12 @@ def units(page_bytes: int) -> int:
     return (page_bytes // 1024 + 1) // 2 * 4
 
 
-def tag(t: int, index: int) -> int:
-    """The transaction of chunk `index` (0-based over the update's groups) of iteration t;
-    never 0 (zeroed counts match no transaction)."""
-    if not 0 <= index < 1 << CHUNK_BITS:
-        raise FoldError(f"chunk index {index} of an update is outside [0, 2^{CHUNK_BITS})")
-    return (((t + 1) << CHUNK_BITS) | index) & ((1 << TAG_BITS) - 1)
+def tag(t: int, index: int, chunks: int) -> int:
+    """The transaction of chunk `index` of the `chunks` of iteration t's update: consecutive
+    transactions differ, whatever the model's size (never 0 below 2^48 transactions)."""
+    if not 0 <= index < chunks:
+        raise FoldError(f"chunk index {index} is outside the update's {chunks} chunks")
+    return ((t + 1) * chunks + index) % (1 << TAG_BITS)
 
 
 def n_stages(n: int) -> int:

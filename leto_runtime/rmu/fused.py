@@ -320,10 +320,10 @@ class Fused:
                 counts = self._bench_counts
             kw = dict(step=step, lr=lr, coef=coef, code=code, first=first, outs=outs, bases=bases)
             if kernel == "ws-fold+counts":
-                self.chunk_fold_(states, undo, g, counts=counts, tag=FD.tag(step, first), **kw)
+                self.chunk_fold_(states, undo, g, counts=counts, tag=FD.tag(step, first, code.k), **kw)
             else:
                 load_fold().adamw_syndrome_ws_counts(*self._chunk_args(states, undo, g, **kw), counts[0], counts[1],
-                                                     FD.tag(step, first), int(kernel.rsplit("/", 1)[1]))
+                                                     FD.tag(step, first, code.k), int(kernel.rsplit("/", 1)[1]))
             return
         ext = load_fold()
         args = self._chunk_args(states, undo, g, step=step, lr=lr, coef=coef, code=code, first=first,
@@ -393,7 +393,7 @@ class Fused:
                     written = [torch.full_like(t, float("nan")) for t in st]
                     prog = torch.zeros(3 * -(-S // 4096), dtype=torch.int32, device=device)
                     counts = [torch.full((FD.units(S),), -1, dtype=torch.int64, device=device) for _ in range(2)]
-                    tg = FD.tag(step, first)
+                    tg = FD.tag(step, first, code.k)
                     counted = kernel == "fold" or kernel.startswith("ws-fold+counts")
                     (f.chunk_fold_(st, written, g, counts=counts, tag=tg, **kw) if kernel == "fold"
                      else f.chunk_bench_(kernel, st, written, g, progress=prog, counts=counts, **kw))

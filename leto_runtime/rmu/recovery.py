@@ -264,7 +264,7 @@ def _fold_restores(ss: StateSet, rec: Record, cg: int | None, undo_lost: set[int
         return None
     first, count = ss.chunks(cg)[rec.chunk]
     base = ss.model[0].groups[cg].first + first
-    tg = FD.tag(rec.t, ss.chunk_index(cg, rec.chunk))
+    tg = FD.tag(rec.t, *ss.chunk_index(cg, rec.chunk))
     copies = [None if ss.fold_count_page(c) in undo_lost else ss.fold_counts(c) for c in range(2)]
     try:
         counts = FD.read_counts(copies, tg, count)

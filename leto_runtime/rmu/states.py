@@ -232,9 +232,10 @@ class StateSet:
             out.append((t.data_ptr(), t.numel() * t.element_size()))
         return out
 
-    def chunk_index(self, g: int, j: int) -> int:
-        """Chunk j of group g's position among all of the update's chunks."""
-        return sum(len(self.chunks(h)) for h in range(g)) + j
+    def chunk_index(self, g: int, j: int) -> tuple[int, int]:
+        """(chunk j of group g's position among the update's chunks, how many there are)."""
+        n = [len(self.chunks(h)) for h in range(len(self.model[0].groups))]
+        return sum(n[:g]) + j, sum(n)
 
     def chunks(self, g: int) -> list[tuple[int, int]]:
         """(first page within the group, page count) of every chunk of group g."""

@@ -189,27 +189,34 @@ def test_updater_adamw_syndrome_kernel_equals_torch_ops_path(monkeypatch):
         assert torch.equal(a.cpu(), b)
 
 
+def _full_size_chunk(dev, seed: int):
+    """A 256-page chunk of 2 MiB pages at offset 768 of a baked (1024-page) group, as the updater
+    runs it on a 1B-parameter model: (code, first, states, gradients, parity bases, coef)."""
+    from leto_runtime.parity import ParityCode as PC
+    S, n, first = 2 * MiB, 256, 768
+    E = S // 4
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    st = [torch.randn(n * E, device=dev, generator=gen), torch.randn(n * E, device=dev, generator=gen) * 1e-3,
+          torch.rand(n * E, device=dev, generator=gen) * 1e-6]
+    g = torch.randn(n * E, device=dev, generator=gen) * 1e-2
+    q = [torch.randint(0, 256, (16, S), dtype=torch.uint8, device=dev, generator=gen) for _ in range(3)]
+    return PC(1024, 16, S, backend="cuda"), first, st, g, q, torch.tensor(0.5, device=dev)
+
+
 @pytest.mark.parametrize("layout", list(F.LAYOUTS))
 def test_adamw_syndrome_kernel_on_full_size_groups(layout, monkeypatch):
     """2 MiB pages, a baked (1024-page) group: a 256-page chunk at offset 768, as the updater runs
     it on a 1B-parameter model, against the two-kernel path, in each layout."""
-    from leto_runtime.parity import ParityCode as PC
     monkeypatch.setenv("LETO_RMU_FUSED_SYNDROME", "1")
     monkeypatch.setenv(F.LAYOUT_ENV, layout)
     dev = torch.device("cuda")
     cfg = AdamWConfig(lr=2.2e-4, betas=(0.9, 0.95), weight_decay=0.1, clip_grad_norm=1.0)
     f = F.Fused.for_device(dev, cfg)
-    S, n, first = 2 * MiB, 256, 768
-    E = S // 4
-    code = PC(1024, 16, S, backend="cuda")
-    gen = torch.Generator(device=dev).manual_seed(5)
-    st = [torch.randn(n * E, device=dev, generator=gen), torch.randn(n * E, device=dev, generator=gen) * 1e-3,
-          torch.rand(n * E, device=dev, generator=gen) * 1e-6]
+    code, first, st, g, q, coef = _full_size_chunk(dev, 5)
+    S = code.page_bytes
+    n = st[0].numel() * 4 // S
     ref = [t.clone() for t in st]
-    g = torch.randn(n * E, device=dev, generator=gen) * 1e-2
-    q = [torch.randint(0, 256, (16, S), dtype=torch.uint8, device=dev, generator=gen) for _ in range(3)]
-    coef = torch.tensor(0.5, device=dev)
-    d = [torch.empty(n * E, dtype=torch.int32, device=dev) for _ in range(3)]
+    d = [torch.empty_like(t, dtype=torch.int32) for t in st]
     f.step_(*ref, g, step=7, lr=cfg.lr, coef=coef, deltas=d)
     want = [torch.empty_like(x) for x in q]
     code.update_delta_many(want, range(first, first + n), [x.view(torch.uint8).view(n, S) for x in d], bases=q)
@@ -241,7 +248,6 @@ def test_folded_chunk_passes_its_self_check_and_counts_a_full_size_chunk(monkeyp
     chunk's states and parity bits, the values before the step in the undo buffer, and every
     unit of both copies of the counts at all stages of this transaction -- on the self-check's
     cases and on a 256-page chunk of 2 MiB pages at offset 768 of a baked group."""
-    from leto_runtime.parity import ParityCode as PC
     from leto_runtime.rmu import fold as FD
     monkeypatch.setenv(F.LAYOUT_ENV, "ws")
     dev = torch.device("cuda")
@@ -249,16 +255,10 @@ def test_folded_chunk_passes_its_self_check_and_counts_a_full_size_chunk(monkeyp
     f = F.Fused.for_device(dev, cfg)
     assert f is not None and f.syndrome_ok(dev), F.why_not_syndrome
     assert f.fold_ok(dev), F.why_not_fold
-    S, n, first = 2 * MiB, 256, 768
-    E = S // 4
-    code = PC(1024, 16, S, backend="cuda")
-    gen = torch.Generator(device=dev).manual_seed(9)
-    st = [torch.randn(n * E, device=dev, generator=gen), torch.randn(n * E, device=dev, generator=gen) * 1e-3,
-          torch.rand(n * E, device=dev, generator=gen) * 1e-6]
+    code, first, st, g, q, coef = _full_size_chunk(dev, 9)
+    S = code.page_bytes
+    n = st[0].numel() * 4 // S
     old = [t.clone() for t in st]
-    g = torch.randn(n * E, device=dev, generator=gen) * 1e-2
-    q = [torch.randint(0, 256, (16, S), dtype=torch.uint8, device=dev, generator=gen) for _ in range(3)]
-    coef = torch.tensor(0.5, device=dev)
     ref = [t.clone() for t in st]
     want = [torch.empty_like(x) for x in q]
     f.chunk_syndrome_(ref, [t.clone() for t in old], g, step=7, lr=cfg.lr, coef=coef, code=code, first=first,
@@ -266,7 +266,7 @@ def test_folded_chunk_passes_its_self_check_and_counts_a_full_size_chunk(monkeyp
     undo = [torch.full_like(t, float("nan")) for t in st]
     counts = [torch.full((FD.units(S),), -1, dtype=torch.int64, device=dev) for _ in range(2)]
     got = [torch.empty_like(x) for x in q]
-    tg = FD.tag(41, 123)
+    tg = FD.tag(41, 123, 200)
     f.chunk_fold_(st, undo, g, step=7, lr=cfg.lr, coef=coef, code=code, first=first, outs=got, bases=q,
                   counts=counts, tag=tg)
     for a, b in zip(ref, st):

@@ -32,11 +32,13 @@ def test_units_cover_the_page_in_512_byte_columns_of_2_kib_tiles():
 
 
 def test_tags_name_one_transaction_and_never_zero():
-    tags = {FD.tag(t, i) for t in range(4) for i in range(50)}
+    tags = {FD.tag(t, i, 50) for t in range(4) for i in range(50)}
     assert len(tags) == 200 and 0 not in tags
-    assert FD.tag(0, 0) != 0
-    with pytest.raises(FD.FoldError, match="chunk index"):
-        FD.tag(1, 1 << 16)
+    assert FD.tag(0, 0, 1) != 0
+    # a model of more than 2^16 chunks (small pages): still one tag per transaction
+    assert len({FD.tag(t, i, 1 << 17) for t in (0, 1) for i in (0, 1, (1 << 17) - 1)}) == 6
+    with pytest.raises(FD.FoldError, match="outside the update's 50 chunks"):
+        FD.tag(1, 50, 50)
 
 
 def _stop_kernel(before, n, S, progress, torn, gen):
@@ -88,7 +90,7 @@ def test_restoring_by_the_counts_gives_the_values_before_the_kernel_wherever_it_
                     for _ in range(u)]
         chunk, undo, counts = _stop_kernel(before, n, S, progress, torn=int(torch.randint(0, 512, (1,), generator=gen)),
                                            gen=gen)
-        tg = FD.tag(trial, 3)
+        tg = FD.tag(trial, 3, 8)
         words = [(tg << 16) | counts, (tg << 16) | counts]
         got = FD.read_counts(words, tg, n)
         assert torch.equal(got, counts)
@@ -97,7 +99,7 @@ def test_restoring_by_the_counts_gives_the_values_before_the_kernel_wherever_it_
 
 
 def test_counts_of_another_transaction_read_as_none_and_a_lost_copy_falls_back():
-    tg, n = FD.tag(7, 2), 8
+    tg, n = FD.tag(7, 2, 8), 8
     mine = torch.tensor([(tg << 16) | 3, ((tg - 1) << 16) | 8, (tg << 16) | 8, 0])
     assert FD.read_counts([mine], tg, n).tolist() == [3, 0, 8, 0]
     assert FD.read_counts([None, mine], tg, n).tolist() == [3, 0, 8, 0]
@@ -123,7 +125,7 @@ def test_the_injected_kill_is_one_the_kernel_can_leave_and_restores():
     chunk = [b.clone() for b in before]
     undo = [torch.zeros(n, S, dtype=torch.uint8) for _ in range(3)]
     copies = [torch.zeros(FD.units(S), dtype=torch.int64) for _ in range(2)]
-    tg = FD.tag(4, 1)
+    tg = FD.tag(4, 1, 8)
     FD.garbage_(chunk, undo, copies, tg, gen)
     assert any(not torch.equal(c, b) for c, b in zip(chunk, before))      # it did tear the chunk
     mask = FD.restore_mask(FD.read_counts(copies, tg, n), n, S)
@@ -150,7 +152,7 @@ def test_counts_that_are_not_the_kernel_s_stop_the_recovery_before_it_writes(mon
     ss.flat(ss.model[0]).copy_(torch.randn(ss.flat(ss.model[0]).numel(), generator=torch.Generator().manual_seed(1)))
     rec = up.marker.write(t=3, phase=Phase.UPDATING, group=0, chunk=1, sub=FD.FOLD_SUB, auth=0,
                           gstate=GState.CHUNKS)
-    tg = FD.tag(3, ss.chunk_index(0, 1))
+    tg = FD.tag(3, *ss.chunk_index(0, 1))
     for c in range(2):
         ss.fold_counts(c).fill_((tg << 16) | (FD.n_stages(2) + 1))
     before = ss.flat(ss.model[0]).clone()
