@@ -30,13 +30,14 @@ memory, for:
   AdamW writing delta pages, then the batched syndrome delta, instead of cuda/adamw_syndrome.cu;
   one undo slot), **rmu_hostfunc** (LETO_RMU_STREAM_MARKER=hostfunc: marker writes by a host
   function instead of cuda/marker_kernel.cu), **rmu_prev** (two kernels and host-function
-  markers: the default until 2026-11-30), and the one kernel's other layouts
-  (LETO_RMU_FUSED_LAYOUT): **rmu_f4s** (state-major grid: a tile's three state CTAs adjacent,
+  markers: the default until 2026-11-30), and the one kernel's layouts unfolded
+  (LETO_RMU_FUSED_LAYOUT, with LETO_RMU_FOLD=0: the folded chunk is always the ws kernel): **rmu_f4s** (state-major grid: a tile's three state CTAs adjacent,
   sharing g and the moments through L2), **rmu_f2** (2 KiB tiles: four CTAs per SM instead of
   two), **rmu_f2s** (both), **rmu_ws** (cuda/adamw_ws.cu: one warp-specialized CTA per 2 KiB
-  tile for the three states, producer warps feeding Horner warps; the default layout since
-  2026-12-07, `rmu_f4` is the 4x2x3 layout before it), **rmu_fold** (LETO_RMU_FOLD=1: the
-  undo copy folded into the ws kernel, leto_runtime/rmu/fold.py).
+  tile for the three states, producer warps feeding Horner warps; `rmu_f4` is the 4x2x3 layout,
+  the unfolded path's default), **rmu_fold** (LETO_RMU_FOLD=1: the
+  undo copy folded into the ws kernel, leto_runtime/rmu/fold.py; the default since 2026-12-07,
+  so `rmu` is the same path).
 
 Each iteration: stream sync, compute, stream sync, update, stream sync (the syncs are the same in
 every variant).  Peak GPU memory is device-wide (`cudaMemGetInfo`: total - free, sampled after

@@ -18,12 +18,12 @@ RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
            "rmu_twokernel": {"LETO_RMU_FUSED_SYNDROME": "0"},
            "rmu_hostfunc": {"LETO_RMU_STREAM_MARKER": "hostfunc"},
            "rmu_prev": {"LETO_RMU_FUSED_SYNDROME": "0", "LETO_RMU_STREAM_MARKER": "hostfunc"},
-           # the one-kernel chunk's other layouts (default auto: ws, else 4x2x3)
-           "rmu_f4": {"LETO_RMU_FUSED_LAYOUT": "4x2x3"},
-           "rmu_f4s": {"LETO_RMU_FUSED_LAYOUT": "4x2x3-statemajor"},
-           "rmu_f2": {"LETO_RMU_FUSED_LAYOUT": "2x2x3"},
-           "rmu_f2s": {"LETO_RMU_FUSED_LAYOUT": "2x2x3-statemajor"},
-           "rmu_ws": {"LETO_RMU_FUSED_LAYOUT": "ws"},       # cuda/adamw_ws.cu
+           # the one-kernel chunk's layouts unfolded (the folded chunk is always the ws kernel)
+           "rmu_f4": {"LETO_RMU_FUSED_LAYOUT": "4x2x3", "LETO_RMU_FOLD": "0"},
+           "rmu_f4s": {"LETO_RMU_FUSED_LAYOUT": "4x2x3-statemajor", "LETO_RMU_FOLD": "0"},
+           "rmu_f2": {"LETO_RMU_FUSED_LAYOUT": "2x2x3", "LETO_RMU_FOLD": "0"},
+           "rmu_f2s": {"LETO_RMU_FUSED_LAYOUT": "2x2x3-statemajor", "LETO_RMU_FOLD": "0"},
+           "rmu_ws": {"LETO_RMU_FUSED_LAYOUT": "ws", "LETO_RMU_FOLD": "0"},   # cuda/adamw_ws.cu
            "rmu_fold": {"LETO_RMU_FOLD": "1"}}              # the folded chunk (rmu/fold.py)
 ALTERNATIVES = ("rmu_pipelined", "rmu_inlinewb", "rmu_unbounded", "rmu_twokernel", "rmu_hostfunc", "rmu_prev",
                 "rmu_f4", "rmu_f4s", "rmu_f2", "rmu_f2s", "rmu_ws", "rmu_fold")

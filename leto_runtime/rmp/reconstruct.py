@@ -17,8 +17,10 @@ Every group is checked *before anything is written*: if any group lost more than
 of any state is touched -- no silent overwrite.  Unprotected state has nothing to rebuild: its
 remapped pages are reported as "contents undefined".
 
-The parity must be consistent with the data (the trainer -- RMU -- keeps it so); `protect()`
-encodes every group from scratch (first initialization, tests).
+The parity must be consistent with the data (the trainer -- RMU -- keeps it so); a decode is
+checked against the syndromes it left over, so a silent corruption among the survivors is
+corrected where it can be located, else Unrecoverable (verify.py).  `protect()` encodes every
+group from scratch (first initialization, tests).
 
 Codec: `leto_runtime.parity.ParityCode` (GF(2^16), docs/PARITY.md), one code per tier and group
 shape; `backend` is passed through ('auto': CUDA kernels for GPU pages, C++ for host pages).
@@ -39,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from leto_runtime.rmp.verify import ParityMismatch, decode_checked
 from leto_runtime.wire import settings
 from leto_runtime.wire import protocol as P
 
@@ -168,12 +171,19 @@ def reconstruct(client, names: list[str] | None = None, *, backend: str = "auto"
 
 def _repair_group(st, loss: GroupLoss, backend: str) -> None:
     """Repair one group in place (see the module docstring): the address-array path on CUDA
-    pages with the CUDA kernels, else the staged path (CPU pages, reference backend)."""
-    if settings.get().rmp_reconstruct_path != "staged" and st.device.startswith("cuda"):
-        be = _cuda_kernels(backend, st)
-        if be is not None:
-            return _repair_group_cuda(st, loss, be)
-    return _repair_group_staged(st, loss, backend)
+    pages with the CUDA kernels, else the staged path (CPU pages, reference backend).  Either
+    checks the result against the syndromes the decode left over (verify.py); the CUDA path
+    hands a mismatch to the staged one, which locates and corrects what it can.  What cannot
+    be trusted raises Unrecoverable (lost pages hold garbage; no survivor was overwritten)."""
+    try:
+        if settings.get().rmp_reconstruct_path != "staged" and st.device.startswith("cuda"):
+            be = _cuda_kernels(backend, st)
+            if be is not None and _repair_group_cuda(st, loss, be):
+                return
+        _repair_group_staged(st, loss, backend)
+    except ParityMismatch as e:
+        raise Unrecoverable(f"group {loss.index} of {loss.state!r}: {e}; recover from a checkpoint",
+                            ReconstructReport(unrecoverable=[loss])) from e
 
 
 def _repair_group_staged(st, loss: GroupLoss, backend: str) -> None:
@@ -200,13 +210,14 @@ def _repair_group_staged(st, loss: GroupLoss, backend: str) -> None:
         changed2.update(lost2)
     # 2. tier 1 -> data pages, in place (plus the tier-1 pages tier 2 could not rebuild)
     bad1 = [] if via_t2 else lost1
-    if lost_d or bad1:
+    if lost_d or lost1:
         rows = list(data.unbind(0))
         pages = [None if j in lost_d else rows[j] for j in range(g.k)] + \
                 [None if i in bad1 else p1[i] for i in range(H1)]
-        codes.t1.decode(pages, out={**{j: rows[j] for j in lost_d},
-                                    **{g.k + i: p1[i] for i in bad1}})
-        changed1.update(bad1)
+        fixed = decode_checked(codes.t1, pages, {**{j: rows[j] for j in lost_d},
+                                                 **{g.k + i: p1[i] for i in bad1}},
+                               what=f"group {loss.index} of {loss.state!r}").corrected
+        changed1.update(bad1 + [j - g.k for j in fixed if j >= g.k])
     # 3. tier 1 -> tier 2 (lost tier-2 pages, or tier-1 pages rebuilt by tier 1)
     if H2 and ((lost2 and not via_t2) or bad1):
         codes.t2.encode(p1, out=p2)
@@ -219,12 +230,10 @@ def _repair_group_staged(st, loss: GroupLoss, backend: str) -> None:
 
 
 # ---- the CUDA path -----------------------------------------------------------------------
-# Why a second path: through `ParityCode` a 16-page repair of a 2 GiB group cost 7.3 ms, of
-# which the decode kernel is ~1.7 ms; the rest was Python (1,040 page views unbound, validated
-# and turned back into an address array), staging all H1+H2 parity rows before the kernel could
-# start, and blocking per-row copies back.  Here the data pages are passed as addresses computed
-# from the mapping's base (no views), the decode is split by linearity so that the parity rows'
-# H2D copy overlaps the kernel over the data pages, and tier-2 rows are staged only when used.
+# Why a second path: through `ParityCode` most of a repair was Python over 1,040 page views,
+# staging every parity row first and blocking copies back.  Here the data pages are addresses
+# from the mapping's base, the decode is split by linearity so that the parity rows' H2D copy
+# overlaps the kernel over the data pages, and tier-2 rows are staged only when used.
 #
 #   lost c_L = A^-1 S_R,  S_t = sum_{j in data survivors} x^(j t) d_j  +  sum_{l in parity survivors} x^((k+l) t) p_l
 #            = mix(A^-1, syndromes over the data only)                     [syndrome_mix, n = k]
@@ -281,7 +290,6 @@ def _cuda_kernels(backend: str, st):
 
 class _Stages:
     """Stage timer for `STAGE_TIMES` (synchronizes at each mark: profiling only)."""
-
     def __init__(self, dev):
         self.dev, self.on = dev, STAGE_TIMES is not None
         self.t = time.perf_counter()
@@ -295,9 +303,10 @@ class _Stages:
             self.t = t
 
 
-def _repair_group_cuda(st, loss: GroupLoss, be) -> None:
+def _repair_group_cuda(st, loss: GroupLoss, be) -> bool:
     """One group on the CUDA path (kernel backend `be`): its parity staged on the side stream,
-    the module docstring's steps 1-3 in that order, then the changed parity rows back."""
+    the module docstring's steps 1-3 in that order, the check, then the changed parity rows
+    back.  False: the check failed and nothing went back (the caller takes the staged path)."""
     r = _CudaRepair(st, loss)
     r.stage()
     if r.via_t2:
@@ -306,7 +315,10 @@ def _repair_group_cuda(st, loss: GroupLoss, be) -> None:
         r.tier1_decode(be)
     if r.reencode2:
         r.tier2_encode()
+    if not r.consistent():
+        return False        # nothing went back to the host: the staged path starts afresh
     r.parity_back()
+    return True
 
 
 class _CudaRepair:
@@ -338,10 +350,8 @@ class _CudaRepair:
         self.changed2: set[int] = set()
 
     def stage(self) -> None:
-        """Staging: tier 1 always (the decode's parity term, or the tier-2 code's data); tier 2
-        only when its contents are read (tier-2 decode).  Buffers are allocated on the main
-        stream (the caching allocator's owner); the side stream first waits for it so that
-        reused memory is free."""
+        """Staging: tier 1 always, tier 2 only when read (tier-2 decode).  Buffers come from
+        the main stream (the allocator's owner); the side stream waits for it first."""
         import torch
 
         H1, H2, S, dev, side = self.H1, self.H2, self.S, self.dev, self.side
@@ -360,7 +370,6 @@ class _CudaRepair:
     def tier2_decode(self) -> None:
         """1. tier 2 -> tier 1 (small: H1 + H2 pages), through the codec's page API."""
         from leto_runtime.parity import ParityCode
-
         H1, H2, S, p1, p2 = self.H1, self.H2, self.S, self.p1, self.p2
         lost1, lost2 = self.lost1, self.lost2
         self.main.wait_event(self.staged)
@@ -431,18 +440,25 @@ class _CudaRepair:
         dbuf[:n_addr].copy_(hbuf[:n_addr], non_blocking=True)
         return n_addr
 
+    def consistent(self) -> bool:
+        """The completed tier-1 codeword against the syndromes the decode left over."""
+        from leto_runtime.parity import ParityCode
+        if len(self.lost_d) + len(self.bad1) >= self.H1:
+            return True                                 # nothing left to check with
+        self.main.wait_event(self.staged)
+        pages = list(self.st.group_pages(self.g.index).unbind(0)) + list(self.p1.unbind(0))
+        return ParityCode(self.k, self.H1, self.S, backend="cuda").scrub(pages, locate=False).consistent
+
     def tier2_encode(self) -> None:
         """3. tier 1 -> tier 2 (lost tier-2 pages, or tier-1 pages rebuilt by tier 1)."""
         from leto_runtime.parity import ParityCode
-
         self.main.wait_event(self.staged)
         ParityCode(self.H1, self.H2, self.S, backend="cuda").encode(self.p1, out=self.p2)
         self.changed2.update(range(self.H2))
 
     def parity_back(self) -> None:
-        """The host parity is the authoritative copy: changed rows go back, and (as on the
-        staged path) they are in host memory when this returns; data-page repairs stay queued
-        (callers synchronize before clearing the marks)."""
+        """Changed rows back to the host parity (the authoritative copy), in host memory on
+        return; data-page repairs stay queued (callers synchronize before clearing marks)."""
         main, p1, p2 = self.main, self.p1, self.p2
         main.wait_event(self.staged)                # p1/p2 are freed on the main stream
         if self.changed1 or self.changed2:

@@ -36,6 +36,7 @@ import torch
 
 from leto_runtime.rmp.reconstruct import (GroupLoss, ReconstructReport, Unrecoverable,
                                           _feasible, _repair_group)
+from leto_runtime.rmp.verify import ParityMismatch, decode_checked
 from leto_runtime.rmu import fold as FD
 from leto_runtime.rmu.marker import GState, Phase, Record
 from leto_runtime.rmu.states import MARKER, QBUF, UNDO, StateSet
@@ -298,7 +299,11 @@ def _decode_with_q(ss: StateSet, i: int, loss: GroupLoss, auth: int, updater) ->
     pages = [None if j in lost_d else rows[j] for j in range(g.k)] + \
             [None if r in loss.p1 else q[r] for r in range(len(q))]
     out = {**{j: rows[j] for j in lost_d}, **{g.k + r: q[r] for r in loss.p1}}
-    updater.code(g.k).decode(pages, out=out)
+    try:        # checked against the syndromes left over; a located corruption corrected
+        decode_checked(updater.code(g.k), pages, out, what=f"group {loss.index} of {st.name!r}")
+    except ParityMismatch as e:
+        raise Unrecoverable(f"{e} (decoded against the RMU parity buffer); recover from a "
+                            "checkpoint", ReconstructReport(unrecoverable=[loss])) from e
 
 
 def _noop(*args, **kwargs) -> None:

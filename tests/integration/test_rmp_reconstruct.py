@@ -167,3 +167,45 @@ def test_inject_spec_fired_like_the_agent_does(slot):
     loc, rec = recover(c, backend=REF)
     assert loc.marks["e"].data == [32, 33] and rec.pages == 2
     c.release("e")
+
+
+# ---- a page loss on top of a silent corruption: the repair checks what it decodes against the
+# leftover syndromes, corrects what it can locate, stops where it cannot (rmp/verify.py)
+def test_a_flipped_parity_bit_beside_a_lost_page_is_corrected(slot):
+    data, parity = write_state(slot, "flip-p1", 11)
+    c = RmpClient(slot.socket)
+    st = c.attach("flip-p1")
+    st.tier1(2).numpy()[0, 100] ^= 0x10             # the red team's attack: a parity bit flipped
+    c.inject_pages(tier="device", group=gid(slot, "flip-p1", 2), first=5, count=1)
+    loc, rec = recover(c, ["flip-p1"], backend=REF)
+    assert loc.marks["flip-p1"].data == [64 + 5]
+    check_exact(st, data, parity)                   # the lost page and the flipped row
+    assert not c.localize().marks["flip-p1"].data
+
+
+def test_a_flipped_data_bit_beside_a_lost_page_stops(slot):
+    """The flipped value may already have been used by the training (the scrub's rule)."""
+    data, _ = write_state(slot, "flip-d", 13)
+    c = RmpClient(slot.socket)
+    st = c.attach("flip-d")
+    st.pages().numpy()[64 + 9, 5000] ^= 0x01
+    c.inject_pages(tier="device", group=gid(slot, "flip-d", 2), first=5, count=1)
+    with pytest.raises(Unrecoverable, match=r"data page\(s\) \[9\]"):
+        recover(c, ["flip-d"], backend=REF)
+    assert st.pages().numpy()[64 + 9, 5000] == data[64 + 9, 5000] ^ 0x01   # left as found
+
+
+def test_a_corruption_that_cannot_be_located_stops_the_repair(slot):
+    data, parity = write_state(slot, "unlocatable", 12)
+    c = RmpClient(slot.socket)
+    st = c.attach("unlocatable")
+    for r in range(9):                              # nine rows wrong at one symbol: > H1 / 2
+        st.tier1(1).numpy()[r, 64] ^= 0xFF
+    flipped = st.tier1(1).numpy().copy()
+    c.inject_pages(tier="device", group=gid(slot, "unlocatable", 1), first=3, count=1)
+    with pytest.raises(Unrecoverable, match="disagree"):
+        recover(c, ["unlocatable"], backend=REF)
+    assert np.array_equal(st.tier1(1).numpy(), flipped)          # no survivor overwritten
+    survivors = [i for i in range(32, 64) if i != 32 + 3]
+    assert np.array_equal(st.pages().numpy()[survivors], data[survivors])
+    c.remap(["unlocatable"])
