@@ -21,9 +21,11 @@ memory (the recovery report is computed from it), the oldest dropped past MAX_RE
 (`records_dropped` counts them).
 
 The event log never decides a job's fate: when the file cannot be opened or a write fails
-(ENOSPC, EIO), a torn last line is cut off again, the file is closed and stays a clean prefix
-of the job's events, one warning goes to the console, an ``event_log_degraded`` record (kept in
-memory only) says where the file stopped, and `unwritten` counts the events the file misses.
+(ENOSPC, EIO), the file is closed; a torn last line of its own is cut off again while it is
+still the file's tail (bytes other processes appended to a shared file are never touched), so
+the file stays a clean prefix of the job's events; one warning goes to the console, an
+``event_log_degraded`` record (kept in memory only) says where the file stopped, and
+`unwritten` counts the events the file misses.
 """
 from __future__ import annotations
 
@@ -58,13 +60,11 @@ class EventLog:
         self.write_error: str | None = None
         self._warn = warn
         self._fd = -1
-        self._size = 0           # bytes of whole lines in the file: where a torn line starts
         if path:
             try:
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
                 self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
                                    0o644)
-                self._size = os.fstat(self._fd).st_size
             except OSError as e:
                 self._degrade(e, "open")
 
@@ -100,30 +100,63 @@ class EventLog:
             self.records_dropped += cut
 
     def _write(self, line: bytes) -> None:
-        view = memoryview(line)
-        try:
-            while view:
-                n = os.write(self._fd, view)
-                if not n:
-                    raise OSError(errno.EIO, "the file took no bytes")
-                view = view[n:]
-        except OSError as e:
+        """One O_APPEND write per line: another process appending to the same file (a shared
+        --events path) never lands inside it.  Only after a short write (the disk filled
+        mid-line) is the rest written separately, which names the cause (ENOSPC, EFBIG); if
+        that fails, this line's own bytes are cut -- only while they are still the file's
+        contiguous tail: bytes others wrote are never touched."""
+        view, start, end, err = memoryview(line), None, None, None
+        while view:
             try:
-                os.ftruncate(self._fd, self._size)     # a regular file: cut the torn line
-            except OSError:
-                pass
-            os.close(self._fd)
-            self._fd = -1
-            self.unwritten += 1
-            self._degrade(e, "write")
+                n = os.write(self._fd, view)
+            except OSError as e:
+                err = e
+                break
+            if not n:
+                err = OSError(errno.EIO, "the file took no bytes")
+                break
+            view = view[n:]
+            if not view and start is None:
+                break                      # the usual case: the whole line in one write
+            pos = self._pos()              # after an O_APPEND write: its end
+            if pos is None or (start is not None and pos - n != end):
+                start = -1                 # unknown, or others' bytes between ours: never cut
+            elif start is None:
+                start = pos - n
+            end = pos
+        if err is None:
+            self.written += 1
             return
-        self._size += len(line)
-        self.written += 1
+        self._stop_writing(err, self._cut_own(start, end))
 
-    def _degrade(self, e: OSError, what: str) -> None:
-        self.write_error = f"{what}: {e.strerror or e}"
+    def _pos(self) -> int | None:
+        try:
+            return os.lseek(self._fd, 0, os.SEEK_CUR)
+        except OSError:                    # a pipe or a terminal: no position to cut back to
+            return None
+
+    def _cut_own(self, start: int | None, end: int | None) -> str:
+        """Cut this line's torn bytes [start, end) if they are the file's tail; else why not."""
+        if start is None:
+            return ""                      # nothing of this line reached the file
+        try:
+            if start >= 0 and os.fstat(self._fd).st_size == end:
+                os.ftruncate(self._fd, start)
+                return ""
+        except OSError:
+            return "; its torn last line could not be cut"
+        return "; its torn last line is mixed with other writers' bytes and was left alone"
+
+    def _stop_writing(self, e: OSError, torn: str) -> None:
+        os.close(self._fd)
+        self._fd = -1
+        self.unwritten += 1
+        self._degrade(e, "write", torn)
+
+    def _degrade(self, e: OSError, what: str, torn: str = "") -> None:
+        self.write_error = f"{what}: {e.strerror or e}{torn}"
         self._warn(f"cannot {what} the event log {self.path} ({e.strerror or e}); it holds the "
-                   f"first {self.written} events, later ones are kept in memory only (the "
+                   f"first {self.written} events{torn}, later ones are kept in memory only (the "
                    "recovery report still prints); the job goes on")
         self._keep({"event": "event_log_degraded", "mono": time.monotonic(), "wall": time.time(),
                     "node": self.node, "generation": self.records[-1]["generation"]

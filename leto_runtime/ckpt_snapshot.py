@@ -307,20 +307,22 @@ class SnapshotServer:
 
     def _write_now(self, n: int, t: int, req: dict, box: list, place: str,
                    copy_s: float) -> None:
+        from leto_runtime.ckpt_writer import describe_error, write_errors
         t0 = time.monotonic()
+        info = {"ok": False, "error": "the shadow's write was interrupted", "write_s": 0.0}
         try:
             info = self._write_state(t, req, box, place, copy_s, t0)
-        except Exception as e:
-            log(f"checkpoint of step {t}: the shadow's write failed ({type(e).__name__}: {e})")
-            info = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                    "write_s": time.monotonic() - t0}
+        except write_errors() as e:          # (DCP's CheckpointException is no Exception)
+            cause = describe_error(e)
+            log(f"checkpoint of step {t}: the shadow's write failed ({cause})")
+            info = {"ok": False, "error": cause, "write_s": time.monotonic() - t0}
         finally:
             self._drop(box, place)
             with self.host_lock:
                 self.write_busy = False
                 if self.stopping.is_set():
                     self._release_host()
-        self._report(n, info)
+            self._report(n, info)     # always: the active waits for it before its next request
 
     def _write_state(self, t: int, req: dict, box: list, place: str, copy_s: float,
                      t0: float) -> dict:

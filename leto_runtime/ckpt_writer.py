@@ -333,8 +333,9 @@ def _alive(pid: int) -> bool:
 
 def write(state: dict, t: int, s: Settings, world_size: int, report, fault, *,
           stall: float | None, why: str, extra: dict) -> dict:
-    """Store `state` as the checkpoint of step t (the module docstring's layout); never raises:
-    a failure is logged and reported.  Returns {"ok", "path" | "error", "write_s"}.
+    """Store `state` as the checkpoint of step t (the module docstring's layout); never raises
+    (for `write_errors()`, DCP's CheckpointException included): a failure is logged and
+    reported, its partial directory removed.  Returns {"ok", "path" | "error", "write_s"}.
     Two writers of one step (a promoted shadow's write in flight, its redone step's) each fill
     a partial directory of their own; the first rename wins and the other counts as written."""
     d = s.directory
@@ -350,17 +351,17 @@ def write(state: dict, t: int, s: Settings, world_size: int, report, fault, *,
         F.fsync_dir(tmp)
         os.rename(tmp, final)
         F.fsync_dir(d)
-    except Exception as e:                  # never fatal: training goes on
+    except write_errors() as e:             # never fatal: training goes on
         import shutil
         shutil.rmtree(tmp, ignore_errors=True)        # this write's own directory only
         if F.check(final).complete:
             log(f"checkpoint of step {t}: {final} was written by another writer meanwhile")
             return {"ok": True, "path": final, "write_s": time.monotonic() - t0}
-        log(f"warning: checkpoint of step {t} into {d} failed ({type(e).__name__}: {e}); "
-            "training goes on, the next due step tries again")
-        report("checkpoint", 0.0, step=t, error=f"{type(e).__name__}: {e}", dir=d, **extra)
-        return {"ok": False, "error": f"{type(e).__name__}: {e}",
-                "write_s": time.monotonic() - t0}
+        cause = describe_error(e) + _space_note(d, state)
+        log(f"warning: checkpoint of step {t} into {d} failed ({cause}); its partial directory "
+            "is removed, training goes on, the next due step tries again")
+        _report_safely(report, t, cause, d, extra)
+        return {"ok": False, "error": cause, "write_s": time.monotonic() - t0}
     removed = F.rotate(d, s.keep)
     nbytes = sum(man["files"].values())
     took = time.monotonic() - t0
@@ -370,6 +371,60 @@ def write(state: dict, t: int, s: Settings, world_size: int, report, fault, *,
     report("checkpoint", stall or 0.0, step=t, path=final, bytes=nbytes, write_s=took,
            removed=[f.path for f in removed], **extra)
     return {"ok": True, "path": final, "write_s": took}
+
+
+def write_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write raises: any Exception, and DCP's CheckpointException, which derives
+    from BaseException (every I/O error of `dcp.save` arrives wrapped in one).  Not BaseException
+    itself: KeyboardInterrupt and SystemExit must still end the process."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return (Exception, CheckpointException)
+
+
+def describe_error(e: BaseException) -> str:
+    """One line naming the cause: a CheckpointException's str is every rank's traceback, so
+    its wrapped exceptions are named instead (e.g. "OSError: [Errno 28] No space left ...")."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        causes = {f"{type(exc).__name__}: {exc}" for exc, _ in failures.values()}
+        return f"{type(e).__name__} ({'; '.join(sorted(causes))})"
+    return f"{type(e).__name__}: {e}"
+
+
+def _space_note(d: str, state: dict) -> str:
+    """Why, when the disk is full: DCP often reports that only as a torn zip ("unexpected
+    pos"), so the free space is named beside the state's size."""
+    need = 0
+
+    def walk(obj):
+        nonlocal need
+        if hasattr(obj, "untyped_storage") and hasattr(obj, "element_size"):
+            need += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+    walk(state)
+    try:
+        st = os.statvfs(d if os.path.isdir(d) else os.path.dirname(os.path.abspath(d)))
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    if free >= need:
+        return ""
+    return (f"; the file system has {free} bytes free, the state needs about {need}: free "
+            "space there or point --checkpoint-dir elsewhere")
+
+
+def _report_safely(report, t: int, cause: str, d: str, extra: dict) -> None:
+    """The failure's report; a report that fails itself (the store gone) is logged only."""
+    try:
+        report("checkpoint", 0.0, step=t, error=cause, dir=d, **extra)
+    except Exception as e:
+        log(f"checkpoint of step {t}: its failure could not be reported ({type(e).__name__}: "
+            f"{e})")
 
 
 # One process writes the whole (replicated) state on purpose: DCP's note says it assumes so.
@@ -419,6 +474,12 @@ def load_into(job, path: str) -> None:
     found = F.check(path)
     if not found.complete:      # the agent checked it; a change since is refused, not loaded
         raise RuntimeError(f"checkpoint {path} is not complete: {found.reason}")
+    from torch.distributed.checkpoint.api import CheckpointException
     template = job.state_dict()
-    dcp.load(template, checkpoint_id=path, no_dist=True)
+    try:
+        dcp.load(template, checkpoint_id=path, no_dist=True)
+    except CheckpointException as e:   # a BaseException: the rank's error reporting misses it
+        raise RuntimeError(f"checkpoint {path} could not be read ({describe_error(e)}); check "
+                           "the file system holding it, or remove it to fall back to an older "
+                           "one") from e
     job.load_state_dict(template)

@@ -32,6 +32,7 @@ into the trainers the agent spawns.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import resource
@@ -40,6 +41,7 @@ import sys
 import threading
 import time
 import weakref
+import zlib
 from typing import Callable
 
 from leto_run.state_manager.metadata import Geometry
@@ -68,14 +70,52 @@ def allow_file_path(run_dir: str, slot: int) -> str:
     return os.path.join(run_dir, f"sm{slot}.allow")
 
 
-def read_allow_file(path: str) -> set[int]:
-    """The pids the agent allowed (missing or unreadable file: none)."""
+# The allow file has one fixed size, its blocks allocated when the keeper starts and rewritten
+# in place from then on: a full disk later (a shared $TMPDIR filling up) cannot fail an
+# allow or a revoke mid-run.  4 KiB holds ~400 pids; a slot allows a handful at once.
+ALLOW_SIZE = 4096
+
+
+class AllowFileError(OSError):
+    """The allow file could not be created or rewritten (errno kept from the cause)."""
+
+
+def _allow_bytes(pids: list[int]) -> bytes:
+    body = json.dumps(pids, separators=(",", ":"))
+    # the checksum lets a reader tell a whole record from one it read mid-rewrite
+    rec = json.dumps({"v": 2, "pids": pids, "crc": zlib.crc32(body.encode())},
+                     separators=(",", ":")).encode()
+    if len(rec) + 1 > ALLOW_SIZE:
+        raise AllowFileError(errno.ENOSPC, f"{len(pids)} allowed pids do not fit the "
+                             f"{ALLOW_SIZE}-byte allow file: revoke exited trainers' pids")
+    return rec + b" " * (ALLOW_SIZE - len(rec) - 1) + b"\n"
+
+
+def _parse_allow(raw: bytes) -> set[int] | None:
+    """The pids of a whole record; None for a record read mid-rewrite (torn)."""
     try:
-        with open(path) as f:
-            d = json.load(f)
-        return {int(p) for p in d.get("pids", [])}
-    except (OSError, ValueError, TypeError, AttributeError):
-        return set()
+        d = json.loads(raw)
+        pids = [int(p) for p in d["pids"]]
+        if zlib.crc32(json.dumps(pids, separators=(",", ":")).encode()) != d["crc"]:
+            return None
+        return set(pids)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def read_allow_file(path: str, tries: int = 20) -> set[int]:
+    """The pids the agent allowed (missing or unreadable file: none).  The keeper rewrites the
+    file in place, so a read that meets a rewrite is retried."""
+    for _ in range(tries):
+        try:
+            with open(path, "rb") as f:
+                got = _parse_allow(f.read(ALLOW_SIZE))
+        except OSError:
+            return set()
+        if got is not None:
+            return got
+        time.sleep(0.001)
+    return set()
 
 
 def state_manager_argv(run_dir: str, slot: int, *, device: str = "auto",
@@ -90,6 +130,30 @@ def state_manager_argv(run_dir: str, slot: int, *, device: str = "auto",
     if keeper:
         argv += ["--keeper", keeper_socket_path(run_dir, slot)]
     return argv
+
+
+def _create_allow_file(path: str) -> int:
+    """The allow file, its ALLOW_SIZE bytes written and allocated now (an empty list), open for
+    in-place rewrites.  A disk already full here fails the keeper's start, typed."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+    except OSError as e:
+        raise AllowFileError(e.errno, f"cannot create the allow file {path}: {e.strerror}; "
+                             "free space in the run directory's file system ($TMPDIR)") from e
+    try:
+        os.posix_fallocate(fd, 0, ALLOW_SIZE)
+        if os.pwrite(fd, _allow_bytes([]), 0) != ALLOW_SIZE:
+            raise OSError(errno.EIO, "short write")
+    except OSError as e:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise AllowFileError(e.errno, f"cannot allocate the allow file {path}: {e.strerror}; "
+                             "free space in the run directory's file system ($TMPDIR)") from e
+    return fd
 
 
 def _parent_of(pid: int) -> int | None:
@@ -119,9 +183,15 @@ class FdKeeper:
         self._conn = None
         self._conn_pid: int | None = None
         self.restores = 0                    # how many state managers got memory back from us
+        self.allow_error: str | None = None  # the last failed rewrite of the allow file
+        self._allow_fd = _create_allow_file(self.allow_path)   # raises AllowFileError
+        try:
+            self._listen = P.bind_private(self.path, backlog=4)
+        except BaseException:                # a keeper that never started leaves no file
+            os.close(self._allow_fd)
+            os.unlink(self.allow_path)
+            raise
         _KEEPERS.add(self)
-        self._write_allow()
-        self._listen = P.bind_private(self.path, backlog=4)
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._loop, name=f"leto-fd-keeper-{slot}",
                                         daemon=True)
@@ -131,15 +201,19 @@ class FdKeeper:
     def state_manager_argv(self, **kw) -> list[str]:
         return state_manager_argv(self.run_dir, self.slot, keeper=True, **kw)
 
-    def allow_pid(self, pid: int) -> None:
+    def allow_pid(self, pid: int) -> bool:
+        """Allow `pid`; False (logged, never raised) when the allow file could not be
+        rewritten: that trainer's connection is then refused, with a typed error, not the agent."""
         with self._lock:
             self._allowed.add(int(pid))
-            self._write_allow()
+            return self._write_allow(f"allow pid {pid}")
 
-    def revoke_pid(self, pid: int) -> None:
+    def revoke_pid(self, pid: int) -> bool:
+        """Revoke `pid`; False (logged) when the file could not be rewritten.  Revoking
+        follows the trainer's exit, so a failure here never fails the job."""
         with self._lock:
             self._allowed.discard(int(pid))
-            self._write_allow()
+            return self._write_allow(f"revoke pid {pid}")
 
     def wait_ready(self, timeout: float) -> bool:
         """True once a state manager connected, restored and serves its socket."""
@@ -170,6 +244,7 @@ class FdKeeper:
             P.close_fds(list(self._fds.values()))
             self._fds.clear()
         _KEEPERS.discard(self)
+        os.close(self._allow_fd)
         for p in (self.path, self.allow_path):
             try:
                 os.unlink(p)
@@ -179,12 +254,22 @@ class FdKeeper:
             os.close(fd)
 
     # ---- internals -------------------------------------------------------------------------
-    def _write_allow(self) -> None:
-        tmp = f"{self.allow_path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"v": 1, "pids": sorted(self._allowed)}, f)
-        os.replace(tmp, self.allow_path)
+    def _write_allow(self, what: str) -> bool:
+        """Rewrite the allow file in place (blocks allocated at start: no new ones needed)."""
+        try:
+            data = _allow_bytes(sorted(self._allowed))
+            try:
+                n = os.pwrite(self._allow_fd, data, 0)
+            except OSError as e:
+                raise AllowFileError(e.errno, e.strerror) from e
+            if n != len(data):
+                raise AllowFileError(errno.EIO, f"short write ({n} of {len(data)} bytes)")
+        except AllowFileError as e:
+            self.allow_error = (f"cannot {what}: rewriting {self.allow_path} failed "
+                                f"({e.strerror}); the state manager keeps the previous list")
+            self._log(f"{self.allow_error} (check the disk of the run directory)")
+            return False
+        return True
 
     def _capacity(self) -> int:
         """fds this keeper may still take: the process's soft limit minus what every keeper

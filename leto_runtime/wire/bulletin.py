@@ -24,14 +24,26 @@ def path_for(socket_path: str) -> str:
     return socket_path + ".losses"
 
 
+def _allocated(fd: int) -> bool:
+    """Every block of the file's SIZE bytes is on disk: a mapping of it never faults one in
+    (a page first touched on a full tmpfs would SIGBUS the process touching it)."""
+    st = os.fstat(fd)
+    return st.st_size >= SIZE and st.st_blocks * 512 >= SIZE
+
+
 class Writer:
-    """The state manager's side: creates the file (0600) or reopens it after a restart."""
+    """The state manager's side: creates the file (0600) or reopens it after a restart.
+    Raises OSError when the file cannot be created or its blocks allocated (a full disk):
+    no file is left for a reader to map then."""
 
     def __init__(self, path: str):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            if os.fstat(fd).st_size < SIZE:
-                os.ftruncate(fd, SIZE)
+            try:
+                os.posix_fallocate(fd, 0, SIZE)   # blocks now, so no later store can SIGBUS
+            except OSError:
+                os.unlink(path)                   # (a reader would map the holes)
+                raise
             self._mm = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -66,7 +78,7 @@ def open(path: str) -> Reader | None:      # noqa: A001 (module-level constructo
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size < SIZE:
+        if not _allocated(fd):      # (a writer that could not allocate it is going away)
             return None
         return Reader(mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ))
     finally:
