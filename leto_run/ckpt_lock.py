@@ -10,20 +10,66 @@ A replacement agent of a running multi-node job finds the job's checkpoints ther
 its own (`held_by`, which preflight asks before it refuses a directory holding checkpoints).
 
 Calling contract: `DirLock(dir, job=None)` in the agent's start-up, before any process starts;
-it raises `ConfigError` (exit 2) when the directory belongs to another job.  `release` at the
-end: the last holder removes the file.  No call blocks (LOCK_NB, a bounded retry while another
-agent of the job converts its lock).
+it raises `ConfigError` (exit 2) when the directory belongs to another job, or when the lock
+path is not a regular file of ours (`check_path`, which preflight calls first).  `release` at
+the end: the last holder removes the file.  No call blocks (LOCK_NB, a bounded retry while
+another agent of the job converts its lock).
+
+Other users: a shared (0777) checkpoint directory lets anyone plant the lock path.  It is
+opened with O_NOFOLLOW and O_NONBLOCK (no symlink followed, no FIFO waited on), and used only
+when it is a regular file we own with one link: we never truncate or unlink anything else.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 import time
 
 from leto_run.errors import ConfigError
 
 LOCK_NAME = ".leto-checkpoint.lock"
 CONVERT_WAIT_S = 2.0          # another agent of the job turns its exclusive lock into a shared one
+# No symlink followed (ELOOP), no FIFO or device waited on, not inherited by workers.
+_OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _problem(st: os.stat_result) -> str | None:
+    """Why a lock file with stat `st` is not ours to use (None: it is)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (possibly planted by another user)"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} hard links (possibly to another file)"
+    return None
+
+
+def _refuse_path(path: str, why: str) -> ConfigError:
+    return ConfigError("checkpoint.dir", f"the lock file {path!r} {why}",
+                       "remove it if no leto-run job of yours uses it, or give this job "
+                       "another --checkpoint-dir (one only you can write)")
+
+
+def check_path(directory: str) -> None:
+    """Raise `ConfigError` if `directory`'s lock path exists and is not a lock file we may use
+    (the same rules as `DirLock`); creates and changes nothing."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    why = _problem(st)
+    if why is None:
+        try:                          # permissions: a mode we cannot open is refused now
+            os.close(os.open(path, _OPEN))
+        except OSError as e:
+            why = f"cannot be opened ({e.strerror or e})"
+    if why is not None:
+        raise _refuse_path(path, why)
 
 
 def job_name(cfg) -> str | None:
@@ -35,10 +81,13 @@ def job_name(cfg) -> str | None:
 def held_by(directory: str, job: str) -> bool:
     """Does a live agent of multi-node job `job` hold `directory`'s lock now?"""
     try:
-        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW
+                     | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:
+        if _problem(os.fstat(fd)) is not None:
+            return False              # not a lock file of ours: no agent of this job holds it
         if os.pread(fd, 512, 0).decode(errors="replace").strip() != f"job {job}":
             return False
         try:
@@ -54,7 +103,7 @@ class DirLock:
     def __init__(self, directory: str, job: str | None = None):
         os.makedirs(directory, exist_ok=True)
         self.directory, self.job, self.path = directory, job, os.path.join(directory, LOCK_NAME)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = self._open()
         try:
             if job is None:
                 self._exclusive()
@@ -64,6 +113,20 @@ class DirLock:
             os.close(self.fd)
             self.fd = -1
             raise
+
+    def _open(self) -> int:
+        """The lock file, created 0600 if absent; refused unless a regular file of ours."""
+        try:
+            fd = os.open(self.path, _OPEN | os.O_CREAT, 0o600)
+        except OSError as e:
+            why = ("is a symbolic link (possibly planted by another user)"
+                   if e.errno == errno.ELOOP else f"cannot be opened ({e.strerror or e})")
+            raise _refuse_path(self.path, why) from None
+        why = _problem(os.fstat(fd))
+        if why is not None:
+            os.close(fd)
+            raise _refuse_path(self.path, why)
+        return fd
 
     def _holder(self) -> str:
         return os.pread(self.fd, 512, 0).decode(errors="replace").strip() or "?"
@@ -111,8 +174,15 @@ class DirLock:
         try:
             # Only the last holder gets it exclusively: it removes the file.
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(self.path)
+            if self._still_ours():
+                os.unlink(self.path)
         except OSError:
             pass
         os.close(self.fd)
         self.fd = -1
+
+    def _still_ours(self) -> bool:
+        """Is the path still our file?  In a shared directory another user may have replaced
+        it meanwhile; theirs is not ours to remove."""
+        mine, now = os.fstat(self.fd), os.lstat(self.path)
+        return (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino)

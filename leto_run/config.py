@@ -219,6 +219,26 @@ class LaunchConfig:
         return int(self.nproc_per_node) if self.nproc_per_node.isdigit() else None
 
 
+# The id names the run's log directory (`<log_dir>/<id>_XXXXXXXX`, as torchrun's): one path
+# component, so at most NAME_MAX (255) bytes less mkdtemp's "_" and 8 random characters.
+MAX_RDZV_ID_BYTES = 255 - 9
+
+
+def _check_rdzv_id(rid) -> None:
+    """torchrun takes any string; Leto, like torchrun, puts it in a path, so it must be one
+    path component there (docs/COMPATIBILITY.md)."""
+    fix = "use a job id without '/' or NUL, e.g. $SLURM_JOB_ID"
+    if not isinstance(rid, str) or not rid.strip():
+        raise _err("rendezvous.id", f"{rid!r} is empty", fix)
+    if "/" in rid or "\0" in rid:
+        raise _err("rendezvous.id", f"{rid!r} contains '/' or NUL: it names the log directory "
+                   "<log_dir>/<id>_*, which must stay inside --log-dir", fix)
+    size = len(rid.encode("utf-8", "surrogateescape"))
+    if size > MAX_RDZV_ID_BYTES:
+        raise _err("rendezvous.id", f"{rid[:40]!r}... is {size} bytes, above the maximum "
+                   f"{MAX_RDZV_ID_BYTES} (it names the log directory: one file name)", fix)
+
+
 @dataclass(frozen=True)
 class RendezvousConfig:
     """torch.distributed.elastic rendezvous settings (final values after torchrun's rules)."""
@@ -245,8 +265,7 @@ class RendezvousConfig:
                 parse_endpoint(self.endpoint)
             except ValueError as e:
                 raise _err("rendezvous.endpoint", str(e), "use HOST:PORT, e.g. node0:29400") from None
-        if not isinstance(self.id, str) or not self.id.strip():
-            raise _err("rendezvous.id", f"{self.id!r} is empty", "use a job id, e.g. $SLURM_JOB_ID")
+        _check_rdzv_id(self.id)
         _freeze(self, "conf", tuple((str(k), str(v)) for k, v in self.conf))
         for k, v in self.conf:
             if k.endswith(("timeout", "interval")):    # torch turns these into timedeltas
@@ -409,6 +428,20 @@ class RecoveryConfig:
                         page_bytes=self.page_bytes)
 
 
+def check_local_ranks(lg: LogsConfig, nproc: int) -> None:
+    """The local ranks `--redirects`, `--tee` and `--local-ranks-filter` name exist."""
+    for name in ("redirects", "tee"):
+        m = lg.std_map(name)
+        bad = sorted(r for r in m if r >= nproc) if isinstance(m, dict) else []
+        if bad:
+            raise _err(f"logs.{name}", f"names local rank(s) {bad} but nproc_per_node is "
+                       f"{nproc}", f"use local ranks 0..{nproc - 1}")
+    bad = [r for r in lg.local_ranks_filter if r >= nproc]
+    if bad:
+        raise _err("logs.local_ranks_filter", f"local rank(s) {bad} do not exist with "
+                   f"nproc_per_node {nproc}", f"use local ranks 0..{nproc - 1}")
+
+
 @dataclass(frozen=True)
 class JobConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
@@ -430,19 +463,17 @@ class JobConfig:
         if (rz.backend == "static" or rz.auto_c10d) and la.node_rank >= la.max_nodes:
             raise _err("launch.node_rank", f"node_rank {la.node_rank} is not below nnodes "
                        f"{la.nnodes!r}", f"use a node rank in 0..{la.max_nodes - 1}")
-        nproc = la.nproc_int
-        if nproc is not None:
-            for name in ("redirects", "tee"):
-                m = lg.std_map(name)
-                bad = sorted(r for r in m if r >= nproc) if isinstance(m, dict) else []
-                if bad:
-                    raise _err(f"logs.{name}", f"names local rank(s) {bad} but nproc_per_node is "
-                               f"{nproc}", f"use local ranks 0..{nproc - 1}")
-            bad = [r for r in lg.local_ranks_filter if r >= nproc]
-            if bad:
-                raise _err("logs.local_ranks_filter", f"local rank(s) {bad} do not exist with "
-                           f"nproc_per_node {nproc}", f"use local ranks 0..{nproc - 1}")
+        if la.nproc_int is not None:
+            check_local_ranks(lg, la.nproc_int)
+        # With auto|cpu|gpu these checks run in preflight, once the count is known here
+        # (`with_nproc`, `check_local_ranks`).
         check_injects(self)
+
+    def with_nproc(self, nproc: int) -> "JobConfig":
+        """This job with `--nproc-per-node auto|cpu|gpu` resolved to `nproc` workers: every
+        check that needs the count (local ranks named by the log options, injections' ranks)
+        runs again, so a resolved count gets the same refusals as a given one."""
+        return self.replace(launch=dataclasses.replace(self.launch, nproc_per_node=str(nproc)))
 
     @property
     def max_world_size(self) -> int | None:

@@ -2,7 +2,9 @@
 a control value that does not verify.
 
 Where the key comes from (`job_key(cfg)`):
-* a single-node job (max nodes 1): 32 fresh random bytes per job -- nothing to configure;
+* a single-node job (max nodes 1): 32 fresh random bytes per job -- nothing to configure; a
+  secret file given anyway (`--secret-file`, ...) is still checked as below (a ConfigError if it
+  is missing, unreadable or unsafe: a named file is never silently ignored), then not used;
 * several nodes: every agent must hold the same key, so it is derived from a secret file the
   nodes share (`rendezvous.secret_file` / `--secret-file` / LETO_SECRET_FILE, else
   DEFAULT_SECRET_FILE when it exists: a home directory on a shared file system makes it common)
@@ -39,10 +41,14 @@ KEY = "rendezvous.secret_file"
 
 def job_key(cfg) -> bytes | None:
     """The key of this job (module docstring)."""
-    if cfg.launch.max_nodes <= 1:
-        return secrets.token_bytes(KEY_BYTES)
     given = cfg.rendezvous.secret_file
     path = os.path.expanduser(given or DEFAULT_SECRET_FILE)
+    if cfg.launch.max_nodes <= 1:
+        if given is not None:
+            # A typo or a file not yet created here would fail only on the multi-node run; a
+            # fresh key stays the single node's (no other agent needs to share it).
+            read_secret(path, given)
+        return secrets.token_bytes(KEY_BYTES)
     if given is None and not os.path.lexists(path):
         if cfg.recovery.mode != "inplace":
             return None

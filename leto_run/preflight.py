@@ -3,13 +3,16 @@
 A `JobConfig` is valid on its own (`leto_run.config`); whether its paths and programs work here
 depends on this machine, so it is checked here, by `leto_run.cli` right before the agent: the
 log directory can be created (or is a directory we can write), the event log can be written,
-a temporary directory exists for the run directory, the checkpoint directory can be written
-and holds no earlier run's checkpoints, the worker's program can be executed, the script it
-is to run exists (not a module: a torchrun worker would fail to open it on every restart),
-`--nproc-per-node auto|cpu|gpu` resolves, and the tuning knobs in the environment are in their
-domains (`leto_runtime.wire.settings`).  Each problem is a `ConfigError` (exit 2) naming the
-path or option and the fix, raised before the guardian, the state managers or any worker
-exist.
+a temporary directory exists for the run directory and is short enough for its AF_UNIX
+sockets, the checkpoint directory can be written, holds no earlier run's checkpoints and no
+lock file that is not ours (`ckpt_lock.check_path`), the worker's program can be executed,
+the script it is to run exists (not a module: a torchrun worker would fail to open it on
+every restart; a directory or zip needs a __main__), `--nproc-per-node auto|cpu|gpu` resolves
+and the checks that need the count pass for it, RLIMIT_NOFILE is high enough, the kernel
+cache can be written (`leto_run.preflight_host`), and the tuning knobs in the environment are
+in their domains (`leto_runtime.wire.settings`).  Each problem is a `ConfigError` (exit 2)
+naming the path or option and the fix, raised before the guardian, the state managers or any
+worker exist.
 
 Contract: `preflight(cfg, env)` returns None or raises `ConfigError`.  It creates nothing that
 outlives it: writability is probed by creating and removing a temporary directory in the
@@ -20,13 +23,15 @@ PYTHON_EXEC).
 from __future__ import annotations
 
 import os
+import pkgutil
 import shutil
 import tempfile
 from typing import Mapping
 
-from leto_run import ckpt_lock
+from leto_run import ckpt_lock, job_secret
+from leto_run import preflight_host as H
 from leto_run.ckpt_lock import job_name
-from leto_run.config import JobConfig
+from leto_run.config import JobConfig, check_local_ranks
 from leto_run.errors import ConfigError
 from leto_run.worker_cmd import resolve_nproc, worker_argv
 from leto_runtime.wire import ckpt_files
@@ -93,6 +98,7 @@ def _check_checkpoint_dir(given: str, source: str | None, job: str | None) -> No
     earlier run (rotation would remove it): those of the multi-node job `job`, whose other
     agents hold the directory now, are this (replacement) agent's own."""
     _check_dir("checkpoint.dir", given, source, "--checkpoint-dir")
+    ckpt_lock.check_path(os.path.abspath(given))      # a planted or foreign lock file
     top = _nearest_existing(os.path.abspath(given))
     st = os.statvfs(top)
     if st.f_bavail * st.f_frsize == 0:
@@ -127,11 +133,31 @@ def _check_script(cfg: JobConfig, source: str | None) -> None:
     """A script the workers' interpreter is to run (not a module, not --no-python) must be
     there: every worker would fail to open it, and every restart again."""
     la = cfg.launch
-    if la.module or la.no_python or os.path.exists(la.training_script):
+    if la.module or la.no_python:
         return
-    raise ConfigError("launch.training_script", f"{la.training_script!r} does not exist "
-                      f"(relative paths are from {os.getcwd()!r}, the workers' directory)",
-                      "give the script's path, or -m for a module", source or "TRAINING_SCRIPT")
+    if not os.path.exists(la.training_script):
+        raise ConfigError("launch.training_script", f"{la.training_script!r} does not exist "
+                          f"(relative paths are from {os.getcwd()!r}, the workers' directory)",
+                          "give the script's path, or -m for a module",
+                          source or "TRAINING_SCRIPT")
+    if _lacks_main(la.training_script):
+        raise ConfigError("launch.training_script", f"{la.training_script!r} is a directory or "
+                          "zip file without a __main__ module: Python cannot run it",
+                          "give the script's path (a .py file), add a __main__.py, or use -m "
+                          "for a package", source or "TRAINING_SCRIPT")
+
+
+def _lacks_main(path: str) -> bool:
+    """Python runs a directory or zip file given as the script (as torchrun passes it) by its
+    __main__ module, found as runpy finds it: through the path's importer.  A plain file has
+    no importer (None) and runs as itself."""
+    importer = pkgutil.get_importer(os.path.abspath(path))
+    if importer is None:
+        return os.path.isdir(path)
+    try:
+        return importer.find_spec("__main__") is None
+    except (ImportError, OSError):
+        return True
 
 
 def preflight(cfg: JobConfig, env: Mapping[str, str], sources: Mapping[str, str] | None = None
@@ -150,17 +176,40 @@ def preflight(cfg: JobConfig, env: Mapping[str, str], sources: Mapping[str, str]
         raise ConfigError("TMPDIR", f"no usable temporary directory ({e})",
                           "set TMPDIR to a directory you can write", "environment") from None
     _probe("TMPDIR", tmp, os.path.abspath(tmp), "environment")
+    nproc = _check_nproc(cfg, sources)
+    H.check_fd_limit(cfg, nproc)
+    H.check_socket_paths(tmp, cfg, nproc)
     if cfg.checkpoint.dir is not None:
         _check_checkpoint_dir(cfg.checkpoint.dir, sources.get("checkpoint.dir"), job_name(cfg))
-    _check_program(cfg, env)
+    job_secret.job_key(cfg)            # a named secret file that cannot be read, or none where
+    _check_program(cfg, env)           # one is needed: refused before anything starts
     _check_script(cfg, sources.get("launch.training_script"))
-    resolve_nproc(cfg.launch.nproc_per_node)
-    _check_knobs(env)
+    H.check_kernel_cache(cfg, _check_knobs(env))
 
 
-def _check_knobs(env: Mapping[str, str]) -> None:
+def _check_nproc(cfg: JobConfig, sources: Mapping[str, str]) -> int:
+    """Resolve --nproc-per-node; when it was auto|cpu|gpu, run the checks that need the count
+    now that it is known.  On one node every check (`JobConfig.with_nproc`: local ranks and
+    injections' ranks); on several only the local ranks, since other nodes may resolve to
+    other counts (torchrun's world is the sum), so the world size is not known here."""
+    nproc = resolve_nproc(cfg.launch.nproc_per_node)
+    if cfg.launch.nproc_int is not None:
+        return nproc
+    try:
+        if cfg.launch.max_nodes == 1:
+            cfg.with_nproc(nproc)
+        else:
+            check_local_ranks(cfg.logs, nproc)
+    except ConfigError as e:
+        raise ConfigError(e.key, f"{e.problem} (--nproc-per-node {cfg.launch.nproc_per_node} "
+                          f"resolved to {nproc} here)", e.fix,
+                          e.source or sources.get(e.key)) from None
+    return nproc
+
+
+def _check_knobs(env: Mapping[str, str]) -> S.Settings:
     """The tuning knobs the trainers and state managers will read (`leto_runtime.wire.settings`)."""
     try:
-        S.Settings.from_env(env)
+        return S.Settings.from_env(env)
     except S.SettingsError as e:
         raise ConfigError(e.var, e.problem, e.fix, "environment") from None

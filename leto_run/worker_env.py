@@ -68,6 +68,15 @@ class WorkerEnvSpec:
     checkpoint_env: tuple[tuple[str, str], ...] = ()   # LETO_CHECKPOINT_* (config_checkpoint)
 
 
+# Every LETO_* variable of the agent -> worker contract (`contract` spells each name as its own
+# value; docs/PROTOCOL.md, "The worker environment", lists them).  The agent sets or removes each
+# one for every worker: none may come from the agent's own environment, where a stale value (a
+# LETO_JOB_KEY exported in a shell, an outer job's LETO_SM_SOCKET) would be read as the agent's.
+# Tuning knobs (`leto_runtime.wire.settings`: LETO_RMU_*, ...) are not in it and pass through.
+CONTRACT_VARIABLES = frozenset(v for k, v in vars(C).items()
+                               if k.startswith("LETO_") and k == v)
+
+
 def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, str]:
     """Return the complete environment of one worker process.
 
@@ -76,9 +85,10 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
     """
     ident = spec.identity
     # the agent's own LETO_CHECKPOINT_* settings are config, not the trainers' contract values;
-    # nor is the rendezvous setting the agent made for itself (leto_run.rendezvous)
+    # nor is the rendezvous setting the agent made for itself (leto_run.rendezvous); nor any
+    # contract variable of the agent's environment (CONTRACT_VARIABLES)
     env = {k: v for k, v in base.items() if not k.startswith(C.CHECKPOINT_ENV_PREFIX)
-           and k != C.TORCH_SHARE_RDZV_STORE_OFF}
+           and k != C.TORCH_SHARE_RDZV_STORE_OFF and k not in CONTRACT_VARIABLES}
     env.update({
         C.RANK: str(ident.global_rank),
         C.GROUP_RANK: str(ident.group_rank),
@@ -118,14 +128,11 @@ def build_worker_env(base: Mapping[str, str], spec: WorkerEnvSpec) -> dict[str, 
         C.LETO_SCRUB_BUDGET: repr(float(spec.scrub_budget)),
     })
     env.update(spec.checkpoint_env)
+    # the optional ones: set when the agent has a value, else absent (the base has none)
     if spec.preinit_level:
         env[C.LETO_PREINIT_LEVEL] = spec.preinit_level
-    else:
-        env.pop(C.LETO_PREINIT_LEVEL, None)      # (not the agent's own environment's)
     if spec.warmup_room is not None:
         env[C.LETO_WARMUP_ROOM] = str(spec.warmup_room)
-    else:
-        env.pop(C.LETO_WARMUP_ROOM, None)
     if spec.sm_socket:
         env[C.LETO_SM_SOCKET] = spec.sm_socket
     if spec.job_key:

@@ -10,7 +10,9 @@ unreadable file (missing, a directory, not UTF-8 text, larger than MAX_BYTES, no
 within READ_TIMEOUT -- a pipe, e.g. `--config <(...)`, is read like a file), a YAML syntax error,
 nesting deeper than MAX_DEPTH (a job config needs four levels; the parser recurses), a
 duplicate key or a document that is not a mapping.  An empty document (or only comments)
-loads as an empty mapping.  Sexagesimal numbers are off (`1:4` is text, as in YAML 1.2).
+loads as an empty mapping.  Plain scalars other than null load as text (`_Loader`), which the
+key's converter reads exactly as the same text on the command line (`max_restarts: 010` is 10,
+not YAML 1.1's octal 8; `1_0` is refused); `!!int` / `!!float` take decimal only.
 """
 from __future__ import annotations
 
@@ -34,33 +36,61 @@ _FIX_PATH = "check the path given to --config / LETO_CONFIG"
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader without YAML 1.1's base-60 numbers: `nnodes: 1:4` must stay the text "1:4"
-    (PyYAML would read it as 64, and `2:4` as 124, silently changing the job)."""
+    """SafeLoader whose plain scalars stay text (only null is typed), so a value in the file
+    means exactly what the same text means on the command line or in the environment: the
+    key's converter (`leto_run.config_conv`, the CLI's) reads it with the CLI's grammar.
+
+    PyYAML's YAML 1.1 resolvers read `010` as 8 (octal), `1_0` as 10, `0x10` as 16, `1:4` as 64
+    (base 60), `yes`/`on` as true, `2026-01-02` as a date, and `standalone: 1` or `id: 10` as
+    ints that a switch or a name refused -- while `--max-restarts 010` is 10, `1_0` is refused
+    and `PET_STANDALONE=1` is true.  Quoting never changes a value here, as on a command line."""
 
 
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, re.compile(r"(?!.*:)(?:" + rx.pattern + ")", rx.flags)
-             if tag in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float") else rx)
-            for tag, rx in resolvers]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
+# YAML's null (`~`, `null`, empty) still means "the key's default"; `<<` still merges.
+_Loader.yaml_implicit_resolvers = {}
+_Loader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"),
+                              ["~", "n", "N", ""])
+_Loader.add_implicit_resolver("tag:yaml.org,2002:merge", re.compile(r"^(?:<<)$"), ["<"])
 
 
-class _TooLarge(yaml.constructor.ConstructorError):
-    pass
+class _BadScalar(yaml.constructor.ConstructorError):
+    """A scalar refused with the key's fix (the loader names the key from the line)."""
+
+    def __init__(self, problem: str, fix: str, mark):
+        super().__init__(None, None, problem, mark)
+        self.fix = fix
+
+
+_DECIMAL = re.compile(r"[-+]?[0-9]+")
+_NUMBER_FIX = "write the number in decimal digits, as on the command line (e.g. 10)"
 
 
 def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
-    """YAML ints, refusing what `int()` would (past `sys.get_int_max_str_digits()` digits) with
-    the line; shorter ones reach the config, whose bounds name the key's range."""
-    digits = sum(c.isdigit() for c in str(node.value))
+    """An explicit `!!int`: decimal only, as the CLI (PyYAML's reads `!!int 010` as octal 8),
+    refusing what `int()` would (past `sys.get_int_max_str_digits()` digits) with the line;
+    shorter ones reach the config, whose bounds name the key's range."""
+    text = str(node.value).strip()
+    if not _DECIMAL.fullmatch(text):
+        raise _BadScalar(f"{text!r} is not a decimal integer (YAML 1.1 octal, hex, binary, "
+                         "base-60 and 1_000 forms are not read)", _NUMBER_FIX, node.start_mark)
+    digits = len(text.lstrip("+-"))
     if 0 < sys.get_int_max_str_digits() < digits:
-        raise _TooLarge(None, None, f"an integer of {digits} digits is too large",
-                        node.start_mark)
-    return yaml.SafeLoader.construct_yaml_int(loader, node)
+        raise _BadScalar(f"an integer of {digits} digits is too large",
+                         "write a number within the key's range (see configs/full.yaml)",
+                         node.start_mark)
+    return int(text)
+
+
+def _construct_float(loader: _Loader, node: yaml.ScalarNode) -> float:
+    """An explicit `!!float`: text as the CLI reads it (`float()`, no `_`, no base 60)."""
+    text = str(node.value).strip()
+    if "_" in text or ":" in text:
+        raise _BadScalar(f"{text!r} is not a decimal number", _NUMBER_FIX, node.start_mark)
+    return yaml.SafeLoader.construct_yaml_float(loader, node)
 
 
 _Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 
 @dataclass(frozen=True)
@@ -185,12 +215,11 @@ def load_yaml(path: str, source: str = "--config") -> YamlDoc:
         raise ConfigError("config", f"character {ch!r} at offset {e.position} "
                           "is not allowed in YAML", "remove it (is this a text file?)",
                           path) from None
-    except _TooLarge as e:
+    except _BadScalar as e:
         line = e.problem_mark.line + 1
         keys = [k for k, n in lines.items() if n == line]
         raise ConfigError(dotted(max(keys, key=len)) if keys else "config", e.problem,
-                          "write a number within the key's range (see configs/full.yaml)",
-                          f"{path}:{line}") from None
+                          e.fix, f"{path}:{line}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else path

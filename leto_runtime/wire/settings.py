@@ -14,7 +14,8 @@ in leto_runtime or leto_run reads these variables.
 
 Each knob is typed and checked: a value out of its domain raises `SettingsError` naming the
 variable, what is wrong and the fix (leto-run checks its own environment before anything
-starts and exits 2).  Defaults are the measured best (docs/BENCHMARKS.md).
+starts and exits 2).  An empty variable is unset, for every knob: it gets the default.  Defaults
+are the measured best (docs/BENCHMARKS.md).
 
 Calling contract:
     s = get()                  # the Settings of os.environ now (re-read only when it changed)
@@ -32,7 +33,15 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _given(env: Mapping[str, str], var: str) -> str | None:
+    """The knob's text, or None when unset.  Empty (or blank) is unset, as for every environment
+    variable torchrun and Leto's options read: `LETO_X=` gives the default, for every kind of
+    knob (it turned a flag off but stopped leto-run for a count)."""
+    raw = env.get(var)
+    return None if raw is None or raw.strip() == "" else raw
 
 
 class SettingsError(ValueError):
@@ -87,8 +96,9 @@ def _count(lo: int, hi: int) -> Callable[[str, str], int]:
 
 
 def seconds(var: str, raw: str) -> float | None:
-    """A number of seconds in (0, 604800]; "" is unset (None).  Also the state manager's parser
-    of its timeouts, which degrades a bad value to the default with a warning."""
+    """A number of seconds in (0, 604800]; "" is unset (None: the state manager's parser of its
+    timeouts, which degrades a bad value to the default with a warning; `Settings` never passes
+    "", see `_given`)."""
     if raw.strip() == "":
         return None
     try:
@@ -126,7 +136,7 @@ def _bytes_or_off(var: str, raw: str) -> int | None:
     return None if raw.strip().lower() == "off" else _count(0, 1 << 20)(var, raw)
 
 
-# field -> (variable, parser, default).  The default applies when the variable is unset.
+# field -> (variable, parser, default).  The default applies when the variable is unset or empty.
 KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     # RMU (leto_runtime/rmu): docs/RMU.md
     "rmu_fused": ("LETO_RMU_FUSED", _flag, True),
@@ -252,7 +262,7 @@ class Settings:
     def from_env(cls, env: Mapping[str, str]) -> "Settings":
         out = {}
         for name, (var, parse, default) in KNOBS.items():
-            raw = env.get(var)
+            raw = _given(env, var)
             out[name] = default if raw is None else parse(var, raw)
         return cls(**out)
 
@@ -264,7 +274,7 @@ def problems(env: Mapping[str, str]) -> list[str]:
     """One message per knob in `env` whose value is out of its domain."""
     out = []
     for var, parse, _ in KNOBS.values():
-        if var in env:
+        if _given(env, var) is not None:
             try:
                 parse(var, env[var])
             except SettingsError as e:
@@ -273,9 +283,9 @@ def problems(env: Mapping[str, str]) -> list[str]:
 
 
 def raw() -> dict[str, str]:
-    """The knobs set in os.environ, unparsed (for a reader that degrades a bad value to its
-    default with a warning instead of stopping: the state manager's idle timeout)."""
-    return {v: os.environ[v] for v in VARIABLES if v in os.environ}
+    """The knobs set (not empty) in os.environ, unparsed (for a reader that degrades a bad value
+    to its default with a warning instead of stopping: the state manager's idle timeout)."""
+    return {v: os.environ[v] for v in VARIABLES if _given(os.environ, v) is not None}
 
 
 _last: tuple[tuple, Settings] | None = None

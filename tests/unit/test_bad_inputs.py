@@ -100,10 +100,10 @@ CASES = [
      ["launch.shutdown_timeout ({d}/job.yaml:2)", "finite"]),
     ("yaml-data-pages-huge", ["--config", "{d}/job.yaml", "{s}"], {},
      {"job.yaml": b"recovery:\n  data_pages: 1000000000000000000000000000000\n"},
-     ["recovery.data_pages ({d}/job.yaml:2)", "maximum"]),
+     ["recovery.data_pages ({d}/job.yaml:2)", "too large"]),       # as on the CLI
     ("yaml-int-5000-digits", ["--config", "{d}/job.yaml", "{s}"], {},
      {"job.yaml": ("launch:\n  nproc_per_node: " + "9" * 5000 + "\n").encode()},
-     ["launch.nproc_per_node ({d}/job.yaml:2)", "5000 digits"]),
+     ["launch.nproc_per_node ({d}/job.yaml:2)", "above the maximum"]),   # as on the CLI
     ("yaml-float-huge-int", ["--config", "{d}/job.yaml", "{s}"], {},
      {"job.yaml": ("recovery:\n  pg_timeout: 1" + "0" * 400 + "\n").encode()},
      ["recovery.pg_timeout ({d}/job.yaml:2)", "finite"]),
