@@ -134,6 +134,54 @@ class SimConfig:
         return (("leto",) if self.leto else ()) + names
 
 
+# --------------------------------------------------------------------------- YAML
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads a plain number as the CLI (click's int/float) reads the same text.
+
+    PyYAML's YAML 1.1 resolvers read `010` as 8 (octal), `0x10` as 16, `1:4` as 64 (base 60),
+    `1_0` as 10 and `yes`/`on` as true, while `--iterations 010` on the command line is 10.
+    Here an int is decimal digits only and a float what float() reads (no `_`); anything else
+    stays text, which the field's parser refuses by name.  Same rule as the launcher's YAML
+    (leto_run.yaml_source), which the simulator does not import (it runs without leto_run)."""
+
+
+_Loader.yaml_implicit_resolvers = {}
+for _tag, _rx, _first in (
+        ("tag:yaml.org,2002:null", r"^(?:~|null|Null|NULL|)$", ["~", "n", "N", ""]),
+        ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", list("tTfF")),
+        ("tag:yaml.org,2002:int", r"^[-+]?[0-9]+$", list("-+0123456789")),
+        ("tag:yaml.org,2002:float",
+         r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][-+]?[0-9]+)?$", list("-+0123456789.")),
+        ("tag:yaml.org,2002:merge", r"^(?:<<)$", ["<"])):
+    _Loader.add_implicit_resolver(_tag, re.compile(_rx), _first)
+
+
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    """Decimal, also for an explicit `!!int` (SafeLoader's reads `!!int 010` as 8)."""
+    text = str(node.value).strip()
+    if not re.fullmatch(r"[-+]?[0-9]+", text):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not a decimal integer (write e.g. 10)", node.start_mark)
+    return int(text)
+
+
+def _construct_float(loader: _Loader, node: yaml.ScalarNode) -> float:
+    """An explicit `!!float`: what float() reads, less `_` (the CLI's numbers have none)."""
+    text = str(node.value).strip()
+    try:
+        if "_" in text:
+            raise ValueError(text)
+        return float(text)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{text!r} is not a decimal number (write e.g. 1.5)",
+            node.start_mark) from None
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
+
+
 # --------------------------------------------------------------------------- value parsers
 def parse_duration(value: Any, where: str, *, allow_zero: bool = True) -> float:
     """Seconds from a number or a string with a unit; negative, NaN or bad units raise."""
@@ -160,9 +208,9 @@ def parse_duration(value: Any, where: str, *, allow_zero: bool = True) -> float:
 def parse_number(value: Any, where: str, *, lo: float = 0.0, hi: float = math.inf,
             lo_open: bool = False) -> float:
     if isinstance(value, str):
-        # PyYAML reads 1e8 (no dot, no exponent sign) as a string; accept it as a number.
+        # A number given as text (quoted); float() would also take `1_000`, the CLI does not.
         try:
-            value = float(value)
+            value = float(value) if "_" not in value else value
         except ValueError:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -364,7 +412,7 @@ def load_config(path: str | Path) -> SimConfig:
         raise SimConfigError("--config", f"cannot read {p} ({e.strerror})",
                              "pass an existing YAML file") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_Loader)   # noqa: S506 (a SafeLoader, numbers as the CLI)
     except yaml.YAMLError as e:
         raise SimConfigError("--config", f"{p} is not valid YAML ({str(e).splitlines()[0]})",
                              "fix the YAML syntax") from None

@@ -16,13 +16,20 @@ loaded (`newest`), whatever wrote it.
 Calling contract: pure functions over paths; `newest(dir)` and `rotate(dir, keep)` never raise
 for a missing directory or a foreign entry (they skip it); `rotate` removes only Leto's own
 entries (`step_*` with a manifest, or `.partial-step_*`), never other files of the directory.
+
+Other users: a shared checkpoint directory lets anyone plant a `step_*` of their own (a
+directory, or a symlink to one), which would be loaded as our newest checkpoint.  Only plain
+directories owned by our uid are checkpoints (`foreign`): `scan` skips the others with one
+warning naming them, `check` calls them torn, and `rotate` never removes them.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import stat
 import time
 from dataclasses import dataclass
 
@@ -30,6 +37,8 @@ MANIFEST = "leto_checkpoint.json"
 FORMAT = 1
 _NAME = re.compile(r"^step_(\d{9})$")
 _PARTIAL = re.compile(r"^\.partial-step_(\d{9})-(\d+)(?:-([0-9a-f]+))?$")
+log = logging.getLogger("leto.checkpoint")
+_warned: set[str] = set()       # foreign entries already named (scans repeat, e.g. polling)
 
 
 def name(step: int) -> str:
@@ -90,10 +99,40 @@ def manifest(step: int, world_size: int, directory: str) -> dict:
     return {"format": FORMAT, "step": step, "world_size": world_size, "files": files}
 
 
+def foreign(path: str) -> str | None:
+    """Why the entry `path` is not a checkpoint directory of ours (None: it is one).  lstat:
+    a symlink is never followed, whoever it points at."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot be examined ({e.strerror or e})"
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (possibly planted by another user)"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    return None
+
+
+def _warn_foreign(skipped: list[tuple[str, str]]) -> None:
+    new = [(p, why) for p, why in skipped if p not in _warned]
+    if not new:
+        return
+    _warned.update(p for p, _ in new)
+    log.warning("leto: ignoring %d entr%s of the checkpoint directory that Leto did not write "
+                "(never loaded, never removed): %s; remove them, or give the job a "
+                "--checkpoint-dir only you can write", len(new), "y" if len(new) == 1 else "ies",
+                "; ".join(f"{p} {why}" for p, why in new))
+
+
 def check(path: str) -> Found:
     """Is the checkpoint directory `path` complete? (see the module doc)"""
     m = _NAME.match(os.path.basename(os.path.normpath(path)))
     step = int(m.group(1)) if m else -1
+    why = foreign(os.path.normpath(path))     # (a trailing / would make lstat follow a link)
+    if why is not None:        # never load what another user put there
+        return Found(path, step, False, why)
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             man = json.load(f)
@@ -123,14 +162,22 @@ def scan(directory: str) -> list[Found]:
         entries = os.listdir(directory)
     except OSError:
         return []
-    out = []
+    out, skipped = [], []
     for entry in entries:
+        named, partial = _NAME.match(entry), _PARTIAL.match(entry)
+        if not (named or partial):
+            continue
         p = os.path.join(directory, entry)
-        if _NAME.match(entry) and os.path.isdir(p):
+        why = foreign(p)
+        if why is not None:
+            if os.path.lexists(p):            # (gone since the listing: a partial renamed)
+                skipped.append((p, why))
+        elif named:
             out.append(check(p))
-        elif _PARTIAL.match(entry):
-            out.append(Found(p, int(_PARTIAL.match(entry).group(1)), False,
+        else:
+            out.append(Found(p, int(partial.group(1)), False,
                              "a partial write (its writer was stopped or failed)"))
+    _warn_foreign(skipped)
     return sorted(out, key=lambda f: (f.step, f.path))
 
 
@@ -153,6 +200,8 @@ def rotate(directory: str, keep: int, busy: str | None = None) -> list[Found]:
         if f.path in keep_paths or f.path == busy or _maybe_being_written(f.path):
             continue
         if f.complete or (top is not None and f.step <= top):
+            if foreign(f.path) is not None:    # replaced since the scan: not ours to remove
+                continue
             shutil.rmtree(f.path, ignore_errors=True)
             removed.append(f)
     return removed

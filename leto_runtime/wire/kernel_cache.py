@@ -25,6 +25,15 @@ Concurrency: builders of one slot serialize on an flock(2), which the kernel rel
 builder dies; who waited finds the manifest and loads.  Every build is announced on stderr
 (what, where, why) and its end with the seconds taken.
 
+Other users: a kernel is code that runs as us, so nothing is built or loaded where another user
+could write.  Every directory from / down to a slot and to its library must be a real
+directory (no symlink) owned by us or root, not writable by group or others unless sticky
+(/tmp; above a slot only) or its group is our user-private one or root's (`_trust_dir`): else
+`UnsafeCache` names the path and the fix.  A manifest or library that is a symlink, another
+user's, or writable by others is not loaded, the slot is rebuilt over it (`_complete`); the
+build lock follows ckpt_lock's rules (`BuildLock._open`).  What we create is 0755/0644 (less
+the umask), and a built library is made not group/world-writable.
+
 Environment: LETO_EXT_DIR (the root; default $TORCH_EXTENSIONS_DIR/leto, else
 $XDG_CACHE_HOME/leto/kernels or ~/.cache/leto/kernels), LETO_EXT_VERBOSE=1 (compiler output),
 TORCH_CUDA_ARCH_LIST (CUDA targets, part of the key), CXX (the C++ compiler).
@@ -33,11 +42,12 @@ Calling contract:
     got = obtain(Spec(name, what, sources, compilers, flags, ...), build)
     # build(slot) compiles slot.src's copy into slot.dir and returns the library's path
     got.path, got.built, got.seconds
-`obtain` raises what `build` raises, and `BuildLockTimeout`.  Building everything this machine
+`obtain` raises what `build` raises, `BuildLockTimeout` and `UnsafeCache`.  Building everything this machine
 can use at once is `leto_runtime.kernel_build` (`leto-run --build-kernels`).  See docs/KERNELS.md.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -45,6 +55,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -76,6 +87,121 @@ class BuildError(RuntimeError):
     """A compiler run of a plain shared library failed (the message has the command and output)."""
 
 
+class UnsafeCache(RuntimeError):
+    """A path of the kernel cache another user could write (or a symlink, or not ours): Leto
+    neither builds nor loads kernels there.  `path`, `why` and `fix` name it."""
+
+    def __init__(self, path, why: str, fix: str = ""):
+        self.path, self.why = str(path), why
+        self.fix = fix or ("remove it, or set LETO_EXT_DIR to a directory only you can write "
+                           "(e.g. ~/.cache/leto/kernels)")
+        super().__init__(f"the kernel cache path {self.path} {why}: Leto neither builds nor "
+                         f"loads kernels there (another user could make them run code as you); "
+                         f"{self.fix}")
+
+
+_OPEN_FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC   # no symlink followed, no FIFO waited on
+DIR_MODE, FILE_MODE = 0o755, 0o644                        # what we create (less the umask)
+
+
+@functools.lru_cache(maxsize=None)
+def _private_group(gid: int) -> bool:
+    """Is `gid` our user-private group (named as we are, no other member), or root's (its
+    members are root's peers; containers run arbitrary uids with gid 0)?  A umask of 002 makes
+    directories group-writable; with such a group that is only us."""
+    import grp
+    import pwd
+    if gid == 0:
+        return True
+    try:
+        me, g = pwd.getpwuid(os.geteuid()).pw_name, grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return g.gr_name == me and set(g.gr_mem) <= {me}
+
+
+def _others_may_write(st: os.stat_result) -> str | None:
+    if st.st_mode & stat.S_IWOTH:
+        return f"is writable by every user (mode {stat.S_IMODE(st.st_mode):04o})"
+    if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid):
+        return f"is writable by group {st.st_gid} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _owner_problem(st: os.stat_result) -> str | None:
+    if st.st_uid not in (os.geteuid(), 0):
+        return f"belongs to another user (uid {st.st_uid})"
+    return None
+
+
+def _trust_dir(path: Path, sticky_ok: bool = True) -> None:
+    """Raise UnsafeCache unless `path` (lstat) is a directory only we (or root) can change;
+    `sticky_ok`: others may add entries (/tmp), not rename or remove ours -- enough above a
+    slot, whose own owner is checked, not for a slot itself (its files are found by name)."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise UnsafeCache(path, f"cannot be examined ({e.strerror or e})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeCache(path, "is a symbolic link (possibly planted by another user)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeCache(path, "is not a directory")
+    why = _owner_problem(st)
+    if why is None and not (sticky_ok and st.st_mode & stat.S_ISVTX):
+        why = _others_may_write(st)
+        if why is not None and st.st_uid == os.geteuid():
+            raise UnsafeCache(path, why, f"chmod go-w {path} and remove the kernel builds "
+                              "below it (another user could have written there), or set "
+                              "LETO_EXT_DIR to a directory only you can write")
+    if why is not None:
+        raise UnsafeCache(path, why)
+
+
+def _file_problem(st: os.stat_result) -> str | None:
+    """Why a cache file with stat `st` must not be used (None: it may)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link (possibly planted by another user)"
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    return _owner_problem(st) or _others_may_write(st)
+
+
+def _private_dirs(path: Path) -> Path:
+    """Create what is missing of `path` (0755 less the umask) and check every directory from /
+    down to it (`_trust_dir`): lstat each, so a symlink planted since `root()` resolved the
+    path is refused, not followed.  Returns `path`."""
+    cur = Path(path.anchor)
+    for part in path.parts[1:]:
+        _trust_dir(cur)               # before creating anything inside it
+        cur = cur / part
+        try:
+            os.mkdir(cur, DIR_MODE)
+        except FileExistsError:
+            pass
+        except OSError:
+            if not os.path.lexists(cur):
+                raise
+    _trust_dir(cur, sticky_ok=False)
+    return path
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """`data` into `path` through a new temporary file of ours (0644), then renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)       # a leftover of a dead process of ours (the dir is ours)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FILE, FILE_MODE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _no_others_write(path: Path) -> None:
+    """Drop group/other write bits of a file we just built (a umask of 002 or 0 sets them)."""
+    st = os.lstat(path)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o022:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+
+
 def source_dir() -> Path:
     """The kernel sources: the one lookup every builder uses.  In a source checkout (an editable
     install, or the checkout on sys.path) they are the `cuda/` next to this package, so the
@@ -96,12 +222,14 @@ def root() -> Path:
     """The cache root (see the module docstring for the environment that moves it)."""
     r = settings.get().ext_dir
     if r:
-        return Path(r).expanduser()
-    base = settings.get().torch_extensions_dir
-    if base:
-        return Path(base).expanduser() / "leto"
-    cache = settings.get().xdg_cache_home or os.path.expanduser("~/.cache")
-    return Path(cache) / "leto" / "kernels"
+        p = Path(r).expanduser()
+    elif settings.get().torch_extensions_dir:
+        p = Path(settings.get().torch_extensions_dir).expanduser() / "leto"
+    else:
+        p = Path(settings.get().xdg_cache_home or os.path.expanduser("~/.cache")) / "leto" / "kernels"
+    # Resolved once: a library is loaded by this path, never through a symlink someone could
+    # repoint after the checks (`_private_dirs` lstats every component).
+    return Path(os.path.realpath(os.path.abspath(p)))
 
 
 def verbose() -> bool:
@@ -244,14 +372,44 @@ def slot_for(spec: Spec) -> Slot:
     return Slot(spec, digest, root() / f"{spec.name}-{digest[:16]}", inputs, tuple(local.items()))
 
 
-def _complete(slot: Slot) -> Path | None:
-    """The library of a complete slot (manifest present, same digest, library there), else None."""
+def _read_manifest(slot: Slot) -> dict | None:
+    """The slot's manifest if it is a file we may trust (see the module doc), else None."""
     try:
-        man = json.loads((slot.dir / MANIFEST).read_text())
-    except (OSError, ValueError):
+        fd = os.open(slot.dir / MANIFEST, os.O_RDONLY | _OPEN_FILE)
+    except OSError:
         return None
-    lib = slot.dir / str(man.get("library", ""))
-    return lib if man.get("digest") == slot.digest and lib.is_file() else None
+    with os.fdopen(fd, "rb") as f:
+        if _file_problem(os.fstat(f.fileno())) is not None:
+            return None               # not ours to believe: rebuilt (replaced) under the lock
+        try:
+            man = json.loads(f.read())
+        except ValueError:
+            return None
+    return man if isinstance(man, dict) else None
+
+
+def _complete(slot: Slot) -> Path | None:
+    """The library of a complete slot (manifest present, same digest, library there), else None.
+    Never a library we must not load: a name leaving the slot, a symlink, another user's file
+    or one others may write, or one below a directory others may write (`UnsafeCache`)."""
+    man = _read_manifest(slot)
+    if man is None or man.get("digest") != slot.digest:
+        return None
+    rel = Path(str(man.get("library", "")))
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        return None
+    cur = slot.dir
+    for part in rel.parts[:-1]:
+        cur = cur / part
+        if not cur.is_dir():
+            return None
+        _trust_dir(cur)
+    lib = slot.dir / rel
+    try:
+        st = os.lstat(lib)
+    except OSError:
+        return None
+    return lib if _file_problem(st) is None else None
 
 
 def _why(slot: Slot) -> str:
@@ -279,7 +437,7 @@ class BuildLock:
 
     def __enter__(self) -> "BuildLock":
         import fcntl
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.fd = self._open()
         deadline, waited = time.monotonic() + self.timeout, False
         while True:
             try:
@@ -296,10 +454,34 @@ class BuildLock:
                         f"({self.path}): wait for it, or remove {self.path.parent} and retry") from None
                 time.sleep(0.2)
         stale = self.path.parent / "lock"
-        if stale.exists():
+        if os.path.lexists(stale) and self._ours(stale):
             log.warning("leto: removing a stale build lock %s (its builder died)", stale)
             stale.unlink(missing_ok=True)
         return self
+
+    def _open(self) -> int:
+        """The lock file, created 0600 if absent; refused unless a regular file of ours with one
+        link (a planted symlink would have us truncate its target, a FIFO would hang us)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | _OPEN_FILE, 0o600)
+        except OSError as e:
+            raise UnsafeCache(self.path, "is a symbolic link (possibly planted by another user)"
+                              if e.errno == errno.ELOOP else
+                              f"cannot be opened ({e.strerror or e})") from None
+        st = os.fstat(fd)
+        why = _file_problem(st) or (
+            f"belongs to another user (uid {st.st_uid})" if st.st_uid != os.geteuid() else
+            f"has {st.st_nlink} hard links (possibly to another file)" if st.st_nlink != 1
+            else None)
+        if why is not None:
+            os.close(fd)
+            raise UnsafeCache(self.path, why)
+        return fd
+
+    @staticmethod
+    def _ours(path: Path) -> bool:
+        st = os.lstat(path)
+        return stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid()
 
     def __exit__(self, *exc) -> None:
         os.close(self.fd)          # releases the flock
@@ -308,30 +490,31 @@ class BuildLock:
 def _write_sources(slot: Slot) -> None:
     for rel, data in slot.blobs:
         dst = slot.src / rel
-        if dst.is_file() and dst.read_bytes() == data:
+        _private_dirs(dst.parent)
+        try:
+            st = os.lstat(dst)
+            same = _file_problem(st) is None and dst.read_bytes() == data
+        except OSError:
+            same = False
+        if same:
             continue               # unchanged: keeps its mtime, so an unfinished build resumes
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, dst)
+        _write_file(dst, data)
 
 
 def _write_manifest(slot: Slot, lib: Path, seconds: float) -> None:
     man = {"digest": slot.digest, "name": slot.spec.name, "library": lib.relative_to(slot.dir).as_posix(),
            "seconds": round(seconds, 2), "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "inputs": json.loads(slot.inputs)}
-    tmp = slot.dir / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(man, indent=1))
-    os.replace(tmp, slot.dir / MANIFEST)
+    _write_file(slot.dir / MANIFEST, json.dumps(man, indent=1).encode())
 
 
 def obtain(spec: Spec, build: Callable[[Slot], Path]) -> Obtained:
     """The library of `spec`: from its slot if complete, else built there by `build(slot)` (under
     the slot's lock, announced on stderr); see the module docstring."""
     slot = slot_for(spec)
+    _private_dirs(slot.dir)                    # raises UnsafeCache: see the module doc
     lib = _complete(slot)
     if lib is None:
-        slot.dir.mkdir(parents=True, exist_ok=True)
         with BuildLock(slot.dir, spec.name):
             lib = _complete(slot)              # another process built it while we waited
             if lib is None:
@@ -350,6 +533,7 @@ def _build(slot: Slot, build: Callable[[Slot], Path]) -> Obtained:
         say(f"building {spec.name} failed after {time.monotonic() - t0:.1f} s")
         raise
     dt = time.monotonic() - t0
+    _no_others_write(lib)                      # else `_complete` would refuse it next time
     _write_manifest(slot, lib, dt)
     say(f"built {spec.name} in {dt:.1f} s ({lib})")
     return Obtained(spec.name, lib, True, dt)
@@ -390,5 +574,6 @@ def compile_library(slot: Slot, compiler: str, before: list[str], after: list[st
         sys.stderr.write(p.stdout + p.stderr)
     if p.returncode != 0:
         raise BuildError(f"{' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-2000:]}")
+    _no_others_write(tmp)
     os.replace(tmp, slot.dir / out)
     return slot.dir / out
