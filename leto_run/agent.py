@@ -117,6 +117,7 @@ class Agent:
         self.sel.register(self._sig_r, selectors.EVENT_READ, "sig")
         self.notices = ExitNotices.from_settings(settings.get())
         self.sel.register(self.notices.fd, selectors.EVENT_READ, "exit")
+        self.sel.register(self.guardian.pidfd, selectors.EVENT_READ, "guardian")
         self.launcher = self._launcher(start)
         self._install_signals()
         inplace = cfg.recovery.mode == "inplace"
@@ -306,15 +307,18 @@ class Agent:
     def _pump_once(self, timeout: float) -> None:
         """One turn of the selector: wait at most `timeout` s and hand what it reports to
         its handler (datagrams first: an `inject` sent just before a death is part of its
-        facts -- drained whenever anything is ready, since the heartbeat's reader thread may
-        not have woken the selector yet for a datagram the kernel already holds)."""
+        facts -- drained every turn, since the heartbeat's reader thread may not have woken
+        the selector yet for a datagram the kernel already holds)."""
+        t0 = time.monotonic()
         ready = self.sel.select(timeout=max(0.0, timeout))
-        if ready:
-            self.sup.on_beats()
+        self.sup.note_stall(time.monotonic() - t0, timeout)  # a policy's wait pumps it too
+        self.sup.on_beats()
         for key, _ in ready:
             data = key.data
             if data == "hb":
                 continue
+            elif data == "guardian":
+                self._on_guardian_exit()
             elif data == "sig":
                 self.sup.on_signals()
             elif data == "exit":
@@ -334,9 +338,15 @@ class Agent:
         la, g = self.cfg.launch, self.group
         multi_node = g.round.group_world_size > 1 or la.max_nodes > 1
         while True:
+            began = time.monotonic()
+            planned = self._next_deadline(began, multi_node) - began
+            self._pump_once(planned)
+            # Before any verdict, what is queued already (a select interrupted by a stop of
+            # this process returns nothing once its timeout has passed: exits and beats wait).
+            self._pump_once(0.0)
             now = time.monotonic()
-            self._pump_once(self._next_deadline(now, multi_node) - now)
-            now = time.monotonic()
+            self.sup.note_stall(now - began, planned)
+            self.sup.after_stall(now, self.nodes.peers)
             self.sup.check_hangs(now)
             self.sup.check_lingering(now)
             self.sup.fire_timers(now)
@@ -368,6 +378,23 @@ class Agent:
                     return self._fell_back(inplace, decision)
                 return decision
             g.flush_revokes()
+
+    def _on_guardian_exit(self) -> None:
+        """The guardian died (its pidfd fired): start another, told all the old one knew, so
+        a kill -9 of this agent is still cleaned up (`decisions.guardian_verdict` bounds it)."""
+        gd = self.guardian
+        old, how = gd.pid, gd.reap()
+        if how is None:
+            return
+        self.sel.unregister(gd.pidfd)
+        started, why = gd.replace(time.monotonic())
+        if started:
+            self.sel.register(gd.pidfd, selectors.EVENT_READ, "guardian")
+        self.events.emit("guardian", self.group.generation, pid=gd.pid if started else None,
+                         old_pid=old, how=how, action="restarted" if started else "gone",
+                         reason=why)
+        self.log(f"the guardian (pid {old}) exited ({how}); a new one runs (pid {gd.pid}; {why})"
+                 if started else f"warning: the guardian (pid {old}) exited ({how}): {why}")
 
     def _nodes_waiting(self, now: float) -> int:
         """Agents waiting to join (torchrun's membership check), every monitor interval."""

@@ -127,15 +127,54 @@ def decide_group(states: list[ProcState], failed_ranks: list[int], remaining_res
     return Decision(Action.CONTINUE, "workers running")
 
 
-def hang_verdict(now: float, deadline: float | None, last_beat: float | None,
-                 timeout: float) -> tuple[bool, str]:
-    """Has a heartbeating process missed its deadline?  Only after its first heartbeat:
-    start-up (imports, compilation) is not a hang."""
-    if timeout <= 0 or deadline is None or last_beat is None:
-        return False, "hang detection off or no heartbeat yet"
+def hang_verdict(now: float, deadline: float | None, since: float | None, timeout: float,
+                 awaiting: str | None = None) -> tuple[bool, str]:
+    """Has a process the agent waits on missed its deadline?  `since`: its last heartbeat, or
+    when the agent began to wait on it for `awaiting` (its promotion's confirmation, a stopped
+    process to run again: `SlotProcess.expect`).  A process without a deadline is not judged:
+    an active's start-up before its first heartbeat (imports, compilation, kernel builds) is
+    not a hang, and a waiting shadow is not supervised until it is promoted."""
+    if timeout <= 0 or deadline is None or since is None:
+        return False, "hang detection off, or nothing due from it (start-up, a waiting shadow)"
     if now < deadline:
-        return False, f"last heartbeat {now - last_beat:.3f} s ago"
-    return True, f"no heartbeat for {now - last_beat:.1f} s (--hang-timeout {timeout:g} s)"
+        return False, f"last sign of life {now - since:.3f} s ago"
+    what = awaiting or "no heartbeat"
+    return True, f"{what} for {now - since:.1f} s (--hang-timeout {timeout:g} s)"
+
+
+# A loop turn late by more than this share of --hang-timeout lost sight of its processes.
+STALL_SHARE = 0.5
+
+
+def stall_verdict(took: float, planned: float, timeout: float) -> tuple[bool, str]:
+    """Was the agent itself away (SIGSTOP, a VM or disk stall) long enough that what it knows
+    of its processes' heartbeats is stale?  One loop turn took `took` s where it planned to wait
+    at most `planned` s.  While the agent does not run, the kernel's datagram queue fills and
+    later beats are dropped, so silence over that time proves nothing: every process gets a
+    fresh --hang-timeout from now instead of a verdict (a real hang is then found one timeout
+    later)."""
+    if timeout <= 0:
+        return False, "hang detection off"
+    late = took - max(planned, 0.0)
+    if late <= STALL_SHARE * timeout:
+        return False, f"the loop turn was {max(late, 0.0):.3f} s late"
+    return True, (f"the agent's own loop was away for {took:.1f} s (it planned to wait at most "
+                  f"{max(planned, 0.0):.1f} s: the agent was stopped, starved or busy), so "
+                  "heartbeats sent meanwhile may be lost; every process gets a grace of "
+                  f"--hang-timeout {timeout:g} s from now instead of a hang verdict on stale times")
+
+
+def guardian_verdict(deaths: list[float], now: float, limit: int,
+                     window: float) -> tuple[bool, str]:
+    """Start the agent's guardian again after its death at `now`?  `deaths`: when the earlier
+    ones died.  More than `limit` deaths within `window` s: something kills it on purpose or
+    it cannot run here; the job goes on without it."""
+    recent = [t for t in deaths if now - t < window] + [now]
+    if len(recent) > limit:
+        return False, (f"it died {len(recent)} times within {window:g} s; not starting it "
+                       "again: if the agent is killed now (kill -9), nothing stops its "
+                       "processes or removes its run directory")
+    return True, f"death {len(recent)} of at most {limit} within {window:g} s"
 
 
 def linger_verdict(now: float, finished_at: float | None, peers_past_since: float | None,

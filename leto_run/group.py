@@ -384,6 +384,9 @@ class WorkerGroup:
         while not predicate():
             left = deadline - time.monotonic()
             if left <= 0:
+                # What queued while the agent did not run (a stop of it: an interrupted select
+                # reports nothing once its time is up) is read before the wait fails.
+                self.pump_once(0.0)
                 return predicate()
             self.pump_once(left)
         return True

@@ -72,6 +72,9 @@ from leto_runtime.control_auth import ForgedControlKey
 DEMOTE_WAIT_S = 10.0        # SIGKILLed trainers are gone in ms; D-state stragglers are reported
 DEMOTE_RELEASE_S = 10.0     # demote=release: a survivor reaches a safe point in one step phase
 MAX_SHADOW_RESPAWNS = 3     # per generation: a shadow that keeps dying is a script bug
+# What a promoted process owes (hang_verdict's reason): a ready shadow wakes at once.
+UNCONFIRMED = "promoted, then silent (no `promoted` datagram, no heartbeat)"
+UNREADY = "promoted before it was ready (still starting), then silent (no `promoted`, no beat)"
 
 
 class InplaceRecovery(ShadowLevelMoves):
@@ -162,6 +165,8 @@ class InplaceRecovery(ShadowLevelMoves):
                           granted=granted)
             if not granted:
                 raise job_secret.not_granted(slot.rank, beat.pid, sp.role.value, sp.generation)
+            sp.expect(beat.mono, self.rc.hang_timeout,
+                      "confirmed its promotion, then no heartbeat")
         elif beat.kind == "demoted":
             sp.demoted = detail
 
@@ -416,6 +421,9 @@ class InplaceRecovery(ShadowLevelMoves):
             if sp.ready and sp.wake:    # its runtime handles the signal (it said so)
                 sp.proc.send(C.PROMOTE_SIGNAL)
             sp.new_role(SlotRole.ACTIVE, gen)
+            # Bounded like any wait: its `promoted` is due within --hang-timeout, else it is
+            # a hang of its own rank (its peers would wait for it until --pg-timeout).
+            sp.expect(woke, self.rc.hang_timeout, UNCONFIRMED if sp.ready else UNREADY)
             slot.procs[SlotRole.ACTIVE] = sp
             self.g.relabel(slot, sp)
             self.events.emit("promote", gen, rank=slot.rank, local_rank=slot.local_rank,

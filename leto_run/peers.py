@@ -106,6 +106,14 @@ class PeerWatch:
                     self.alive_after[r] = self.last_read
             self.last_read = now
 
+    def grace(self, now: float) -> None:
+        """The agent was away (`decisions.stall_verdict`): nothing it read during that time
+        is a peer's silence, so every peer, and an unreachable store, count from `now`."""
+        with self.lock:
+            self.moved = {r: max(t, now) for r, t in getattr(self, "moved", {}).items()}
+            if self.unreachable is not None:
+                self.unreachable = (max(self.unreachable[0], now), self.unreachable[1])
+
     def heard_since(self, t: float) -> bool:
         """Has every peer beaten after time `t`?"""
         with self.lock:

@@ -281,6 +281,13 @@ def exited(pid: int) -> bool:
         return True
 
 
+def paused(pid: int) -> bool:
+    """`pid` is stopped (SIGSTOP, SIGTSTP) or held by a debugger: it runs no code until
+    continued, so it serves nothing and dumps no stacks."""
+    fields = stat_fields(f"/proc/{pid}/stat")
+    return bool(fields) and fields[0] in (b"T", b"t")
+
+
 def kill_pids(pids, sig: int = signal.SIGKILL) -> None:
     for pid in pids:
         try:

@@ -66,9 +66,10 @@ class SlotProcess:
     error_file: str
     state: ProcState = ProcState.STARTING
     step: int | None = None
-    last_beat: float | None = None          # monotonic time of the last heartbeat
+    last_beat: float | None = None          # its last heartbeat, or when a wait on it began
     beats: int = 0
-    hang_deadline: float | None = None
+    hang_deadline: float | None = None      # a sign of life is due by then (None: not judged)
+    awaiting: str | None = None             # what is due, when not a heartbeat (hang_verdict)
     fired_injections: set[str] = field(default_factory=set)
     epoch: int = 0                          # shadows: LETO_SHADOW_EPOCH it was started with
     ready: bool = False                     # shadows: reached its preinit level
@@ -92,10 +93,18 @@ class SlotProcess:
         return self.first_step is not None and self.step is not None and self.step > self.first_step
 
     def new_role(self, role: "SlotRole", generation: int) -> None:
-        """Promotion or in-process demotion: progress and injections of the old role are over."""
+        """Promotion or in-process demotion: progress, injections and the hang clock of the old
+        role are over (a promotion starts its own: `expect`)."""
         self.role, self.generation = role, generation
         self.step = self.first_step = self.injected = None
-        self.hang_deadline = self.last_beat = None
+        self.hang_deadline = self.last_beat = self.awaiting = None
+        self.in_collective = False       # a survivor demoted inside a collective waits in none now
+
+    def expect(self, now: float, timeout: float, what: str) -> None:
+        """The agent waits on this process for `what` from `now` (a promotion to confirm; a
+        stopped process to run again): silent for `timeout` s more, it is hung (0: never)."""
+        if timeout > 0:
+            self.last_beat, self.hang_deadline, self.awaiting = now, now + timeout, what
 
     def move(self, new: ProcState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -109,7 +118,7 @@ class SlotProcess:
 
     def on_beat(self, step: int | None, now: float, hang_timeout: float) -> None:
         self.beats += 1
-        self.last_beat = now
+        self.last_beat, self.awaiting = now, None
         if step is not None:
             self.step = step
             if self.first_step is None:

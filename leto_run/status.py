@@ -85,7 +85,8 @@ class StatusView:
             t.add_column(col)
         for slot in self.slots:
             for sp in slot.all():
-                hb = "-" if sp.last_beat is None else f"{now - sp.last_beat:.1f}s ago"
+                hb = ("-" if sp.last_beat is None else f"{now - sp.last_beat:.1f}s ago"
+                      if sp.awaiting is None else f"none for {now - sp.last_beat:.1f}s")
                 t.add_row(str(slot.rank), str(slot.local_rank), sp.role.value,
                           str(sp.proc.pid), sp.state.value,
                           "-" if sp.step is None else str(sp.step), hb)

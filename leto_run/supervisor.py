@@ -13,7 +13,10 @@ Calling contract: the agent's main thread only.  The in-place policy, when there
 of an active is collateral to a HOF it recovers (`InplaceObserver`).  One handler per selector
 key: `on_exit` (a pidfd), `on_exit_notices` (an exit that began: `leto_run.exit_notice`),
 `on_beats` (the heartbeat socket), `on_signals` (the wakeup fd); once per loop turn
-`check_hangs(now)`, `check_lingering(now)` and `fire_timers(now)`.
+`check_hangs(now)`, `check_lingering(now)` and `fire_timers(now)`, and before them
+`note_stall` / `after_stall` (the agent itself was away: a fresh window, not a verdict).
+Every wait on a process has a deadline and names what is due (`SlotProcess.expect`;
+docs/ARCHITECTURE.md, "Bounded waits").
 """
 from __future__ import annotations
 
@@ -25,16 +28,17 @@ from typing import Protocol
 
 from leto_run import errors as E
 from leto_run import job_secret
-from leto_run.decisions import blame_hangs, hang_verdict, linger_verdict
+from leto_run.decisions import blame_hangs, hang_verdict, linger_verdict, stall_verdict
 from leto_run.exit_notice import fence_verdict
 from leto_run.failures import failure_from_exit
 from leto_run.group import WorkerGroup
 from leto_run.inject import InjectKind
-from leto_run.procs import ExitStatus
+from leto_run.procs import ExitStatus, paused
 from leto_run.slot import ProcState, RankSlot, SlotProcess, SlotRole
 from leto_runtime.wire import contract as C
 
 SHUTDOWN_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+STOPPED = "stopped (SIGSTOP or a debugger), serving nobody,"     # what a paused state manager owes
 
 
 class InplaceObserver(Protocol):
@@ -59,6 +63,7 @@ class Supervisor:
         self.catch_up: tuple[int, int] | None = None  # (failed generation, the step it reached)
         self.resumed_gens: set[int] = set()
         self.resuming: dict[int, set[int]] = {}   # generation -> local ranks that beat a step
+        self.stall: tuple[float, float, str] | None = None    # note_stall, until after_stall
 
     def on_exit(self, slot: RankSlot, sp: SlotProcess) -> None:
         status = self.group.reap(slot, sp)
@@ -269,38 +274,114 @@ class Supervisor:
                     sp.proc.send_group(signum)
 
     def check_hangs(self, now: float) -> None:
+        """Judge every process a sign of life is due from (`hang_verdict`): trainers -- the
+        silent ones blamed as `blame_hangs` says -- and state managers stopped for too long."""
         timeout = self.cfg.recovery.hang_timeout
+        self._watch_stopped(now, timeout)
         silent = {}
         for slot in self.group.slots:
             for sp in slot.all():
                 if sp.done or (self.observer and self.observer.collateral(sp)):
                     continue
-                hung, why = hang_verdict(now, sp.hang_deadline, sp.last_beat, timeout)
-                if hung:
+                hung, why = hang_verdict(now, sp.hang_deadline, sp.last_beat, timeout,
+                                         sp.awaiting)
+                if hung and sp.role == SlotRole.STATE_MANAGER:
+                    self._state_manager_hung(slot, sp, why)
+                elif hung:
                     silent[sp.proc.pid] = (slot, sp, why)
         moving = any(s.active is not None and not s.active.done
                      and s.active.proc.pid not in silent for s in self.group.slots)
         blamed, _ = blame_hangs({pid: v[1].in_collective for pid, v in silent.items()},
                                 others_progressing=moving)
         for pid, (slot, sp, why) in silent.items():
-            if pid not in blamed:
-                continue             # waits in a collective for the rank blamed now
-            self.events.emit("hang_detected", sp.generation, rank=slot.rank,
-                             role=sp.role.value, pid=sp.proc.pid, step=sp.step, reason=why)
-            self.log(f"rank {slot.rank} ({sp.role.value}, pid {sp.proc.pid}) hung at step "
-                     f"{sp.step}: {why}; dumping its Python stacks, then killing it")
-            sp.proc.send(C.DUMP_SIGNAL)
+            if pid in blamed:        # the others wait in a collective for the rank blamed now
+                self._hung(slot, sp, why, now)
+
+    def _hung(self, slot: RankSlot, sp: SlotProcess, why: str, now: float) -> None:
+        """A trainer judged hung: its stacks dumped, its group killed, a failure of its rank."""
+        frozen = paused(sp.proc.pid)      # stopped: its dump waits for a SIGCONT that never comes
+        self.events.emit("hang_detected", sp.generation, rank=slot.rank,
+                         role=sp.role.value, pid=sp.proc.pid, step=sp.step, reason=why,
+                         stopped=frozen)
+        where = "before its first step" if sp.step is None else f"at step {sp.step}"
+        then = ("it is stopped (SIGSTOP or a debugger), so no Python stacks can be dumped; "
+                "killing it" if frozen else "dumping its Python stacks, then killing it")
+        self.log(f"rank {slot.rank} ({sp.role.value}, pid {sp.proc.pid}) hung {where}: {why}; "
+                 f"{then}")
+        sp.proc.send(C.DUMP_SIGNAL)
+        if not frozen:
             # faulthandler writes from its C signal handler; a short pause lets the dump
             # reach the log before SIGKILL.
             time.sleep(0.3)
-            self.events.emit("stack_dump", sp.generation, rank=slot.rank, role=sp.role.value,
-                             pid=sp.proc.pid)
-            sp.proc.send_group(signal.SIGKILL)
-            sp.move(ProcState.FAILED)
-            self.record_failure(slot, sp, -signal.SIGKILL, f"hang: {why}", now,
-                                 note=f"hang detected: {why}; Python stacks were dumped "
-                                      "to this rank's stderr", hang=True)
-            self.status.changed()
+        self.events.emit("stack_dump", sp.generation, rank=slot.rank, role=sp.role.value,
+                         pid=sp.proc.pid, stopped=frozen)
+        sp.proc.send_group(signal.SIGKILL)
+        sp.move(ProcState.FAILED)
+        dumped = ("it was stopped: no Python stacks" if frozen
+                  else "Python stacks were dumped to this rank's stderr")
+        self.record_failure(slot, sp, -signal.SIGKILL, f"hang: {why}", now,
+                             note=f"hang detected: {why}; {dumped}", hang=True)
+        self.status.changed()
+
+    def _watch_stopped(self, now: float, timeout: float) -> None:
+        """A state manager never beats, so a hung one cannot be told from an idle one; a
+        stopped one (SIGSTOP, a debugger) can, and it serves nobody (a promoted trainer's
+        attach waits on it): from the turn it is first seen stopped it has --hang-timeout to
+        run again."""
+        for slot in self.group.slots:
+            sp = slot.procs.get(SlotRole.STATE_MANAGER)
+            if sp is None or sp.done:
+                continue
+            if paused(sp.proc.pid):
+                if sp.hang_deadline is None:
+                    sp.expect(now, timeout, STOPPED)
+            elif sp.awaiting == STOPPED:
+                sp.hang_deadline = sp.awaiting = None     # it runs again
+
+    def _state_manager_hung(self, slot: RankSlot, sp: SlotProcess, why: str) -> None:
+        """Killed, not failed: its exit restarts it from the fds and metadata the agent kept
+        (`StateManagers.on_exit`, within its crash limit); no trainer failed."""
+        sp.hang_deadline = sp.awaiting = None             # judged once
+        self.events.emit("hang_detected", sp.generation, rank=slot.rank,
+                         local_rank=slot.local_rank, role=sp.role.value, pid=sp.proc.pid,
+                         reason=why)
+        self.log(f"state manager of slot {slot.local_rank} (pid {sp.proc.pid}) is hung: {why}; "
+                 "killing it (it is restarted from the fds and metadata the agent kept)")
+        sp.proc.send(signal.SIGKILL)
+
+    def note_stall(self, took: float, planned: float) -> None:
+        """Remember the longest time the agent was away beyond what it planned to wait (a stop,
+        a starved machine: `stall_verdict`), until the next hang verdict (`after_stall`)."""
+        stalled, why = stall_verdict(took, planned, self.cfg.recovery.hang_timeout)
+        if stalled and (self.stall is None or took > self.stall[0]):
+            self.stall = (took, planned, why)
+
+    def after_stall(self, now: float, peers=None) -> None:
+        """Before a hang verdict: if the agent was away, what it knows of heartbeats is stale
+        (some may be lost), so every process -- and every peer agent (`PeerWatch`) -- gets a
+        fresh window instead of a verdict."""
+        if self.stall is None:
+            return
+        (took, planned, why), self.stall = self.stall, None
+        n = self.grace(now)
+        if peers is not None:
+            peers.grace(now)
+        self.events.emit("agent_stalled", self.group.generation, seconds=took, planned=planned,
+                         processes=n, reason=why)
+        self.log(f"warning: {why}")
+
+    def grace(self, now: float) -> int:
+        """Every process a sign of life is due from gets --hang-timeout from `now`: the agent
+        itself was away (`decisions.stall_verdict`).  Returns how many."""
+        timeout, n = self.cfg.recovery.hang_timeout, 0
+        for slot in self.group.slots:
+            for sp in slot.all():
+                if not sp.done and sp.hang_deadline is not None:
+                    sp.hang_deadline = max(sp.hang_deadline, now + timeout)
+                    n += 1
+                if sp.peers_past_since is not None:      # and no linger said on stale times
+                    sp.peers_past_since = max(sp.peers_past_since, now)
+        return n
 
     def check_lingering(self, now: float) -> None:
         """A rank that ended its loop, slow to exit once every rank of the node has ended its
@@ -356,10 +437,10 @@ class Supervisor:
             self.ledger.fired(spec.text)
             sp.proc.send(sig)
             timeout = self.cfg.recovery.hang_timeout
-            if sig == signal.SIGSTOP and timeout > 0 and sp.hang_deadline is None:
+            if sig == signal.SIGSTOP and sp.hang_deadline is None:
                 # Frozen before its first heartbeat (or a script that never beats): this agent
                 # knows it hangs, so its hang clock starts now -- it must not wait forever.
-                sp.last_beat, sp.hang_deadline = time.monotonic(), time.monotonic() + timeout
+                sp.expect(time.monotonic(), timeout, "frozen by the injection (SIGSTOP), silent")
 
 
 RESERVED = frozenset({"event", "mono", "wall", "node", "generation", "rank", "local_rank",

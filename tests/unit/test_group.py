@@ -95,3 +95,15 @@ def test_wait_runs_the_given_selector_until_the_predicate_or_the_deadline(h):
     assert slow.proc.status is not None and slow.state == ProcState.STOPPED
     [e] = [e for e in h.exits() if e["pid"] == slow.proc.pid]
     assert e["stopped"] is True
+
+
+def test_a_wait_whose_deadline_passed_while_the_agent_was_away_reads_what_queued_first(h):
+    """The agent was stopped past a policy's deadline (leto_run/group.py, `wait`): the exit
+    that happened meanwhile is read before the wait gives up, not taken for a timeout."""
+    _, sp = h.proc(0, "import sys; sys.exit(0)")
+    end = time.monotonic() + 30
+    while not h.sel.select(timeout=0.05) and time.monotonic() < end:
+        pass                                  # exited, nothing read (the agent "away")
+    assert sp.proc.status is None
+    assert h.group.wait(lambda: sp.proc.status is not None, time.monotonic() - 1.0)
+    assert sp.proc.status.exitcode == 0 and h.turns == 1

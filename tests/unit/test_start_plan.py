@@ -115,3 +115,28 @@ def test_a_peer_whose_workers_succeeded_is_not_lost_while_it_waits_to_exit():
     c.tick(0.5)
     c.tick(6.0)
     assert c.lost(6.0) and "n2" in c.lost(6.0)
+
+
+def test_after_the_agent_was_away_every_peer_and_the_store_count_from_then():
+    """PeerWatch.grace (the agent was stopped: decisions.stall_verdict): a silence the agent
+    did not watch is no loss; a peer that stays silent for the timeout after it still is."""
+    store = dist.HashStore()
+    a, b = _pair(store)
+    a.tick(0.5)
+    b.tick(0.5)
+    assert a.lost(12.0)                    # what a verdict on the stale time would say
+    a.grace(12.0)
+    assert a.lost(16.5) is None
+    assert a.lost(17.5) and "n1" in a.lost(17.5)
+
+    class Gone:
+        def set(self, *a):
+            raise ConnectionError("connection reset by peer")
+
+        multi_get = set
+
+    w = PeerWatch(Gone(), 1, 5.0, now=1.0)
+    w.meet(["n0", "n1"], 1.0)
+    w.tick(1.0)
+    w.grace(20.0)
+    assert w.lost(24.0) is None and "unreachable" in w.lost(25.5)
