@@ -80,7 +80,8 @@ class AllowFileError(OSError):
     """The allow file could not be created or rewritten (errno kept from the cause)."""
 
 
-def _allow_bytes(pids: list[int]) -> bytes:
+def allow_record(pids: list[int]) -> bytes:
+    """The allow file's bytes for `pids` (its fixed size, checksummed)."""
     body = json.dumps(pids, separators=(",", ":"))
     # the checksum lets a reader tell a whole record from one it read mid-rewrite
     rec = json.dumps({"v": 2, "pids": pids, "crc": zlib.crc32(body.encode())},
@@ -143,7 +144,7 @@ def _create_allow_file(path: str) -> int:
                              "free space in the run directory's file system ($TMPDIR)") from e
     try:
         os.posix_fallocate(fd, 0, ALLOW_SIZE)
-        if os.pwrite(fd, _allow_bytes([]), 0) != ALLOW_SIZE:
+        if os.pwrite(fd, allow_record([]), 0) != ALLOW_SIZE:
             raise OSError(errno.EIO, "short write")
     except OSError as e:
         os.close(fd)
@@ -257,7 +258,7 @@ class FdKeeper:
     def _write_allow(self, what: str) -> bool:
         """Rewrite the allow file in place (blocks allocated at start: no new ones needed)."""
         try:
-            data = _allow_bytes(sorted(self._allowed))
+            data = allow_record(sorted(self._allowed))
             try:
                 n = os.pwrite(self._allow_fd, data, 0)
             except OSError as e:

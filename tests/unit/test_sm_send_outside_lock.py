@@ -6,7 +6,6 @@ one real process).  Every accepted connection gets a small kernel send buffer, s
 of a few fd messages fills it -- with the default buffer the kernel takes ~70k fds first."""
 from __future__ import annotations
 
-import json
 import os
 import resource
 import select
@@ -19,6 +18,7 @@ import time
 import pytest
 
 from leto_run.state_manager.conns import Limits
+from leto_run.state_manager.keeper import allow_record
 from leto_run.state_manager.metadata import Geometry, PoolMeta
 from leto_run.state_manager.pool import MemfdPages, Pool
 from leto_run.state_manager.server import Server
@@ -194,8 +194,7 @@ def test_near_the_fd_limit_a_reply_waits_for_the_duplicates_of_a_stuck_one(make,
     try:
         p = subprocess.Popen([sys.executable, "-c", ATTACHER, srv.path], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
-        with open(tmp_path / "allow", "w") as f:
-            json.dump({"v": 1, "pids": [p.pid]}, f)
+        (tmp_path / "allow").write_bytes(allow_record([p.pid]))
         out, err = p.communicate(timeout=120)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
