@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import os
 import selectors
-import shutil
 import signal
 import socket
-import sys
 import tempfile
-import threading
 import time
 
 from torch.distributed.elastic.utils import store as store_util
@@ -61,6 +58,8 @@ from leto_run.worker_cmd import worker_argv
 from leto_run.fork_server.client import Launcher
 from leto_run.worker_env import job_token_kv, shared_env
 from leto_run.agent_start import AgentStart, begin, serves
+from leto_run.agent_life import interruptible, release, write_report
+from leto_run.console import CONSOLE
 from leto_runtime.control_auth import ForgedControlKey, key_to_hex
 from leto_runtime.wire import settings
 
@@ -80,7 +79,19 @@ def run_job(cfg: JobConfig, start: AgentStart | None = None) -> int:
 
 class Agent:
     def __init__(self, cfg: JobConfig, start: AgentStart | None = None):
-        """`start`: what the process settled before (leto_run.cli); None: settled here."""
+        """`start`: what the process settled before (leto_run.cli); None: settled here.  A
+        step that fails releases what the earlier ones acquired (`run_job` gets no agent to
+        close then): the lock, the guardian, the run directory, the store."""
+        self._closed, self._partial, self.group = False, True, None
+        self.console = CONSOLE
+        try:
+            self._build(cfg, start)
+        except BaseException:
+            release(self)
+            raise
+        self._partial = False
+
+    def _build(self, cfg: JobConfig, start: AgentStart | None) -> None:
         start = start or begin(cfg, os.environ)
         self.cfg = cfg
         self.host = socket.getfqdn()
@@ -94,8 +105,7 @@ class Agent:
         # Forked first: no threads exist yet (fork safety), and it must outlive a kill -9 of us.
         self.guardian = start_guardian(job_token_kv(self.token))
         become_subreaper()
-        self.console_lock = threading.Lock()
-        self.group: WorkerGroup | None = None
+        self.console_lock = self.console.lock      # the pump's and status' lines never interleave
         self.nproc = start.nproc
         self.run_dir = tempfile.mkdtemp(prefix="leto-")          # 0700 by construction
         self.guardian.own_dir(self.run_dir)          # removed by the guardian after a kill -9 of us
@@ -152,7 +162,6 @@ class Agent:
         self.sup = Supervisor(self.group, hb=self.hb, sig_fd=self._sig_r, handled=self.handled,
                               host=self.host, observer=self.inplace)
         self.next_peer_check = 0.0
-        self._closed = False
         if start.omp_warning:
             self.log("\n*****************************************\n" + start.omp_warning +
                      "\n*****************************************")
@@ -168,9 +177,7 @@ class Agent:
     # ---- logging -------------------------------------------------------------------------
     def log(self, msg: str) -> None:
         gen = max(self.group.generation, 0) if self.group else 0
-        with self.console_lock:
-            sys.stderr.write(f"[leto-run agent node={self.node} gen={gen}] {msg}\n")
-            sys.stderr.flush()
+        self.console.write(f"[leto-run agent node={self.node} gen={gen}] {msg}\n")
 
     def _install_signals(self) -> None:
         names = self.cfg.launch.signals_to_handle
@@ -189,10 +196,8 @@ class Agent:
             if self.sms:
                 self.sms.stop()
             report = format_report(self.events.records)
-            if report:
-                with self.console_lock:
-                    sys.stderr.write(report + "\n")
-                    sys.stderr.flush()
+            if report and not self.console.write(report + "\n"):
+                write_report(self.layout.root, report)      # the console is gone: keep it
 
     def _run(self) -> int:
         la, g = self.cfg.launch, self.group
@@ -273,6 +278,7 @@ class Agent:
             self.events.emit("inject_unfired", g.generation, rank=spec.rank, spec=spec.text,
                              reason=why, by="agent")
             self.log(f"warning: injection '{spec.text}' never fired: {why}")
+        self.console.report(self.events.emit, g.generation)
         self.events.emit("job_end", g.generation, exit_code=code,
                          **({"reason": reason} if reason is not None else {}))
         return code
@@ -289,10 +295,12 @@ class Agent:
             self.inplace.new_round()
         t0 = time.monotonic()
         g.round = None          # drops the previous round's worker store server
-        r = next_round(self.handler, round_no=gen, restart_count=count,
-                       role=self.cfg.launch.role, local_world_size=self.nproc,
-                       master_addr=self.master_addr, master_port=self.master_port,
-                       single_node=self.cfg.launch.max_nodes <= 1)
+        # Blocks in C++ up to the rendezvous' timeout: waited for where a signal still stops it.
+        r = interruptible(lambda: next_round(
+            self.handler, round_no=gen, restart_count=count, role=self.cfg.launch.role,
+            local_world_size=self.nproc, master_addr=self.master_addr,
+            master_port=self.master_port, single_node=self.cfg.launch.max_nodes <= 1),
+            self._sig_r, self.sup.on_signals)
         self.events.emit("rendezvous", gen, seconds=time.monotonic() - t0,
                          group_rank=r.group_rank, group_world_size=r.group_world_size,
                          master_addr=r.master_addr, master_port=r.master_port,
@@ -313,6 +321,7 @@ class Agent:
         ready = self.sel.select(timeout=max(0.0, timeout))
         self.sup.note_stall(time.monotonic() - t0, timeout)  # a policy's wait pumps it too
         self.sup.on_beats()
+        self.console.report(self.events.emit, self.group.generation)   # once, if it was lost
         for key, _ in ready:
             data = key.data
             if data == "hb":
@@ -437,10 +446,14 @@ class Agent:
         if r is None or r.group_world_size <= 1:
             return
         t0 = time.monotonic()
-        try:
-            store_util.barrier(store=r.store, world_size=r.group_world_size,
-                               key_prefix=f"leto/exit_barrier/{gen}",
-                               barrier_timeout=self.cfg.launch.exit_barrier_timeout)
+        try:      # up to --exit-barrier-timeout in C++: a signal must still end it
+            interruptible(lambda: store_util.barrier(
+                store=r.store, world_size=r.group_world_size,
+                key_prefix=f"leto/exit_barrier/{gen}",
+                barrier_timeout=self.cfg.launch.exit_barrier_timeout),
+                self._sig_r, self.sup.on_signals)
+        except E.StoppedBySignal:
+            raise
         except Exception as e:
             self.log(f"exit barrier: {type(e).__name__}: {e}")
         self.events.emit("exit_barrier", gen, seconds=time.monotonic() - t0)
@@ -450,31 +463,7 @@ class Agent:
         if not failures:
             return
         title = f"{worker_argv(self.cfg)[-1 - len(self.cfg.launch.script_args)]} FAILED"
-        with self.console_lock:
-            sys.stderr.write(format_root_cause(title, failures) + "\n")
-            sys.stderr.flush()
+        self.console.write(format_root_cause(title, failures) + "\n")
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.status.stop()
-        self.pump.close()
-        self.hb.close()
-        if getattr(self, "notices", None) is not None:
-            self.notices.close()
-        if getattr(self, "launcher", None) is not None:
-            self.launcher.close()
-        self.nodes.close(join=True)     # its thread off the store before the store goes
-        try:
-            self.handler.shutdown()
-        except Exception:
-            pass
-        signal.set_wakeup_fd(-1)
-        if self.inplace:
-            self.inplace.close()
-        self.guardian.release()
-        if self.ckpt_lock is not None:
-            self.ckpt_lock.release()
-        self.events.close()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        release(self)

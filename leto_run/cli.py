@@ -131,7 +131,8 @@ class LetoCommand(click.Command):
 
 
 def _fail(message: str, code: int) -> int:
-    click.echo(f"{PROG}: error: {message}", err=True)
+    from leto_run.console import CONSOLE
+    CONSOLE.write(f"{PROG}: error: {message}\n")      # a closed console must not raise here
     return code
 
 
@@ -217,8 +218,9 @@ def _run(ctx: click.Context, **params) -> int:
     token = (ctx.obj or {}).get("reexec_token")
     if entry and not (ctx.obj or {}).get("reexec_tried"):
         _reexec_for_the_fork_server(cfg)        # returns only where it does not re-execute
+    from leto_run.console import CONSOLE
     for w in cfg.warnings:
-        click.echo(f"{PROG}: warning: {w}", err=True)
+        CONSOLE.write(f"{PROG}: warning: {w}\n")        # a closed console must not stop the job
     from leto_run import agent_start
     start = agent_start.begin(cfg, os.environ, token) if entry else None
     from leto_run.agent import run_job   # lazy: the agent is not needed to parse or print config

@@ -32,7 +32,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import sys
 import time
 from typing import Any, Callable
 
@@ -40,12 +39,10 @@ MAX_RECORDS = 100_000
 
 
 def console_warning(msg: str) -> None:
-    """Default warning sink of the event log and the log files: one line on stderr."""
-    try:
-        sys.stderr.write(f"[leto-run] warning: {msg}\n")
-        sys.stderr.flush()
-    except (ValueError, OSError):
-        pass
+    """Default warning sink of the event log and the log files: one line on stderr, through
+    the one console writer (a closed console never raises: `leto_run.console`)."""
+    from leto_run.console import CONSOLE
+    CONSOLE.write(f"[leto-run] warning: {msg}\n")
 
 
 class EventLog:

@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+from leto_run.console import CONSOLE
+
 _PERIOD = 0.5
 
 
@@ -73,10 +75,9 @@ class StatusView:
                 short = f"{sp.role.value}:{sp.state.value}"
                 if self._last_line.get(key) != short:
                     self._last_line[key] = short
-                    with self.lock:
-                        sys.stderr.write(f"[leto-run status gen={self.generation} "
-                                         f"restarts={self.restarts}] {line}\n")
-                        sys.stderr.flush()
+                    # The one console writer: a closed console never raises into the loop.
+                    CONSOLE.write(f"[leto-run status gen={self.generation} "
+                                  f"restarts={self.restarts}] {line}\n")
 
     def _table(self, now: float):
         from rich.table import Table
