@@ -349,7 +349,7 @@ def write(state: dict, t: int, s: Settings, world_size: int, report, fault, *,
         man = F.manifest(t, world_size, tmp)
         _write_synced(os.path.join(tmp, F.MANIFEST), man)
         F.fsync_dir(tmp)
-        os.rename(tmp, final)
+        F.rename_noreplace(tmp, final)      # never over an entry someone else put there
         F.fsync_dir(d)
     except write_errors() as e:             # never fatal: training goes on
         import shutil

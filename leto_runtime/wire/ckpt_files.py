@@ -240,3 +240,25 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """Rename `src` to `dst` unless `dst` exists (FileExistsError): a rename(2) would replace an
+    empty directory there, another user's included.  renameat2(RENAME_NOREPLACE) where libc
+    and the file system have it, else a check just before the rename (a narrow window)."""
+    import ctypes
+    import errno
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except AttributeError:
+        fn = None
+    if fn is not None:
+        at_cwd, noreplace = -100, 1
+        if fn(at_cwd, os.fsencode(src), at_cwd, os.fsencode(dst), noreplace) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):     # EINVAL: the file system lacks the flag
+            raise OSError(err, os.strerror(err), dst)
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
+    os.rename(src, dst)

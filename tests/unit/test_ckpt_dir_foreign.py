@@ -98,6 +98,34 @@ def test_writer_does_not_adopt_a_planted_step(tmp_path):
     assert F.newest(d) is None
 
 
+def test_writer_does_not_replace_another_users_empty_step(tmp_path):
+    """rename(2) would replace an empty directory of that name; the writer never does."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    os.chmod(d, 0o777)                                # a shared, non-sticky directory
+    theirs = d / F.name(5)
+    theirs.mkdir()
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    s = F.Settings(directory=str(d), keep=2)
+    got = ckpt_writer.write({"w": torch.zeros(4)}, 5, s, 1, lambda *a, **k: None, lambda p, t: None,
+                            stall=0.0, why="test", extra={})
+    assert not got["ok"]
+    assert os.stat(theirs).st_uid == OTHER_UID and os.listdir(theirs) == []
+    assert [e for e in os.listdir(d) if e != F.name(5)] == []       # our partial is gone
+
+
+def test_rename_noreplace_keeps_what_is_there(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    with pytest.raises(FileExistsError):
+        F.rename_noreplace(str(a), str(b))
+    assert a.is_dir() and b.is_dir()
+    b.rmdir()
+    F.rename_noreplace(str(a), str(b))
+    assert b.is_dir() and not a.exists()
+
+
 def test_the_agents_fallback_picks_our_newest(planted):
     """The agent's side (leto_run/fallback.py) reads the same scan: its choice for a fallback
     and for a restarted group is our step 3, not the planted 9999 / 9998."""
