@@ -107,6 +107,25 @@ def _prebuilt(root: str) -> bool:
     return bool(glob.glob(os.path.join(glob.escape(root), "*", "leto-kernel.json")))
 
 
+def _untrusted(root: str):
+    """The UnsafeCache the runtime would raise for the existing part of `root`'s path (every
+    directory from / down: leto_runtime/wire/cache_trust.py), or None."""
+    from pathlib import Path
+
+    from leto_runtime.wire.cache_trust import UnsafeCache, _trust_dir
+    path = Path(os.path.realpath(root))
+    cur = Path(path.anchor)
+    for part in ("", *path.parts[1:]):
+        cur = cur / part if part else cur
+        if not os.path.lexists(cur):
+            return None
+        try:
+            _trust_dir(cur)
+        except UnsafeCache as e:
+            return e
+    return None
+
+
 def _writable_problem(root: str) -> str | None:
     """Why kernels cannot be built under `root` (None: they can)."""
     top = root
@@ -133,6 +152,10 @@ def check_kernel_cache(cfg: JobConfig, s: S.Settings) -> None:
     var, value, root = kernel_root(s)
     if var == "HOME" or (cfg.recovery.mode != "inplace" and var != "LETO_EXT_DIR"):
         return
+    untrusted = _untrusted(root)
+    if untrusted is not None:         # the runtime would refuse it (UnsafeCache): say so now
+        raise ConfigError(var, f"the kernel cache {root!r} (from {var}={value!r}): "
+                          f"{untrusted.path} {untrusted.why}", untrusted.fix, "environment")
     why = _writable_problem(os.path.abspath(root))
     if why is None or _prebuilt(root):
         return

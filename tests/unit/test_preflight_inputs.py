@@ -190,6 +190,19 @@ def test_a_kernel_cache_under_a_file_is_refused_naming_the_variable(job_dir, var
     assert not (job_dir / "cache").exists()                        # and not created
 
 
+def test_a_kernel_cache_others_can_write_is_refused_before_the_runtime_would(job_dir):
+    """What the runtime refuses (UnsafeCache: another user could plant kernels that run as
+    us) is refused at start, naming the variable, the path and the fix."""
+    shared = job_dir / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)                          # world-writable, not sticky
+    e = _refused("train.py", env={"LETO_EXT_DIR": str(shared / "kernels")})
+    assert e.key == "LETO_EXT_DIR" and str(shared) in e.problem and "every user" in e.problem
+    assert "chmod go-w" in e.fix
+    os.chmod(shared, 0o755)
+    _pre("train.py", env={"LETO_EXT_DIR": str(shared / "kernels")})
+
+
 def test_only_leto_ext_dir_is_checked_in_restart_mode(job_dir):
     (job_dir / "afile").write_text("")
     bad = str(job_dir / "afile" / "x")
