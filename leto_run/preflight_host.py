@@ -117,7 +117,7 @@ def _untrusted(root: str):
     cur = Path(path.anchor)
     for part in ("", *path.parts[1:]):
         cur = cur / part if part else cur
-        if not os.path.lexists(cur):
+        if not os.path.isdir(cur):     # missing, or a file: _writable_problem's to report
             return None
         try:
             _trust_dir(cur)
