@@ -45,6 +45,7 @@ from leto_run.guardian import start_guardian
 from leto_run.heartbeat import HeartbeatServer
 from leto_run.inplace import InplaceRecovery
 from leto_run.logs import LogLayout, OutputPump
+from leto_run.membership import JOIN_S, MembershipProbe
 from leto_run.nodes import NodesPolicy
 from leto_run.procs import become_subreaper, reap_orphans
 from leto_run.rendezvous import make_handler, next_round
@@ -161,7 +162,7 @@ class Agent:
                                  scoped=self.handler.get_backend() != "static")
         self.sup = Supervisor(self.group, hb=self.hb, sig_fd=self._sig_r, handled=self.handled,
                               host=self.host, observer=self.inplace)
-        self.next_peer_check = 0.0
+        self.membership: MembershipProbe | None = None     # the round's, multi-node only
         if start.omp_warning:
             self.log("\n*****************************************\n" + start.omp_warning +
                      "\n*****************************************")
@@ -209,7 +210,10 @@ class Agent:
                  f"hang_timeout={self.cfg.recovery.hang_timeout:g}s logs={self.layout.root}")
         try:
             while True:
-                decision = self._start_group() or self._supervise()
+                try:
+                    decision = self._start_group() or self._supervise()
+                finally:
+                    self._end_membership()
                 self.log(f"decision: {decision.action.value}: {decision.reason}")
                 cls = decision.classification
                 self.events.emit("decision", g.generation, action=decision.action.value,
@@ -296,7 +300,8 @@ class Agent:
         t0 = time.monotonic()
         g.round = None          # drops the previous round's worker store server
         # Blocks in C++ up to the rendezvous' timeout: waited for where a signal still stops it.
-        r = interruptible(lambda: next_round(
+        # First the last round's membership probe leaves the handler (one store call at most).
+        r = interruptible(lambda: self._end_membership(JOIN_S) or next_round(
             self.handler, round_no=gen, restart_count=count, role=self.cfg.launch.role,
             local_world_size=self.nproc, master_addr=self.master_addr,
             master_port=self.master_port, single_node=self.cfg.launch.max_nodes <= 1),
@@ -309,6 +314,9 @@ class Agent:
         if stop is not None:
             return stop
         g.start(r, self.restart.count)      # (a fallback the round agreed on counts one)
+        if r.group_world_size > 1 or self.cfg.launch.max_nodes > 1:
+            self.membership = MembershipProbe(self.handler.num_nodes_waiting,
+                                              self.cfg.launch.monitor_interval, self.log).start()
         self.fallback.started_attempt()
         return None
 
@@ -345,10 +353,9 @@ class Agent:
 
     def _supervise(self) -> Decision:
         la, g = self.cfg.launch, self.group
-        multi_node = g.round.group_world_size > 1 or la.max_nodes > 1
         while True:
             began = time.monotonic()
-            planned = self._next_deadline(began, multi_node) - began
+            planned = self._next_deadline(began) - began
             self._pump_once(planned)
             # Before any verdict, what is queued already (a select interrupted by a stop of
             # this process returns nothing once its timeout has passed: exits and beats wait).
@@ -362,7 +369,7 @@ class Agent:
             if self.inplace:
                 self.inplace.tick(now)             # the shadows' preinit levels
             reap_orphans(g.known_pids())
-            nodes_waiting = self._nodes_waiting(now) if multi_node else 0
+            nodes_waiting = self._nodes_waiting()
             self.status.refresh()
             early = self.nodes.watch(now)
             if early is not None and early.action == Action.CONTINUE:
@@ -405,18 +412,23 @@ class Agent:
         self.log(f"the guardian (pid {old}) exited ({how}); a new one runs (pid {gd.pid}; {why})"
                  if started else f"warning: the guardian (pid {old}) exited ({how}): {why}")
 
-    def _nodes_waiting(self, now: float) -> int:
-        """Agents waiting to join (torchrun's membership check), every monitor interval."""
-        if now < self.next_peer_check:
+    def _nodes_waiting(self) -> int:
+        """Agents waiting to join (torchrun's membership check), as the round's probe last
+        heard: the loop never waits on the store (`leto_run.membership`)."""
+        if self.membership is None:
             return 0
-        self.next_peer_check = now + self.cfg.launch.monitor_interval
         try:
-            return self.handler.num_nodes_waiting()
+            return self.membership.take()
         except ForgedControlKey as e:
             raise job_secret.forged("the rendezvous", e.key, e.reason, True) from e
-        except Exception as e:  # store gone: a peer agent ended; its workers fail us
-            self.log(f"rendezvous store unreachable ({type(e).__name__}: {e})")
-            return 0
+
+    def _end_membership(self, join_s: float = 0.0) -> None:
+        """Stop the round's probe; `join_s` > 0 (before the next rendezvous): wait until its
+        thread is out of the handler."""
+        if self.membership is not None:
+            self.membership.close(join_s)
+        if join_s > 0:
+            self.membership = None
 
     def _fell_back(self, inplace: Decision, group: Decision) -> Decision:
         """In-place recovery was not possible: `group` (torchrun's semantics) decides, and its
@@ -428,14 +440,14 @@ class Agent:
         return Decision(group.action, f"{group.reason}; no in-place recovery: {inplace.reason}",
                         group.counts_as_restart, cls)
 
-    def _next_deadline(self, now: float, multi_node: bool) -> float:
+    def _next_deadline(self, now: float) -> float:
         g = self.group
         cands = [now + 1.0, self.status.next_refresh(now)]
         cands += [t for t, _, _ in g.timers]
         cands += [sp.hang_deadline for s in g.slots for sp in s.all()
                   if sp.hang_deadline is not None and not sp.done]
-        if multi_node:
-            cands.append(max(self.next_peer_check, now))
+        if self.membership is not None:
+            cands.append(now + self.cfg.launch.monitor_interval)
         if self.nodes.peers is not None:
             cands.append(now + self.nodes.peers.interval)
         return min(cands)

@@ -95,6 +95,7 @@ def release(a: Any) -> None:
     part("notices", "close")
     part("launcher", "close")
     part("nodes", "close", True)     # its thread off the store before the store goes
+    part("membership", "close")      # stops asking (a store call under way ends by itself)
     handler = getattr(a, "handler", None)
     if handler is not None and not any(t.is_alive() for t in ABANDONED):
         # Not after an abandoned wait: it still holds the store's one connection, and torch's

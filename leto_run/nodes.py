@@ -15,7 +15,8 @@ remote HOF is declared -- so that the closed connections a lost node leaves are 
 in place, over and over.  The beats come from the watcher's own thread (`leto_run.peers`).
 
 Calling contract: the agent's main thread; single-node jobs: `agree` and `watch` return None.
-`close` at the end of the job.  Store operations are bounded by the store's timeout.
+`close` at the end of the job.  `watch` makes no store call (the beats' thread reads for it):
+a store whose host stopped cannot stall the agent's loop.
 """
 from __future__ import annotations
 
@@ -103,12 +104,9 @@ class NodesPolicy:
             return Decision(Action.UNRECOVERABLE, lost)
         if not g.failures:
             return None
-        try:
-            fb = start_plan.fallback_announced(g.round.store)
-        except ForgedControlKey as e:
-            raise job_secret.forged("the start agreement", e.key, e.reason, True) from e
-        except Exception:
-            fb = None          # the store's host is gone: `lost` says so in time
+        # Read by the beats' thread after the counters `heard_since` judges: once every peer
+        # has beaten after this failure, a fallback announced before it has been seen.
+        fb = p.announced()
         if fb:
             return Decision(Action.RESTART, f"node {fb.get('node')} falls back to the "
                             f"checkpoint {fb.get('path')}: every node does")

@@ -8,15 +8,19 @@ wait for peers who never come, again and again.  So every agent beats in the rou
 `AuthStore`) every `timeout / 10` s and reads the others' counters; a peer whose counter has
 not moved for `timeout` s (`--peer-timeout`), or a store that stays unreachable as long (its
 host's agent is gone), is a lost node: the agent falls back to the checkpoint instead
-(`leto_run.fallback`), and the next rendezvous round admits a replacement node.
+(`leto_run.fallback`), and the next rendezvous round admits a replacement node.  A store call
+that has not returned counts as silence from the moment it began: a stopped host (SIGSTOP, a
+stalled machine) answers nobody, and its store's own timeout (60 s) is far beyond ours.  The
+same thread reads another node's announced fallback (`start_plan.fallback_announced`), so
+that the agent's loop makes no store call of its own.
 
 The beats come from a thread of their own (`run`), not from the agent's loop: the loop may
 wait in a policy for longer than the timeout (stopping a group grants its trainers a grace
 period), and a node whose agent is alive is not lost.
 
 Calling contract: the agent's main thread builds it, `start`s it before the round's start
-agreement, `meet`s the round's nodes and `run`s it; `lost(now)` and `heard_since(t)` read what
-the thread saw (under a lock never held across I/O); `close` ends the thread (it may finish one
+agreement, `meet`s the round's nodes and `run`s it; `lost(now)`, `heard_since(t)` and `announced()` read
+what the thread saw (under a lock never held across I/O); `close` ends the thread (it may finish one
 store operation, bounded by the store's timeout).  `tick(now)` is the thread's one turn (tests
 call it with the clock given).
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 
+from leto_run.start_plan import fallback_announced
 from leto_runtime.control_auth import ForgedControlKey
 
 KEY = "leto/alive/{}"
@@ -39,6 +44,8 @@ class PeerWatch:
         self.count = 0
         self.last_read = now
         self.unreachable: tuple[float, str] | None = None
+        self.inflight: float | None = None     # when the store call under way began
+        self.fallback: dict | None = None      # another node's announced fallback
         self.forged: ForgedControlKey | None = None
         self.done: set[int] = set()            # peers whose workers all succeeded
         self.lock = threading.Lock()
@@ -84,22 +91,27 @@ class PeerWatch:
         if not self.names:
             return
         self.count += 1
+        with self.lock:
+            self.inflight = now
         try:
             self.store.set(KEY.format(self.rank), str(self.count))
             got = self.store.multi_get([KEY.format(r) for r in self.names])
             done = {r for r in self.names if self.store.check([DONE.format(r)])}
+            fallback = fallback_announced(self.store)     # read after the counters: see nodes
         except ForgedControlKey as e:
             with self.lock:
-                self.forged = e
+                self.forged, self.inflight = e, None
             return
         except Exception as e:      # the store's host (the rendezvous host's agent) is gone
             with self.lock:
                 if self.unreachable is None:
-                    self.unreachable = (now, f"{type(e).__name__}: {e}")
+                    self.unreachable = (self.inflight, f"{type(e).__name__}: {e}")
+                self.inflight = None
             return
         with self.lock:
-            self.unreachable = None
+            self.unreachable, self.inflight = None, None
             self.done = done
+            self.fallback = fallback or self.fallback
             for r, v in zip(self.names, got):
                 if v != self.value[r]:
                     self.value[r], self.moved[r] = v, now
@@ -113,6 +125,13 @@ class PeerWatch:
             self.moved = {r: max(t, now) for r, t in getattr(self, "moved", {}).items()}
             if self.unreachable is not None:
                 self.unreachable = (max(self.unreachable[0], now), self.unreachable[1])
+            if self.inflight is not None:
+                self.inflight = max(self.inflight, now)
+
+    def announced(self) -> dict | None:
+        """Another node's fallback of this round, as the thread last read it (or None)."""
+        with self.lock:
+            return self.fallback
 
     def heard_since(self, t: float) -> bool:
         """Has every peer beaten after time `t`?"""
@@ -129,6 +148,9 @@ class PeerWatch:
                 return (f"the job's store has been unreachable for "
                         f"{now - self.unreachable[0]:.1f} s ({self.unreachable[1]}): the node "
                         "hosting it is lost")
+            if self.inflight is not None and now - self.inflight > self.timeout:
+                return (f"the job's store has not answered for {now - self.inflight:.1f} s "
+                        f"(--peer-timeout {self.timeout:g} s): the node hosting it is lost")
             gone = [f"{self.names[r]} (group rank {r}, silent for {now - t:.1f} s)"
                     for r, t in self.moved.items()
                     if now - t > self.timeout and r not in self.done]

@@ -1,13 +1,20 @@
 """Where every node of a multi-node round starts (leto_run.start_plan.decide_start, a pure
 function of the nodes' views), the exchange over a real store, and the peer beats
-(leto_run.peers.PeerWatch) over a real store with the clock given."""
+(leto_run.peers.PeerWatch) over a real store with the clock given; the membership probe
+(leto_run.membership) over a stuck call."""
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import torch.distributed as dist
 
+from leto_run.membership import MembershipProbe
 from leto_run.peers import PeerWatch
 from leto_run.start_plan import (StartView, announce_fallback, decide_start, exchange,
                                  fallback_announced)
+from leto_runtime.control_auth import ForgedControlKey
 
 
 def V(node, retained=True, resume=None, newest=None, gen=0):
@@ -140,3 +147,110 @@ def test_after_the_agent_was_away_every_peer_and_the_store_count_from_then():
     w.tick(1.0)
     w.grace(20.0)
     assert w.lost(24.0) is None and "unreachable" in w.lost(25.5)
+
+
+class _Stuck:
+    """A store whose host is stopped: every call waits until `go` is set."""
+
+    def __init__(self):
+        self.go = threading.Event()
+
+    def set(self, *a):
+        assert self.go.wait(30)
+        raise ConnectionError("timed out")
+
+    multi_get = check = set
+
+
+def test_a_store_call_that_does_not_return_counts_as_silence_from_its_start():
+    """A stopped store host answers nobody: the store's own timeout (60 s) must not delay the
+    verdict, so a call under way is silence from when it began."""
+    store = _Stuck()
+    w = PeerWatch(store, 1, 5.0, now=1.0)
+    w.meet(["n0", "n1"], 1.0)
+    t = threading.Thread(target=w.tick, args=(1.0,))
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while w.inflight is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert w.lost(5.5) is None
+        why = w.lost(6.5)
+        assert why and "has not answered for 5.5 s" in why and "--peer-timeout 5 s" in why
+        w.grace(20.0)                      # the agent was away meanwhile: counts from then
+        assert w.lost(24.0) is None and w.lost(25.5)
+    finally:
+        store.go.set()
+        t.join(10)
+    assert w.inflight is None and "unreachable" in w.lost(25.5)
+
+
+def test_another_node_s_fallback_is_read_by_the_beats_thread_after_the_counters():
+    store = dist.HashStore()
+    a, b = _pair(store)
+    a.tick(0.5)
+    assert a.announced() is None
+    announce_fallback(store, "n1", "/ck/6")
+    assert a.announced() is None           # the loop reads what the thread saw, no store call
+    b.tick(1.0)
+    a.tick(1.0)
+    assert a.announced() == {"node": "n1", "path": "/ck/6"} and a.heard_since(0.5)
+
+
+def _probe(count, logs):
+    return MembershipProbe(count, 0.01, logs.append)
+
+
+def test_the_membership_count_is_taken_once_and_a_gone_store_is_logged_once():
+    logs: list[str] = []
+    answers = iter([2, 0, ConnectionError("reset"), ConnectionError("reset"), 1])
+
+    def count():
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    p = _probe(count, logs)
+    p.read_once()
+    p.read_once()
+    assert p.take() == 2 and p.take() == 0       # the newest count not yet taken
+    p.read_once()
+    p.read_once()
+    assert p.take() == 0 and p.take() == 0
+    assert logs == ["rendezvous store unreachable (ConnectionError: reset)"]
+    p.read_once()
+    assert p.take() == 1
+
+
+def test_a_forged_membership_value_is_raised_on_the_agent_s_thread():
+    def count():
+        raise ForgedControlKey("rdzv/state", "bad MAC")
+
+    p = _probe(count, [])
+    p.read_once()
+    with pytest.raises(ForgedControlKey):
+        p.take()
+
+
+def test_the_loop_never_waits_for_a_stuck_membership_call():
+    go = threading.Event()
+
+    def count():
+        assert go.wait(30)
+        return 3
+
+    logs: list[str] = []
+    p = _probe(count, logs).start()
+    try:
+        time.sleep(0.1)                          # the thread is inside the call
+        t0 = time.monotonic()
+        assert p.take() == 0
+        assert time.monotonic() - t0 < 0.5
+        p.close(join_s=0.2)                      # bounded, and says so
+        assert p.thread.is_alive() and "still in a store call" in logs[-1]
+    finally:
+        go.set()
+    p.close(join_s=10)
+    assert not p.thread.is_alive() and p.take() == 3
