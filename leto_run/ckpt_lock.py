@@ -24,10 +24,10 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import stat
 import time
 
 from leto_run.errors import ConfigError
+from leto_runtime.wire import file_trust
 
 LOCK_NAME = ".leto-checkpoint.lock"
 CONVERT_WAIT_S = 2.0          # another agent of the job turns its exclusive lock into a shared one
@@ -37,15 +37,7 @@ _OPEN = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 def _problem(st: os.stat_result) -> str | None:
     """Why a lock file with stat `st` is not ours to use (None: it is)."""
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link (possibly planted by another user)"
-    if not stat.S_ISREG(st.st_mode):
-        return "is not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"belongs to another user (uid {st.st_uid})"
-    if st.st_nlink != 1:
-        return f"has {st.st_nlink} hard links (possibly to another file)"
-    return None
+    return file_trust.problem(st, "file", one_link=True)
 
 
 def _refuse_path(path: str, why: str) -> ConfigError:

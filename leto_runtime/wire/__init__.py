@@ -9,6 +9,7 @@
   device page rounding);
 - `host_pages`: the host page layout (memfd pages mapped back to back) and the CUDA driver
   helpers both sides call;
+- `file_trust`: is a path entry ours to use (no symlink, FIFO, other owner, second link);
 - `kernel_cache`: the native build helper (the content-addressed cache every kernel build uses).
 
 The state manager (`leto_run/state_manager/`) imports this package and nothing else of

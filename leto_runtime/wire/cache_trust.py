@@ -17,6 +17,8 @@ import os
 import stat
 from pathlib import Path
 
+from leto_runtime.wire import file_trust
+
 
 class UnsafeCache(RuntimeError):
     """A path of the kernel cache another user could write (or a symlink, or not ours): Leto
@@ -90,11 +92,7 @@ def _trust_dir(path: Path, sticky_ok: bool = True) -> None:
 
 def _file_problem(st: os.stat_result) -> str | None:
     """Why a cache file with stat `st` must not be used (None: it may)."""
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link (possibly planted by another user)"
-    if not stat.S_ISREG(st.st_mode):
-        return "is not a regular file"
-    return _owner_problem(st) or _others_may_write(st)
+    return file_trust.problem(st, "file", owners=(os.geteuid(), 0)) or _others_may_write(st)
 
 
 def _private_dirs(path: Path) -> Path:

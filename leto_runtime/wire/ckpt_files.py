@@ -29,9 +29,10 @@ import logging
 import os
 import re
 import shutil
-import stat
 import time
 from dataclasses import dataclass
+
+from leto_runtime.wire import file_trust
 
 MANIFEST = "leto_checkpoint.json"
 FORMAT = 1
@@ -106,13 +107,7 @@ def foreign(path: str) -> str | None:
         st = os.lstat(path)
     except OSError as e:
         return f"cannot be examined ({e.strerror or e})"
-    if stat.S_ISLNK(st.st_mode):
-        return "is a symbolic link (possibly planted by another user)"
-    if not stat.S_ISDIR(st.st_mode):
-        return "is not a directory"
-    if st.st_uid != os.geteuid():
-        return f"belongs to another user (uid {st.st_uid})"
-    return None
+    return file_trust.problem(st, "dir")
 
 
 def _warn_foreign(skipped: list[tuple[str, str]]) -> None:

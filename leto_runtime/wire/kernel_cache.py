@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from leto_runtime.wire import settings
+from leto_runtime.wire import file_trust, settings
 from leto_runtime.wire.cache_trust import (  # noqa: F401  (UnsafeCache is part of this API)
     UnsafeCache, _OPEN_FILE, _file_problem, _no_others_write, _private_dirs, _trust_dir, _write_file)
 
@@ -356,10 +356,7 @@ class BuildLock:
                               if e.errno == errno.ELOOP else
                               f"cannot be opened ({e.strerror or e})") from None
         st = os.fstat(fd)
-        why = _file_problem(st) or (
-            f"belongs to another user (uid {st.st_uid})" if st.st_uid != os.geteuid() else
-            f"has {st.st_nlink} hard links (possibly to another file)" if st.st_nlink != 1
-            else None)
+        why = file_trust.problem(st, "file", one_link=True) or _file_problem(st)
         if why is not None:
             os.close(fd)
             raise UnsafeCache(self.path, why)
