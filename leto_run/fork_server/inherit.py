@@ -167,8 +167,8 @@ def _child(mine: socket.socket, theirs: socket.socket, agent: int, env: dict[str
         raise                       # a worker's exit: the interpreter's, at its top level
     except BaseException:           # noqa: BLE001 -- never return into the agent's frames
         try:
-            sys.stderr.write("[leto-run fork-server] " + traceback.format_exc())
-            sys.stderr.flush()
+            from leto_run.fork_server.server import say
+            say("[leto-run fork-server] " + traceback.format_exc())
         finally:
             os._exit(1)
     os._exit(0)                     # the server's end: nothing of the agent may run here

@@ -62,6 +62,17 @@ GATE_S = 120.0          # the agent's bookkeeping after the reply (a busy machin
 _PR_SET_PDEATHSIG = 1
 
 
+def say(text: str) -> None:
+    """The server's own word on its stderr: the agent's console as it was at the fork, which
+    may be gone since (a closed terminal, a reader that exited: the agent put /dev/null in its
+    place, not in ours).  Nothing to do then but stay quiet."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def _readable(fd: int, timeout: float) -> bool:
     poller = select.poll()          # (not select(): any descriptor number)
     poller.register(fd, select.POLLIN)
@@ -103,7 +114,7 @@ def main(fd: int, also: tuple[str, ...] = ALSO_PRELOAD) -> None:
         try:
             msg = wire.recv(sock)
         except (OSError, ValueError) as e:
-            sys.stderr.write(f"[leto-run fork-server] the agent's socket failed: {e}\n")
+            say(f"[leto-run fork-server] the agent's socket failed: {e}\n")
             return
         if msg is None:
             return                                  # the agent is done with us
