@@ -5,6 +5,7 @@ tests/conftest.py).  Not named conftest: several conftest modules exist (tests/g
 and `from conftest import` would pick whichever was imported first."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -115,6 +116,25 @@ def build_kernels(config=None, *, cuda: bool | None = None, what: str = "") -> l
 
 _PORT_BAND = 500
 _next_port = [random.randrange(_PORT_BAND)]     # another test run on the machine starts elsewhere
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(prefix: str, size: str = "64k"):
+    """A fresh tmpfs of `size` mounted on a new directory (a real full disk for the tests);
+    unmounted and removed whatever the test did.  Skips the test where mounting needs root."""
+    import pytest
+    import tempfile
+    d = tempfile.mkdtemp(prefix=prefix)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", d],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        os.rmdir(d)
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", d], check=True)
+        os.rmdir(d)
 
 
 def free_port() -> int:

@@ -5,14 +5,13 @@ shadow's), no partial directory left, and no checkpoint pretended (docs/CHECKPOI
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 import time
 
 import pytest
 
 from leto_runtime.wire import ckpt_files as F
-from leto_testing import ROOT, assert_nothing_left, base_env, events, leto_cmd, of, run
+from leto_testing import (ROOT, assert_nothing_left, base_env, events, leto_cmd, of, run,
+                          tiny_tmpfs)
 
 SCRIPT = str(ROOT / "examples" / "byo_train.py")
 GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
@@ -22,17 +21,8 @@ STEPS = 12
 
 @pytest.fixture
 def tiny_fs():
-    d = tempfile.mkdtemp(prefix="leto-ckfull-")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", d],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        os.rmdir(d)
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    try:
+    with tiny_tmpfs("leto-ckfull-") as d:
         yield d
-    finally:
-        subprocess.run(["umount", d], check=True)
-        os.rmdir(d)
 
 
 @pytest.mark.parametrize("writer", ["trainer", "auto"])

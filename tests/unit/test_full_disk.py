@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 
 import pytest
@@ -28,22 +27,14 @@ from leto_run.state_manager.keeper import (ALLOW_SIZE, AllowFileError, FdKeeper,
 from leto_runtime import ckpt_writer
 from leto_runtime.wire import bulletin
 from leto_runtime.wire import ckpt_files as F
+from leto_testing import tiny_tmpfs
 
 
 @pytest.fixture
 def tmpfs():
     """A fresh 64 KiB tmpfs; unmounted (and its mount point removed) whatever the test did."""
-    d = tempfile.mkdtemp(prefix="leto-full-")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", d],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        os.rmdir(d)
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
-    try:
+    with tiny_tmpfs("leto-full-") as d:
         yield d
-    finally:
-        subprocess.run(["umount", d], check=True)
-        os.rmdir(d)
 
 
 def fill(d: str) -> str:
