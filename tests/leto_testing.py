@@ -137,6 +137,20 @@ def tiny_tmpfs(prefix: str, size: str = "64k"):
         os.rmdir(d)
 
 
+def job_secret_file(d: Path) -> Path:
+    """A fresh 0600 job secret under `d`, as every node of a multi-node test shares it."""
+    secret = d / "job_secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    return secret
+
+
+def listening(port: int) -> bool:
+    """Does something accept on 127.0.0.1:`port` (the agent hosting the rendezvous)?"""
+    with socket.socket() as c:
+        return c.connect_ex(("127.0.0.1", port)) == 0
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 that no other test of the run can be handed meanwhile:
     taken below the kernel's ephemeral range (where bind(0), every store bound to port 0 and

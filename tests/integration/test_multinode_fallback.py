@@ -20,26 +20,20 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from leto_testing import (ROOT, base_env, compare_runs, events, free_port, leto_cmd, of,
-                          pid_alive, run, shared_dir, torchrun_cmd)
+from leto_testing import (ROOT, base_env, compare_runs, events, free_port, job_secret_file,
+                          leto_cmd, listening, of, pid_alive, run, shared_dir, torchrun_cmd)
 
 SCRIPT = str(ROOT / "examples" / "byo_train.py")
 GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
             "--chunk-pages", "2")
 STEPS = 12
 ENV = {"OMP_NUM_THREADS": "1"}      # one trainer per node: pinned as torchrun's two are
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as c:
-        return c.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +52,7 @@ def test_a_lost_node_and_a_node_beyond_tolerance_fall_back_on_every_node_exactly
     out, ck = tmp_path / "out", tmp_path / "ck"
     out.mkdir()
     port = free_port()
-    secret = tmp_path / "job_secret"
-    secret.write_bytes(os.urandom(32))
-    secret.chmod(0o600)
+    secret = job_secret_file(tmp_path)
 
     def agent(n: int, inject: tuple = ("--inject", "pages:rank=1:count=3:tier=device:step=5"),
               ) -> subprocess.Popen:
@@ -80,7 +72,7 @@ def test_a_lost_node_and_a_node_beyond_tolerance_fall_back_on_every_node_exactly
     procs = {0: agent(0)}
     end = time.monotonic() + 400
     try:
-        while not _listening(port):        # agent 0 hosts the rendezvous: it must survive
+        while not listening(port):        # agent 0 hosts the rendezvous: it must survive
             assert procs[0].poll() is None and time.monotonic() < end, _err(tmp_path, 0)
             time.sleep(0.1)
         procs[1] = agent(1)

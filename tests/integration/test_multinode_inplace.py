@@ -3,11 +3,10 @@ a rank dies on node 1; node 1's agent declares the HOF in the job's store, node 
 it there and promotes its own shadows too, and the GPT run stays bit-identical to torchrun.
 The agents share the job's secret through one 0600 file (--secret-file), as nodes would through
 a shared home directory."""
-import os
 import subprocess
 
-from leto_testing import (ROOT, base_env, events, final_digest, free_port, leto_cmd, run,
-                          torchrun_cmd)
+from leto_testing import (ROOT, base_env, events, final_digest, free_port, job_secret_file,
+                          leto_cmd, run, torchrun_cmd)
 
 SCRIPT = str(ROOT / "examples" / "gpt_inplace.py")
 STEPS = 12
@@ -26,9 +25,7 @@ def test_hof_on_one_node_promotes_shadows_on_both(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
-    secret = tmp_path / "job_secret"
-    secret.write_bytes(os.urandom(32))
-    secret.chmod(0o600)
+    secret = job_secret_file(tmp_path)
     procs = []
     for node in range(2):
         cmd = leto_cmd("--no-status", "--nnodes", "2", "--nproc-per-node", "1",

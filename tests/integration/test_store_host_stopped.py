@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from leto_testing import ROOT, base_env, events, free_port, leto_cmd, of, pid_alive
+from leto_testing import (ROOT, base_env, events, free_port, job_secret_file, leto_cmd, listening,
+                          of, pid_alive)
 
 SCRIPT = str(ROOT / "examples" / "byo_train.py")
 GEOMETRY = ("--page-bytes", "4096", "--data-pages", "4", "--tier1", "2", "--tier2", "1",
@@ -29,11 +29,6 @@ PEER_TIMEOUT = 5.0
 # The c10d store's own timeout is 60 s: a verdict that waited for a store call to fail comes
 # after it.  Well below, well above --peer-timeout (a busy machine delays the agents' turns).
 BOUND_S = 35.0
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as c:
-        return c.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _steps(out: Path, rank: int) -> int:
@@ -53,9 +48,7 @@ def test_a_stopped_store_host_is_a_lost_node_within_the_peer_timeout(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     port = free_port()
-    secret = tmp_path / "job_secret"
-    secret.write_bytes(os.urandom(32))
-    secret.chmod(0o600)
+    secret = job_secret_file(tmp_path)
 
     def agent(n: int) -> subprocess.Popen:
         cmd = leto_cmd("--no-status", "--nnodes", "2", "--nproc-per-node", "1",
@@ -70,7 +63,7 @@ def test_a_stopped_store_host_is_a_lost_node_within_the_peer_timeout(tmp_path):
     procs = {0: agent(0)}
     end = time.monotonic() + 300
     try:
-        while not _listening(port):             # agent 0 hosts the store
+        while not listening(port):             # agent 0 hosts the store
             assert procs[0].poll() is None and time.monotonic() < end, _err(tmp_path, 0)
             time.sleep(0.1)
         procs[1] = agent(1)
