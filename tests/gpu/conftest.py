@@ -36,3 +36,14 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.gpu)
         if reason:
             item.add_marker(pytest.mark.skip(reason=f"needs a CUDA GPU: {reason}"))
+
+
+@pytest.fixture(autouse=True)
+def _cache_given_back():
+    """What a test's process cached on the device goes back after it (torch keeps freed blocks
+    reserved): a `gpu_alone` test that fills the device runs beside idle xdist workers, whose
+    caches would otherwise hold gigabytes of it."""
+    yield
+    import torch
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

@@ -20,10 +20,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 @pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
 def test_the_script_s_optimizer_matches_stock_torch_on_cuda(monkeypatch, cleanup, kind):  # noqa: F811
+    # Deterministic cuBLAS for both runs, this test's alone (the worker's later tests keep
+    # their own process state: tests/conftest.py checks it).
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+    was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    job, model, opt, losses, lrs = _leto(monkeypatch, kind, rmu=True, device="cuda")
-    ref, topt, ref_losses, ref_lrs = _stock(kind, device="cuda")
+    try:
+        job, model, opt, losses, lrs = _leto(monkeypatch, kind, rmu=True, device="cuda")
+        ref, topt, ref_losses, ref_lrs = _stock(kind, device="cuda")
+    finally:
+        torch.use_deterministic_algorithms(was)
     assert losses == ref_losses and lrs == ref_lrs and len(set(losses)) == STEPS
     for (n, a), b in zip(model.named_parameters(), ref.parameters()):
         assert torch.equal(a, b), n

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
@@ -48,6 +50,7 @@ def _child(want: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.gpu_alone          # the device's free memory may be its measure
 def test_the_waiting_shadow_s_stack_reservation_is_given_back_and_restored():
     on, off = _child("0"), _child("off")
     print(f"\nstack limit ({on['how']}): default {on['default']} B; lowered to {on['low']} B freed "

@@ -27,6 +27,7 @@ SCHEDULE = ("kill:rank=0:step=2",
             "preinit:rank=0:step=8:gen=3:level=L3", "kill:rank=0:step=10:gen=3")
 
 
+@pytest.mark.gpu_alone          # the device's free memory is its measure
 def test_nvml_sees_what_this_process_holds():
     from leto_run.nvml import Nvml
     nv = Nvml.open()
@@ -188,6 +189,7 @@ def _beside(need_mib: int):
 _beside_spike = _beside(SPIKE_MIB)
 
 
+@pytest.mark.gpu_alone          # fills the device
 def test_a_sudden_spike_takes_the_shadow_s_memory_instead_of_an_oom(tmp_path):
     """With the reclaim hook (cuda/lend_alloc.cpp) the spike asks the agent, which relaunches
     the shadow at L1; the active's allocation then succeeds, generation 0 never fails and every
@@ -217,6 +219,7 @@ def _back_to_l3(evs) -> bool:
             m["mono"] for m in evs if m["event"] == "preinit") for e in evs)
 
 
+@pytest.mark.gpu_alone          # fills the device
 def test_memory_growth_moves_the_shadow_down_before_the_peak_and_back_up_after(tmp_path):
     """The active keeps 256 MiB more each second for 12 s, with ~2.6 GiB free beside its L3
     shadow (`_beside`): the controller (NVML, horizon and raise hold 10 s) moves the shadow
