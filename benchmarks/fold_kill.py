@@ -50,8 +50,10 @@ def _launch(f, bufs: dict, dev) -> None:
                   first=0, outs=bufs["outs"], bases=bufs["bases"], counts=bufs["counts"], tag=TAG)
 
 
-def victim(bufs: dict, delay_s: float, ready) -> None:
-    """The child: map the parent's buffers, launch, tell, wait `delay_s`, SIGKILL itself."""
+def victim(bufs: dict, delay_s: float, ready, batch: int = 1) -> None:
+    """The child: map the parent's buffers, launch, tell, wait `delay_s`, SIGKILL itself.
+    `batch`: the kernel's stages per count (LETO_RMU_FOLD_BATCH, read when the kernel is bound)."""
+    os.environ["LETO_RMU_FOLD_BATCH"] = str(batch)
     dev = bufs["g"].device
     f = _fused(dev)
     torch.cuda.synchronize(dev)
@@ -114,8 +116,9 @@ def check(bufs: dict, before: list[torch.Tensor]) -> dict:
             "untouched_at_or_above_count": untouched, "restored_bit_exact": restored}
 
 
-def trial(delay_s: float, dev=None) -> dict:
-    """One victim killed `delay_s` after its launch; the checks of what it left."""
+def trial(delay_s: float, dev=None, batch: int = 1) -> dict:
+    """One victim killed `delay_s` after its launch (its kernel counting every `batch` stages);
+    the checks of what it left."""
     import torch.multiprocessing as mp
     dev = torch.device(dev or "cuda:0")
     bufs = _buffers(dev)
@@ -123,7 +126,7 @@ def trial(delay_s: float, dev=None) -> dict:
     torch.cuda.synchronize(dev)
     ctx = mp.get_context("spawn")
     rx, tx = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=victim, args=(bufs, delay_s, tx))
+    p = ctx.Process(target=victim, args=(bufs, delay_s, tx, batch))
     p.start()
     if not rx.poll(120):
         p.kill()
@@ -139,7 +142,7 @@ def trial(delay_s: float, dev=None) -> dict:
     time.sleep(0.05)
     still = all(torch.equal(a, b) for a, b in zip(snap, bufs["state"]))
     out = check(bufs, before)
-    return {"delay_ms": delay_s * 1e3, "exitcode": p.exitcode, "still_after_reap": still, **out}
+    return {"delay_ms": delay_s * 1e3, "batch": batch, "exitcode": p.exitcode, "still_after_reap": still, **out}
 
 
 def main(argv=None) -> None:

@@ -24,9 +24,10 @@ RMU_ENV = {"rmu": {}, "rmu_nolend": {"LETO_LEND": "0"},
            "rmu_f2": {"LETO_RMU_FUSED_LAYOUT": "2x2x3", "LETO_RMU_FOLD": "0"},
            "rmu_f2s": {"LETO_RMU_FUSED_LAYOUT": "2x2x3-statemajor", "LETO_RMU_FOLD": "0"},
            "rmu_ws": {"LETO_RMU_FUSED_LAYOUT": "ws", "LETO_RMU_FOLD": "0"},   # cuda/adamw_ws.cu
-           "rmu_fold": {"LETO_RMU_FOLD": "1"}}              # the folded chunk (rmu/fold.py)
+           "rmu_fold": {"LETO_RMU_FOLD": "1"},              # the folded chunk (rmu/fold.py)
+           "rmu_fold4": {"LETO_RMU_FOLD": "1", "LETO_RMU_FOLD_BATCH": "4"}}   # counting every 4 stages
 ALTERNATIVES = ("rmu_pipelined", "rmu_inlinewb", "rmu_unbounded", "rmu_twokernel", "rmu_hostfunc", "rmu_prev",
-                "rmu_f4", "rmu_f4s", "rmu_f2", "rmu_f2s", "rmu_ws", "rmu_fold")
+                "rmu_f4", "rmu_f4s", "rmu_f2", "rmu_f2s", "rmu_ws", "rmu_fold", "rmu_fold4")
 ALL = (*BASELINES, *RMU_ENV)
 
 

@@ -76,17 +76,18 @@ void adamw_syndrome(torch::Tensor p, torch::Tensor m, torch::Tensor v, const tor
 // The folded chunk (adamw_ws.cu, fold with counts): p, m, v <- AdamW(p, m, v; g) in place, their
 // old values to up, um, uv, the same parity pages; counts: int64 CUDA tensors (two copies, in
 // different pages) of one word per 512-byte column of a page, (tag << 16) | the stages whose
-// undo copy is visible (leto_runtime/rmu/fold.py reads them).
+// undo copy is visible (leto_runtime/rmu/fold.py reads them), stored every `batch` stages (1 or 4).
 void adamw_syndrome_fold(torch::Tensor p, torch::Tensor m, torch::Tensor v, const torch::Tensor& g,
                          torch::Tensor up, torch::Tensor um, torch::Tensor uv,
                          const std::optional<torch::Tensor>& coef, const torch::Tensor& outs,
                          const torch::Tensor& bases, const torch::Tensor& mix, const torch::Tensor& scale,
                          int64_t page_bytes, double decay, double beta1, double beta2, double eps,
                          double bc2_sqrt, double step_size, bool has_decay, torch::Tensor counts0,
-                         torch::Tensor counts1, int64_t tag) {
+                         torch::Tensor counts1, int64_t tag, int64_t batch) {
   ChunkCall c = chunk_call(p, m, v, g, up, um, uv, coef, outs, bases, mix, scale, page_bytes, decay, beta1,
                            beta2, eps, bc2_sqrt, step_size, has_decay);
-  set_counts(c, p, counts0, counts1, tag, page_bytes, 1);
+  TORCH_CHECK(batch == 1 || batch == 4, "adamw_syndrome_fold: a count every 1 or 4 stages in this build");
+  set_counts(c, p, counts0, counts1, tag, page_bytes, batch);
   const c10::cuda::CUDAGuard guard(p.device());
   try {
     leto_rmu::adamw_syndrome_ws(c.a, c.f, c.coef.data(), true, c10::cuda::getCurrentCUDAStream().stream());
@@ -119,6 +120,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("coef"), py::arg("outs"), py::arg("bases"), py::arg("mix"), py::arg("scale"),
         py::arg("page_bytes"), py::arg("decay"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
         py::arg("bc2_sqrt"), py::arg("step_size"), py::arg("has_decay"), py::arg("counts0"), py::arg("counts1"),
-        py::arg("tag"));
+        py::arg("tag"), py::arg("batch") = 1);
   register_marker_stream(m);
 }

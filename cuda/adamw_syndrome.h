@@ -22,7 +22,7 @@ struct AdamWSyndromeArgs {
   // its count is visible.  Null: no counts.
   uint64_t* counts[2];
   uint64_t tag;           // < 2^48: the transaction (leto_runtime/rmu/fold.py)
-  int count_batch;        // stages per count (0 or 1: every stage; 2, 4: the benchmarks' build)
+  int count_batch;        // stages per count (0 or 1: every stage; 4; 2: the benchmarks' build)
   const float* g;         // the chunk's gradients
   const float* coef;      // 0-dim fp32 on the device (clipping), or null
   AdamWScalars s;

@@ -72,8 +72,8 @@ __device__ __forceinline__ void bar_arrive(int id) {
 
 // A producer thread (pt = 0..127): its 16 bytes of every page of the tile.
 // kBatch: stages per count (a fence and a count after every kBatch stages; the stash holds two
-// batches).  The updater's kernel counts every stage (1); the benchmarks' build
-// (adamw_ws_bench.cu) has 2 and 4 as well.
+// batches).  The updater's kernel counts every stage (1) or every 4 (LETO_RMU_FOLD_BATCH=4); the
+// benchmarks' build (adamw_ws_bench.cu) has 2 as well.
 template <class C, int V, bool kFold, bool kCounts, int kBatch>
 __device__ __forceinline__ void ws_produce(const SyndromeArgs& a, const leto_rmu::AdamWSyndromeArgs& f, int pt,
                                            uint8_t* smem) {
@@ -293,9 +293,9 @@ void adamw_syndrome_ws(const SyndromeArgs& args, const AdamWSyndromeArgs& f, con
   if (counts) {
     switch (batch) {
       case 1: launch_counts<1>(baked, a, f, masks, stream); return;
+      case 4: launch_counts<4>(baked, a, f, masks, stream); return;
 #ifdef LETO_WS_COUNT_BATCHES
       case 2: launch_counts<2>(baked, a, f, masks, stream); return;
-      case 4: launch_counts<4>(baked, a, f, masks, stream); return;
 #endif
       default: throw std::invalid_argument("adamw_syndrome_ws: no kernel counting every " + std::to_string(batch) +
                                            " stages in this build");

@@ -171,6 +171,8 @@ class Fused:
         self.ext, self.cfg, self.variant = ext, cfg, variant
         self.layout = layout()
         self.candidates = layouts()
+        # the folded chunk's stages per count (LETO_RMU_FOLD_BATCH; fold_ok checks this one)
+        self.fold_batch = int(settings.get().rmu_fold_batch)
 
     @classmethod
     def for_device(cls, device, cfg: "A.AdamWConfig") -> Optional["Fused"]:
@@ -275,7 +277,7 @@ class Fused:
         used on `device`: it gives the one-kernel chunk's bits, the undo copy and full counts
         (checked once; `why_not_fold` says why not)."""
         global why_not_fold
-        key = ("fold", str(torch.device(device)), self.cfg, self.variant, m)
+        key = ("fold", str(torch.device(device)), self.cfg, self.variant, m, self.fold_batch)
         if key not in _cache:
             try:
                 bad = self.syndrome_check(torch.device(device), m, kernel="fold")
@@ -293,10 +295,11 @@ class Fused:
                     counts: Sequence[torch.Tensor], tag: int) -> None:
         """chunk_syndrome_ with the undo copy folded in (cuda/adamw_ws.cu): the states are read
         in place, their old values written to `undo`, and `counts` (two int64 copies of
-        fold.units words) say per unit which stages' undo copy is visible (fold.py)."""
+        fold.units words) say per unit which stages' undo copy is visible (fold.py), stored every
+        `fold_batch` stages."""
         self.ext.adamw_syndrome_fold(*self._chunk_args(states, undo, g, step=step, lr=lr, coef=coef, code=code,
                                                        first=first, outs=outs, bases=bases),
-                                     counts[0], counts[1], tag)
+                                     counts[0], counts[1], tag, self.fold_batch)
 
     def chunk_bench_(self, kernel: str, states: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], g, *,
                      step: int, lr: float, coef: Optional[torch.Tensor], code, first: int,

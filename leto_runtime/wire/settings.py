@@ -146,6 +146,9 @@ KNOBS: dict[str, tuple[str, Callable[[str, str], Any], Any]] = {
     "rmu_stream_marker": ("LETO_RMU_STREAM_MARKER", _choice("kernel", "hostfunc", "1", "0"), "kernel"),
     "rmu_undo_pipeline": ("LETO_RMU_UNDO_PIPELINE", _flag, False),
     "rmu_fold": ("LETO_RMU_FOLD", _flag, True),             # the folded chunk (rmu/fold.py)
+    # its stages per count: a fence every 1 or 4 stages (cuda/adamw_ws.cu; the count's meaning is
+    # the same, so recovery does not change)
+    "rmu_fold_batch": ("LETO_RMU_FOLD_BATCH", _choice("1", "4"), "1"),
     "rmu_wb_overlap": ("LETO_RMU_WB_OVERLAP", _flag, True),
     "rmu_lookahead": ("LETO_RMU_LOOKAHEAD", _count(0, 16), 1),     # chunks queued ahead (rmu/lookahead.py)
     # a waiting shadow's rehearsed update on scratch (leto_runtime/rmu/rehearsal.py)
@@ -219,6 +222,7 @@ class Settings:
     rmu_stream_marker: str
     rmu_undo_pipeline: bool
     rmu_fold: bool
+    rmu_fold_batch: str
     rmu_wb_overlap: bool
     rmu_lookahead: int
     rehearse: bool

@@ -16,9 +16,11 @@ sys.path.insert(0, str(ROOT))
 
 
 @pytest.mark.gpu_alone          # the kill's timing against the kernel is the whole GPU's
-def test_a_kill_inside_the_folded_kernel_leaves_what_the_counts_say():
+@pytest.mark.parametrize("batch", [1, 4], ids=["count-every-stage", "count-every-4"])
+def test_a_kill_inside_the_folded_kernel_leaves_what_the_counts_say(batch):
+    """`batch`: the kernel's stages per count (LETO_RMU_FOLD_BATCH): the same promise."""
     from benchmarks import fold_kill as K
-    rows = [K.trial(d) for d in (0.0, 0.002, 0.006, 0.015)]
+    rows = [K.trial(d, batch=batch) for d in (0.0, 0.002, 0.006, 0.015)]
     for r in rows:
         print(f"\ndelay {r['delay_ms']:.0f} ms: counts {sorted(set(r['counts']))} of {r['stages']}, "
               f"{r['units_touched_pages']} (page, unit) pairs new or torn")

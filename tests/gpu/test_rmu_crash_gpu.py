@@ -92,13 +92,16 @@ ALTERNATIVES = {
     "fold": ({"LETO_RMU_FOLD": "1"},
              ["rmu.undo", "rmu.update+garbage", "rmu.delta+garbage", "rmu.commit", "update+pages@tolerance",
               *cpu.FOLD_CASES]),
+    # the same kernel counting every 4 stages (a fence per 4; LETO_RMU_FOLD_BATCH=4)
+    "fold4": ({"LETO_RMU_FOLD": "1", "LETO_RMU_FOLD_BATCH": "4"},
+              ["rmu.undo", "rmu.update+garbage", "rmu.commit", "update+pages@tolerance", *cpu.FOLD_CASES]),
 }
 
 
 # The paths on which the folded chunk runs: it is the default (LETO_RMU_FOLD=1), so the in-line
 # write-back and the host-function markers run beside it; the two-kernel chunk and the pipelined
 # undo slots have no folded kernel (their undo copy is a copy of its own).
-FOLDED = {"fold", "inline-writeback", "hostfunc-marker"}
+FOLDED = {"fold", "fold4", "inline-writeback", "hostfunc-marker"}
 
 
 @pytest.mark.parametrize("path,case", [(p, c) for p, (_, cases) in ALTERNATIVES.items() for c in cases])

@@ -159,3 +159,13 @@ def test_counts_that_are_not_the_kernel_s_stop_the_recovery_before_it_writes(mon
     with pytest.raises(RecoveryError, match="not the kernel's"):
         repair(ss, rec, need_grads=False, updater=up, backend="cpu")
     assert torch.equal(ss.flat(ss.model[0]), before)
+
+
+def test_the_fold_batch_knob_takes_1_or_4_and_names_itself_otherwise():
+    """LETO_RMU_FOLD_BATCH: the folded kernel's stages per count.  The updater's build has 1 and
+    4 (cuda/adamw_ws.cu); anything else is refused before a kernel could be asked for it."""
+    from leto_runtime.wire import settings as S
+    assert S.Settings.from_env({}).rmu_fold_batch == "1"
+    assert S.Settings.from_env({"LETO_RMU_FOLD_BATCH": "4"}).rmu_fold_batch == "4"
+    [why] = S.problems({"LETO_RMU_FOLD_BATCH": "2"})
+    assert "LETO_RMU_FOLD_BATCH" in str(why) and "1, 4" in str(why), why
