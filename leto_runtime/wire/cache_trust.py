@@ -6,13 +6,16 @@ directory owned by us or root and not writable by others (sticky /tmp allowed ab
 group only if it is our user-private one or root's): `_trust_dir`, `_private_dirs`.  A file
 of the cache is used only if it is a regular file of ours that others cannot write
 (`_file_problem`); what we write is created new (O_EXCL, no link followed) and renamed into place
-(`_write_file`).  Violations raise `UnsafeCache`, which names the path and the fix.
+(`_write_file`).  Violations raise `UnsafeCache`, which names the path and the fix.  A library
+is loaded only whole: the size and sha256 its manifest recorded at the build (`library_record`,
+`intact`; a manifest of an earlier Leto: the ELF file's own extents), else it is rebuilt.
 
 Calling contract: pure checks over paths and stat results; used by `kernel_cache`.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import stat
 from pathlib import Path
@@ -129,3 +132,51 @@ def _no_others_write(path: Path) -> None:
     st = os.lstat(path)
     if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o022:
         os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+
+
+def library_record(lib: Path) -> tuple[int, str]:
+    """(size, sha256) of a library just built: what its manifest records for `intact`."""
+    with open(lib, "rb") as f:
+        return os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def intact(lib: Path, st: os.stat_result, man: dict) -> bool:
+    """Is the library the one the manifest recorded (size and sha256)?  A library truncated or
+    changed since its build (a full or failing disk, a half-finished copy) would be mapped
+    anyway and kill its loader with SIGBUS, in every trainer and shadow alike: it is rebuilt
+    instead.  Hashed once per process and file version."""
+    key = (str(lib), st.st_ino, st.st_size, st.st_mtime_ns)
+    if key not in _verified:
+        try:
+            with open(lib, "rb") as f:
+                if "sha256" not in man:          # a manifest of an earlier Leto: the file's
+                    return _elf_whole(f, st.st_size)     # own extents, no rebuild under a job
+                if st.st_size != man.get("size"):
+                    return False
+                if hashlib.file_digest(f, "sha256").hexdigest() != man["sha256"]:
+                    return False
+        except OSError:
+            return False
+        _verified.add(key)
+    return True
+
+
+def _elf_whole(f, size: int) -> bool:
+    """Does the ELF64 file `f` (of `size` bytes) hold every segment and its section table?"""
+    h = f.read(64)
+    if len(h) < 64 or h[:5] != b"\x7fELF\x02":
+        return False
+    phoff, shoff = int.from_bytes(h[0x20:0x28], "little"), int.from_bytes(h[0x28:0x30], "little")
+    phent, phnum = int.from_bytes(h[0x36:0x38], "little"), int.from_bytes(h[0x38:0x3A], "little")
+    shent, shnum = int.from_bytes(h[0x3A:0x3C], "little"), int.from_bytes(h[0x3C:0x3E], "little")
+    if phoff + phent * phnum > size or shoff + shent * shnum > size:
+        return False
+    f.seek(phoff)
+    for _ in range(phnum):
+        ph = f.read(phent)
+        if int.from_bytes(ph[0x08:0x10], "little") + int.from_bytes(ph[0x20:0x28], "little") > size:
+            return False
+    return True
+
+
+_verified: set = set()

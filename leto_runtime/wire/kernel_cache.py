@@ -19,7 +19,8 @@ list).  Two checkouts or venvs with the same sources share one build; different 
 overwrite each other.  The slot keeps a copy of exactly the bytes hashed (src/) and the build
 compiles that copy, so what is hashed is what is compiled whatever happens to the source tree
 meanwhile; a manifest written last marks the slot complete, and a complete slot is loaded
-without running any build tool.
+without running any build tool -- once its library is the one the manifest recorded (size and
+sha256, `cache_trust.intact`): a truncated library would be mapped and kill its loader with SIGBUS.
 
 Concurrency: builders of one slot serialize on an flock(2), which the kernel releases when a
 builder dies; who waited finds the manifest and loads.  Every build is announced on stderr
@@ -66,7 +67,8 @@ from typing import Callable
 
 from leto_runtime.wire import file_trust, settings
 from leto_runtime.wire.cache_trust import (  # noqa: F401  (UnsafeCache is part of this API)
-    UnsafeCache, _OPEN_FILE, _file_problem, _no_others_write, _private_dirs, _trust_dir, _write_file)
+    UnsafeCache, _OPEN_FILE, _file_problem, _no_others_write, _private_dirs, _trust_dir, _write_file,
+    intact, library_record)
 
 log = logging.getLogger("leto.kernels")
 
@@ -296,7 +298,7 @@ def _complete(slot: Slot) -> Path | None:
         st = os.lstat(lib)
     except OSError:
         return None
-    return lib if _file_problem(st) is None else None
+    return lib if _file_problem(st) is None and intact(lib, st, man) else None
 
 
 def _why(slot: Slot) -> str:
@@ -304,7 +306,8 @@ def _why(slot: Slot) -> str:
         return "no build for these sources yet"
     if not (slot.dir / MANIFEST).exists():
         return "a previous build of these sources did not finish"
-    return "the cached build is incomplete (its library or manifest is unreadable)"
+    return ("the cached build is incomplete or damaged (its library is missing, unreadable, or not "
+            "the one its manifest recorded: truncated or changed since it was built)")
 
 
 def say(msg: str) -> None:
@@ -386,7 +389,9 @@ def _write_sources(slot: Slot) -> None:
 
 
 def _write_manifest(slot: Slot, lib: Path, seconds: float) -> None:
+    size, sha = library_record(lib)            # what `intact` checks before every first load
     man = {"digest": slot.digest, "name": slot.spec.name, "library": lib.relative_to(slot.dir).as_posix(),
+           "size": size, "sha256": sha,
            "seconds": round(seconds, 2), "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
            "inputs": json.loads(slot.inputs)}
     _write_file(slot.dir / MANIFEST, json.dumps(man, indent=1).encode())
