@@ -299,9 +299,11 @@ class Agent:
             self.inplace.new_round()
         t0 = time.monotonic()
         g.round = None          # drops the previous round's worker store server
-        # Blocks in C++ up to the rendezvous' timeout: waited for where a signal still stops it.
-        # First the last round's membership probe leaves the handler (one store call at most).
-        r = interruptible(lambda: self._end_membership(JOIN_S) or next_round(
+        # First the last round's membership probe leaves the handler (one store call at most),
+        # then the rendezvous: each blocks in C++ up to its timeout, so each is waited for where
+        # a signal still stops it (and a signal during the first never starts the second).
+        interruptible(lambda: self._end_membership(JOIN_S), self._sig_r, self.sup.on_signals)
+        r = interruptible(lambda: next_round(
             self.handler, round_no=gen, restart_count=count, role=self.cfg.launch.role,
             local_world_size=self.nproc, master_addr=self.master_addr,
             master_port=self.master_port, single_node=self.cfg.launch.max_nodes <= 1),

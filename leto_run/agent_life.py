@@ -25,6 +25,7 @@ from typing import Any, Callable
 POLL_S = 0.25        # bounds each wait on the selector (a lost wakeup costs at most this)
 ABANDONED: list[threading.Thread] = []   # waits a signal ended while their call ran on
 SHUTDOWN_WAIT_S = 5.0    # the rendezvous' shutdown (closing the round for the other nodes)
+PROBE_JOIN_S = 2.0       # the membership probe's way out of the handler (one store call)
 
 
 def interruptible(fn: Callable[[], Any], sig_fd: int, on_signals: Callable[[], None]) -> Any:
@@ -76,6 +77,15 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> None:
     t.join(timeout)
 
 
+def _shutdown(handler: Any, probe: Any) -> None:
+    """The rendezvous' shutdown, unless the round's membership probe is still inside the
+    handler (stuck in a store call): torch's shutdown syncs the same rendezvous state without
+    the lock `num_nodes_waiting` takes."""
+    if probe is not None and probe.thread.is_alive():
+        return
+    _bounded(handler.shutdown, SHUTDOWN_WAIT_S)
+
+
 def release(a: Any) -> None:
     """Free what agent `a` holds; every attribute may be missing (a construction that failed
     part way).  Each step runs even when an earlier one failed."""
@@ -95,13 +105,13 @@ def release(a: Any) -> None:
     part("notices", "close")
     part("launcher", "close")
     part("nodes", "close", True)     # its thread off the store before the store goes
-    part("membership", "close")      # stops asking (a store call under way ends by itself)
+    part("membership", "close", PROBE_JOIN_S)    # out of the handler before its shutdown
     handler = getattr(a, "handler", None)
     if handler is not None and not any(t.is_alive() for t in ABANDONED):
         # Not after an abandoned wait: it still holds the store's one connection, and torch's
         # shutdown would queue behind it for its whole timeout (torchrun does not shut the
         # rendezvous down after a signal either: the other nodes may go on).  Bounded anyway.
-        steps.append(lambda: _bounded(handler.shutdown, SHUTDOWN_WAIT_S))
+        steps.append(lambda: _shutdown(handler, getattr(a, "membership", None)))
     steps.append(lambda: signal.set_wakeup_fd(-1))
     part("inplace", "close")
     if getattr(a, "_partial", False):

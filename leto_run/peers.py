@@ -97,7 +97,7 @@ class PeerWatch:
             self.store.set(KEY.format(self.rank), str(self.count))
             got = self.store.multi_get([KEY.format(r) for r in self.names])
             done = {r for r in self.names if self.store.check([DONE.format(r)])}
-            fallback = fallback_announced(self.store)     # read after the counters: see nodes
+            fallback = self._announced()                  # read after the counters: see nodes
         except ForgedControlKey as e:
             with self.lock:
                 self.forged, self.inflight = e, None
@@ -117,6 +117,15 @@ class PeerWatch:
                     self.value[r], self.moved[r] = v, now
                     self.alive_after[r] = self.last_read
             self.last_read = now
+
+    def _announced(self) -> dict | None:
+        """Another node's fallback, read from the store; a value that does not parse is no
+        announcement (and no sign that the store is gone: the beats just read stand)."""
+        try:
+            fb = fallback_announced(self.store)
+        except (ValueError, TypeError, KeyError):
+            return None
+        return fb if isinstance(fb, dict) else None
 
     def grace(self, now: float) -> None:
         """The agent was away (`decisions.stall_verdict`): nothing it read during that time

@@ -275,7 +275,8 @@ class Fused:
     def fold_ok(self, device, m: int = 16) -> bool:
         """chunk_fold_ (always the ws kernel, whatever the one-kernel chunk's layout) may be
         used on `device`: it gives the one-kernel chunk's bits, the undo copy and full counts
-        (checked once; `why_not_fold` says why not)."""
+        (checked once; `why_not_fold` says why not).  A batch of 4 that fails here (it needs
+        about 198 KiB of shared memory per CTA) falls back to counting every stage."""
         global why_not_fold
         key = ("fold", str(torch.device(device)), self.cfg, self.variant, m, self.fold_batch)
         if key not in _cache:
@@ -284,22 +285,26 @@ class Fused:
             except Exception as e:          # build or launch failure: the undo copy stays
                 bad = f"{type(e).__name__}: {e}"
             if bad:
-                log.warning("leto.rmu: folded chunk not used: %s", bad)
+                log.warning("leto.rmu: folded chunk (a count every %d stage(s)) not used: %s",
+                            self.fold_batch, bad)
             why_not_fold = bad
             _cache[key] = not bad
+        if not _cache[key] and self.fold_batch != 1:
+            self.fold_batch = 1             # counting every stage, if that one passes
+            return self.fold_ok(device, m)
         return _cache[key]
 
     def chunk_fold_(self, states: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], g, *,
                     step: int, lr: float, coef: Optional[torch.Tensor], code, first: int,
                     outs: Sequence[torch.Tensor], bases: Sequence[torch.Tensor],
-                    counts: Sequence[torch.Tensor], tag: int) -> None:
+                    counts: Sequence[torch.Tensor], tag: int, batch: Optional[int] = None) -> None:
         """chunk_syndrome_ with the undo copy folded in (cuda/adamw_ws.cu): the states are read
         in place, their old values written to `undo`, and `counts` (two int64 copies of
         fold.units words) say per unit which stages' undo copy is visible (fold.py), stored every
         `fold_batch` stages."""
         self.ext.adamw_syndrome_fold(*self._chunk_args(states, undo, g, step=step, lr=lr, coef=coef, code=code,
                                                        first=first, outs=outs, bases=bases),
-                                     counts[0], counts[1], tag, self.fold_batch)
+                                     counts[0], counts[1], tag, batch or self.fold_batch)
 
     def chunk_bench_(self, kernel: str, states: Sequence[torch.Tensor], undo: Sequence[torch.Tensor], g, *,
                      step: int, lr: float, coef: Optional[torch.Tensor], code, first: int,
@@ -323,7 +328,7 @@ class Fused:
                 counts = self._bench_counts
             kw = dict(step=step, lr=lr, coef=coef, code=code, first=first, outs=outs, bases=bases)
             if kernel == "ws-fold+counts":
-                self.chunk_fold_(states, undo, g, counts=counts, tag=FD.tag(step, first, code.k), **kw)
+                self.chunk_fold_(states, undo, g, counts=counts, tag=FD.tag(step, first, code.k), batch=1, **kw)
             else:
                 load_fold().adamw_syndrome_ws_counts(*self._chunk_args(states, undo, g, **kw), counts[0], counts[1],
                                                      FD.tag(step, first, code.k), int(kernel.rsplit("/", 1)[1]))
@@ -373,6 +378,7 @@ class Fused:
             code = ParityCode(k, mm, S, backend="cuda")
             f = Fused(self.ext, cfg, self.variant)
             f.layout = self.layout          # the layout under check, whatever the environment says
+            f.fold_batch = self.fold_batch  # (and the folded kernel's batch)
             st = [torch.randn(n * E, generator=gen) for _ in range(2)] + [torch.rand(n * E, generator=gen)]
             st = [t.to(device) for t in st]
             ref = [t.clone() for t in st]

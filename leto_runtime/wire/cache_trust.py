@@ -137,7 +137,14 @@ def _no_others_write(path: Path) -> None:
 def library_record(lib: Path) -> tuple[int, str]:
     """(size, sha256) of a library just built: what its manifest records for `intact`."""
     with open(lib, "rb") as f:
-        return os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
+        return os.fstat(f.fileno()).st_size, _sha256(f)
+
+
+def _sha256(f) -> str:
+    h = hashlib.sha256()                  # (hashlib.file_digest is Python 3.11+; we take 3.10)
+    for block in iter(lambda: f.read(1 << 20), b""):
+        h.update(block)
+    return h.hexdigest()
 
 
 def intact(lib: Path, st: os.stat_result, man: dict) -> bool:
@@ -145,19 +152,19 @@ def intact(lib: Path, st: os.stat_result, man: dict) -> bool:
     changed since its build (a full or failing disk, a half-finished copy) would be mapped
     anyway and kill its loader with SIGBUS, in every trainer and shadow alike: it is rebuilt
     instead.  Hashed once per process and file version."""
-    key = (str(lib), st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _verified:
-        try:
-            with open(lib, "rb") as f:
-                if "sha256" not in man:          # a manifest of an earlier Leto: the file's
-                    return _elf_whole(f, st.st_size)     # own extents, no rebuild under a job
-                if st.st_size != man.get("size"):
-                    return False
-                if hashlib.file_digest(f, "sha256").hexdigest() != man["sha256"]:
-                    return False
-        except OSError:
-            return False
-        _verified.add(key)
+    try:
+        with open(lib, "rb") as f:
+            st = os.fstat(f.fileno())            # the file hashed is the file remembered
+            key = (str(lib), st.st_ino, st.st_size, st.st_mtime_ns)
+            if key in _verified:
+                return True
+            if "sha256" not in man:              # a manifest of an earlier Leto: the file's
+                return _elf_whole(f, st.st_size)     # own extents, no rebuild under a job
+            if st.st_size != man.get("size") or _sha256(f) != man["sha256"]:
+                return False
+    except OSError:
+        return False
+    _verified.add(key)
     return True
 
 

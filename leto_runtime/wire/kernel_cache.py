@@ -301,6 +301,26 @@ def _complete(slot: Slot) -> Path | None:
     return lib if _file_problem(st) is None and intact(lib, st, man) else None
 
 
+def _discard_damaged(slot: Slot) -> None:
+    """Under the slot's lock, before a rebuild: the manifest and the library it names go, so
+    that the build really links a new one (a torch extension's ninja would find the damaged
+    library newer than its inputs and keep it).  Unlinked, not truncated: a process that mapped
+    the old file keeps its pages."""
+    man = _read_manifest(slot)
+    if man is None:
+        return
+    rel = Path(str(man.get("library", "")))
+    targets = [slot.dir / MANIFEST]
+    if rel.parts and not rel.is_absolute() and ".." not in rel.parts:
+        targets.insert(0, slot.dir / rel)
+    for p in targets:
+        try:
+            if stat.S_ISREG(os.lstat(p).st_mode):
+                os.unlink(p)
+        except FileNotFoundError:
+            pass
+
+
 def _why(slot: Slot) -> str:
     if not slot.src.exists():
         return "no build for these sources yet"
@@ -407,13 +427,15 @@ def obtain(spec: Spec, build: Callable[[Slot], Path]) -> Obtained:
         with BuildLock(slot.dir, spec.name):
             lib = _complete(slot)              # another process built it while we waited
             if lib is None:
-                return _remember(_build(slot, build))
+                why = _why(slot)
+                _discard_damaged(slot)
+                return _remember(_build(slot, build, why))
     return _remember(Obtained(spec.name, lib, False, 0.0))
 
 
-def _build(slot: Slot, build: Callable[[Slot], Path]) -> Obtained:
+def _build(slot: Slot, build: Callable[[Slot], Path], why: str) -> Obtained:
     spec = slot.spec
-    say(f"building {spec.name} ({spec.what}) into {slot.dir}: {_why(slot)}; {spec.expect} ...")
+    say(f"building {spec.name} ({spec.what}) into {slot.dir}: {why}; {spec.expect} ...")
     t0 = time.monotonic()
     try:
         _write_sources(slot)

@@ -72,3 +72,31 @@ def test_a_process_rebuilds_a_truncated_library_instead_of_dying(built, tmp_path
     assert "building leto_parity_cpu" in p.stderr and "damaged" in p.stderr, p.stderr[-2000:]
     man = json.loads((slot / K.MANIFEST).read_text())
     assert (man["size"], man["sha256"]) == cache_trust.library_record(lib)
+
+
+def test_a_rebuild_starts_without_the_damaged_library(monkeypatch, tmp_path, built):
+    """A build tool that keeps an output newer than its inputs (ninja, for the torch
+    extensions) would keep the damaged library: the rebuild must find it gone, and a process
+    that still maps the old file keeps its own (unlinked, not truncated)."""
+    monkeypatch.setenv("LETO_EXT_DIR", str(tmp_path / "kc"))        # (settings read it anew)
+    spec = K.Spec("leto_damage_probe", "a probe", ("parity_cpu.cpp",))
+    seen = []
+
+    def build(slot):
+        lib = slot.dir / "libprobe.so"
+        seen.append(lib.exists())
+        shutil.copy(built, slot.dir / ".probe.tmp")
+        os.replace(slot.dir / ".probe.tmp", lib)
+        return lib
+
+    first = K.obtain(spec, build)
+    assert first.built and seen == [False]
+    held = open(first.path, "rb")                # a process that mapped the library
+    before = os.fstat(held.fileno()).st_ino
+    with open(first.path, "r+b") as f:           # damaged in place, same inode
+        f.truncate(1000)
+    K._outcomes.pop("leto_damage_probe", None)
+    second = K.obtain(spec, build)
+    assert second.built and seen == [False, False], seen
+    assert os.fstat(held.fileno()).st_ino == before and os.stat(second.path).st_ino != before
+    held.close()

@@ -254,3 +254,17 @@ def test_the_loop_never_waits_for_a_stuck_membership_call():
         go.set()
     p.close(join_s=10)
     assert not p.thread.is_alive() and p.take() == 3
+
+
+def test_a_fallback_value_that_does_not_parse_is_no_announcement_and_no_lost_store():
+    """Only a store that does not answer is silence: a value under the fallback key that is not
+    an announcement leaves the beats just read standing."""
+    from leto_run.start_plan import FALLBACK_KEY
+    store = dist.HashStore()
+    a, b = _pair(store)
+    for bad in ("{not json", "[1, 2]"):
+        store.set(FALLBACK_KEY, bad)
+        for t in (1.0, 4.0, 7.0):
+            b.tick(t)
+            a.tick(t)
+        assert a.announced() is None and a.unreachable is None and a.lost(7.0) is None
