@@ -48,6 +48,7 @@ class Beat:
     step: int | None
     detail: str | None
     mono: float
+    sent: float | None = None   # the sender's CLOCK_MONOTONIC when it sent it, if plausible
 
 
 class HeartbeatServer:
@@ -146,10 +147,13 @@ class HeartbeatServer:
                 return None
             step = msg.get("step")
             detail = msg.get("detail")
+            sent = msg.get("t")
+            # Plausible: not after its arrival, not long before (one machine, one clock).
+            sent = float(sent) if isinstance(sent, (int, float)) and now - 60.0 <= sent <= now else None
             return Beat(kind=kind, pid=pid, rank=int(msg.get("rank", -1)),
                         role=str(msg.get("role", "")), generation=int(msg.get("gen", -1)),
                         step=None if step is None else int(step),
-                        detail=None if detail is None else str(detail)[:2048], mono=now)
+                        detail=None if detail is None else str(detail)[:2048], mono=now, sent=sent)
         except (ValueError, TypeError):
             return None
 

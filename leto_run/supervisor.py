@@ -202,8 +202,12 @@ class Supervisor:
         if spec is None or spec.kind != InjectKind.PREINIT:   # a level change causes no failure
             sp.injected = beat.detail
         self.ledger.fired(beat.detail or "")
+        # Timed when the trainer sent it, not when the agent got to it: the death it causes
+        # may be seen first (the exit notice races the heartbeat reader), and the report
+        # times detection from the injection.
         self.events.emit("inject", sp.generation, rank=slot.rank, role=sp.role.value,
-                         pid=beat.pid, spec=beat.detail, step=beat.step, by="runtime")
+                         pid=beat.pid, spec=beat.detail, step=beat.step, by="runtime",
+                         mono=beat.sent if beat.sent is not None else beat.mono)
         self.log(f"injecting '{beat.detail}' into rank {slot.rank} at step {beat.step}")
         if spec is not None and spec.kind == InjectKind.PREINIT and self.observer \
                 and beat.step is not None:

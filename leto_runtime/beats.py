@@ -62,7 +62,8 @@ class Channel:
             return
         ctx = self.ctx
         msg = {"v": C.HEARTBEAT_VERSION, "kind": kind, "rank": ctx.rank, "role": ctx.role,
-               "gen": ctx.generation, "pid": os.getpid(), "step": step, "detail": detail}
+               "gen": ctx.generation, "pid": os.getpid(), "step": step, "detail": detail,
+               "t": time.monotonic()}     # when it was sent (one clock per machine)
         data = json.dumps(msg, separators=(",", ":")).encode()
         # A Unix datagram queue holds only net.unix.max_dgram_qlen (often 10) messages; while the
         # agent is busy (spawning shadows during a recovery) it fills.  A lost beat only makes

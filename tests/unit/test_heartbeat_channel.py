@@ -5,6 +5,7 @@ import socket
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +93,35 @@ def test_a_sender_is_not_held_while_the_control_loop_does_not_drain(server):
         time.sleep(0.01)
     assert [b.step for b in got] == list(range(300))
     assert server.rejected == 0 and server.dropped == 0
+
+
+def test_a_datagram_carries_when_it_was_sent_if_that_is_plausible(server):
+    """`t`: the sender's CLOCK_MONOTONIC (the report times detection from an injection's send,
+    which the death it causes may overtake at the agent).  A time after the arrival, long
+    before it, or not a number is ignored: the arrival time stands."""
+    import time
+    sent = time.monotonic()
+    for t in (sent, sent + 3600.0, sent - 3600.0, "soon"):
+        send(server.path, beat(kind="inject", detail="kill:rank=0:step=7", t=t))
+    got = server.drain({os.getpid()})
+    assert [b.sent for b in got] == [sent, None, None, None]
+    assert all(b.mono >= sent for b in got)
+
+
+SENDER = """
+import signal, sys, types
+from leto_runtime import beats as B
+ctx = types.SimpleNamespace(under_leto=True, heartbeat_socket=sys.argv[1], inject_plan=[],
+                            dump_signal=signal.SIGUSR1, rank=0, role="active", generation=0)
+B.Channel(ctx).send("inject", 7, "kill:rank=0:step=7")
+"""
+
+
+def test_the_runtime_stamps_each_datagram_with_its_send_time(server):
+    """The sender side (leto_runtime.beats.Channel), in a real process of its own."""
+    import time
+    t0 = time.monotonic()
+    p = subprocess.Popen([sys.executable, "-c", SENDER, server.path], cwd=str(Path(__file__).parents[2]))
+    assert p.wait(timeout=60) == 0
+    [b] = server.drain({p.pid})
+    assert b.kind == "inject" and b.sent is not None and t0 <= b.sent <= b.mono
