@@ -31,6 +31,17 @@ def _start(cmd, out_dir) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def _stop_then_kill(p: subprocess.Popen, stopped: int, victim: int, pause: float,
+                    timeout: float) -> tuple[str, float]:
+    """SIGSTOP `stopped`, `pause` s later SIGKILL `victim`; (the launcher's stderr once it
+    ended, when the stop was sent)."""
+    os.kill(stopped, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    time.sleep(pause)
+    os.kill(victim, signal.SIGKILL)
+    return p.communicate(timeout=timeout)[1], t_stop
+
+
 def test_a_promoted_shadow_that_never_confirms_is_a_hang_of_its_own_rank(tmp_path, out_dir):
     ev = tmp_path / "ev.jsonl"
     p = _start(inplace_cmd(ev, "--hang-timeout", str(HANG_S), str(SCRIPTS / "inplace.py"), "ok",
@@ -40,10 +51,8 @@ def test_a_promoted_shadow_that_never_confirms_is_a_hang_of_its_own_rank(tmp_pat
         wait_for(lambda evs: len(of(evs, "shadow_ready", generation=1)) == 2, "both shadows ready")
         [shadow] = of(events(ev), "spawn", role="shadow", generation=1, rank=1)
         [active] = of(events(ev), "spawn", role="active", generation=0, rank=1)
-        os.kill(shadow["pid"], signal.SIGSTOP)        # it will never see its go key
-        time.sleep(0.5)
-        os.kill(active["pid"], signal.SIGKILL)
-        _, err = p.communicate(timeout=120)
+        # the shadow will never see its go key
+        err, _ = _stop_then_kill(p, shadow["pid"], active["pid"], 0.5, 120)
     finally:
         p.kill()
         p.wait()
@@ -97,11 +106,7 @@ def test_a_stopped_state_manager_is_judged_hung_and_restarted(tmp_path, out_dir)
         wait_for(lambda evs: _loss_step(out_dir, 1) >= 5, "rank 1 at step 5")
         [sm] = of(events(ev), "spawn", role="state_manager", local_rank=1)
         [active] = of(events(ev), "spawn", role="active", generation=0, rank=1)
-        os.kill(sm["pid"], signal.SIGSTOP)
-        t_stop = time.monotonic()
-        time.sleep(0.3)
-        os.kill(active["pid"], signal.SIGKILL)
-        _, err = p.communicate(timeout=150)
+        err, t_stop = _stop_then_kill(p, sm["pid"], active["pid"], 0.3, 150)
     finally:
         p.kill()
         p.wait()

@@ -109,6 +109,16 @@ def test_guardian_after_release_removes_and_kills_nothing(tmp_path):
             os.kill(child, signal.SIGKILL)
 
 
+def _tree_started(out_dir, tmp, pids: list[int]):
+    """Once both ranks of tree.py wrote their process trees: their pids added to `pids`, and
+    the job's run directory in `tmp`."""
+    assert wait_for(lambda: all((out_dir / f"pids_{r}").exists() for r in (0, 1)), 90)
+    for r in (0, 1):
+        pids += [int(x) for x in (out_dir / f"pids_{r}").read_text().split()]
+    [run_dir] = [tmp / n for n in os.listdir(tmp) if n.startswith("leto-")]
+    return run_dir
+
+
 def test_sigkill_of_leto_run_leaves_no_run_dir_and_no_process(tmp_path, out_dir):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -118,10 +128,7 @@ def test_sigkill_of_leto_run_leaves_no_run_dir_and_no_process(tmp_path, out_dir)
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pids: list[int] = []
     try:
-        assert wait_for(lambda: all((out_dir / f"pids_{r}").exists() for r in (0, 1)), 90)
-        for r in (0, 1):
-            pids += [int(x) for x in (out_dir / f"pids_{r}").read_text().split()]
-        [run_dir] = [tmp / n for n in os.listdir(tmp) if n.startswith("leto-")]
+        run_dir = _tree_started(out_dir, tmp, pids)
         assert (os.stat(run_dir).st_mode & 0o777) == 0o700
         os.kill(p.pid, signal.SIGKILL)
         p.wait(timeout=10)
@@ -173,10 +180,7 @@ def test_a_killed_guardian_is_replaced_so_a_later_sigkill_of_leto_run_still_clea
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     pids: list[int] = []
     try:
-        assert wait_for(lambda: all((out_dir / f"pids_{r}").exists() for r in (0, 1)), 90)
-        for r in (0, 1):
-            pids += [int(x) for x in (out_dir / f"pids_{r}").read_text().split()]
-        [run_dir] = [tmp / n for n in os.listdir(tmp) if n.startswith("leto-")]
+        run_dir = _tree_started(out_dir, tmp, pids)
         [old] = guardians_of(p.pid)
         os.kill(old, signal.SIGKILL)
         assert wait_for(lambda: guardians_of(p.pid) and old not in guardians_of(p.pid), 20), \

@@ -10,7 +10,7 @@ match bit for bit, and every group's parity must match its data.  The ablation (
 off) shows the same kill makes the run diverge.
 
 Each worker is a fresh process forked from one that already imported torch and leto_runtime
-(`leto_testing.ForkServer`): its own pid, memory and fds, SIGKILLed for real, but without the
+(`leto_forkserver.ForkServer`): its own pid, memory and fds, SIGKILLed for real, but without the
 ~2 s import that 90 workers would each pay.  LETO_FORKSERVER=0 starts every worker with
 `python` instead.
 """
@@ -26,7 +26,7 @@ import pytest
 from leto_run.state_manager import Geometry
 from leto_run.state_manager.harness import SlotHarness
 from leto_runtime.rmu.states import QBUFS
-from leto_testing import ForkServer
+from leto_forkserver import ForkServer
 
 HERE = os.path.dirname(__file__)
 WORKER = os.path.join(HERE, "scripts", "rmu_worker.py")

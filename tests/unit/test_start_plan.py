@@ -56,6 +56,15 @@ def test_the_views_and_a_fallback_go_through_the_round_s_store():
     assert fallback_announced(store) == {"node": "b", "path": "/ck/6"}
 
 
+class _Gone:
+    """A store whose host is gone: every call fails at once."""
+
+    def set(self, *a):
+        raise ConnectionError("connection reset by peer")
+
+    multi_get = set
+
+
 def _pair(store) -> tuple[PeerWatch, PeerWatch]:
     """Two agents' watchers of one round, started and introduced at time 0."""
     a, b = PeerWatch(store, 0, 5.0, now=0.0), PeerWatch(store, 1, 5.0, now=0.0)
@@ -93,13 +102,7 @@ def test_a_peer_whose_beats_stop_is_lost_after_the_timeout_and_not_before():
 
 
 def test_a_store_that_stays_unreachable_is_a_lost_node():
-    class Gone:
-        def set(self, *a):
-            raise ConnectionError("connection reset by peer")
-
-        multi_get = set
-
-    w = PeerWatch(Gone(), 1, 5.0, now=1.0)
+    w = PeerWatch(_Gone(), 1, 5.0, now=1.0)
     w.meet(["n0", "n1"], 1.0)
     w.tick(1.0)
     assert w.lost(5.5) is None
@@ -136,13 +139,7 @@ def test_after_the_agent_was_away_every_peer_and_the_store_count_from_then():
     assert a.lost(16.5) is None
     assert a.lost(17.5) and "n1" in a.lost(17.5)
 
-    class Gone:
-        def set(self, *a):
-            raise ConnectionError("connection reset by peer")
-
-        multi_get = set
-
-    w = PeerWatch(Gone(), 1, 5.0, now=1.0)
+    w = PeerWatch(_Gone(), 1, 5.0, now=1.0)
     w.meet(["n0", "n1"], 1.0)
     w.tick(1.0)
     w.grace(20.0)
