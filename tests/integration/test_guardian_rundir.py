@@ -148,6 +148,18 @@ def test_sigkill_of_leto_run_leaves_no_run_dir_and_no_process(tmp_path, out_dir)
                 os.kill(x, signal.SIGKILL)
 
 
+def _new_guardian(agent: int, old: int, timeout: float) -> int | None:
+    """The one guardian of `agent` other than `old`, read in one pass once it is there (its
+    title is written while it starts: two reads may disagree), or None after `timeout` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        found = guardians_of(agent)
+        if old not in found and len(found) == 1:
+            return found[0]
+        time.sleep(0.05)
+    return None
+
+
 def guardians_of(agent: int) -> list[int]:
     """The agent's children that call themselves its guardian (leto_run.guardian._retitle)."""
     found = []
@@ -183,9 +195,8 @@ def test_a_killed_guardian_is_replaced_so_a_later_sigkill_of_leto_run_still_clea
         run_dir = _tree_started(out_dir, tmp, pids)
         [old] = guardians_of(p.pid)
         os.kill(old, signal.SIGKILL)
-        assert wait_for(lambda: guardians_of(p.pid) and old not in guardians_of(p.pid), 20), \
-            "no new guardian"
-        [new] = guardians_of(p.pid)
+        new = _new_guardian(p.pid, old, 20)
+        assert new is not None, "no new guardian"
         assert wait_for(lambda: any(e.get("event") == "guardian" and e.get("pid") == new
                                     for e in events(ev)), 10)
         [said] = [e for e in events(ev) if e["event"] == "guardian"]
